@@ -1,0 +1,83 @@
+"""The contract between a sink agent and the inference engine it feeds.
+
+A sink agent owns its bucket buffers (GPU memory on GPU, shared memory on CPU). It
+attaches them to the engine adapter once; after that, per bucket, only metadata
+(`TensorSlice`s) moves. `load_bucket` returns only once the engine no longer needs
+the slot, so the agent may reuse it for bucket k+2 (double buffering).
+
+An update is all-or-nothing from the operator's point of view: after
+`begin_update(v)` the engine either reaches `finish_update(v)` and serves v, or
+`abort_update(v, reason)` leaves it serving its previous version (engines that
+stage) or reporting itself `torn` (engines that load in place) until a later
+version or a recovery repairs it. It never silently serves a mix.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlice:
+    """Where one whole tensor lies inside a bucket buffer."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the bucket
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """What an engine says about itself; the operator gates readiness on it."""
+
+    healthy: bool
+    version: int | None  # the weight version it serves; None before the first
+    torn: bool = False  # an aborted in-place update left it inconsistent
+    detail: str = ""
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed a request; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineAdapter(abc.ABC):
+    """How a sink agent applies weights to one engine. One instance per engine."""
+
+    @abc.abstractmethod
+    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+        """Share the agent's bucket slots with the engine once (IPC handles, shm names)."""
+
+    @abc.abstractmethod
+    async def begin_update(self, version: int) -> None:
+        """Prepare for version `version` (pause generation if the engine needs it)."""
+
+    @abc.abstractmethod
+    async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        """Apply the tensors now in slot `slot`; return when the slot may be reused."""
+
+    @abc.abstractmethod
+    async def finish_update(self, version: int) -> None:
+        """Make `version` the served version (set weight version, resume generation)."""
+
+    @abc.abstractmethod
+    async def abort_update(self, version: int, reason: str) -> None:
+        """Give up on `version`; resume serving and say whether the engine is torn."""
+
+    @abc.abstractmethod
+    async def health(self) -> EngineHealth:
+        """The engine's health and served version."""
+
+    async def close(self) -> None:  # noqa: B027 - most adapters hold nothing to release
+        """Release connections; the engine keeps running."""

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Builds the local control plane's binaries once into ~/.cache/weightsync/bin/<key>/.
+#
+# k8s.io/kubernetes cannot be `go install`ed: its go.mod replaces every k8s.io/*
+# staging module with ./staging. The wrapper module beside this script requires
+# k8s.io/kubernetes and pins each staging module to the matching v0.x release, so
+# the real release builds from the module proxy. etcd's server module has the same
+# problem and builds from the same wrapper at the version Kubernetes itself names.
+set -euo pipefail
+
+K8S_VERSION=v1.33.13
+STAGING_VERSION=v0.33.13
+ETCD_VERSION=v3.5.21
+KWOK_VERSION=v0.7.0
+HELM_VERSION=v3.20.2
+
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
+go_version=$(go env GOVERSION)
+key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${go_version}"
+out="$cache/bin/$key"
+
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
+if [ "${1:-}" = "--print-dir" ]; then echo "$out"; exit 0; fi
+missing=0
+for b in "${binaries[@]}"; do [ -x "$out/$b" ] || missing=1; done
+[ -d "$out/kwok-stages" ] || missing=1
+if [ "$missing" = 0 ]; then echo "$out"; exit 0; fi
+
+log() { echo "[build] $(date +%H:%M:%S) $*" >&2; }
+log "building the control plane into $out (from nothing this takes about 9 minutes; later runs reuse it)"
+mkdir -p "$out.tmp"
+# The checksum database is not reachable everywhere; go.sum beside this script pins
+# every module's hash instead, and -mod=readonly refuses anything not in it.
+export GOFLAGS="-mod=readonly -buildvcs=false" GOSUMDB=off CGO_ENABLED=0
+ldflags_k8s="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  ldflags_k8s+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=33"
+  ldflags_k8s+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+
+cd "$here/k8s"
+for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  log "go build $cmd"
+  go build -trimpath -ldflags "$ldflags_k8s" -o "$out.tmp/$cmd" "k8s.io/kubernetes/cmd/$cmd"
+done
+log "go build etcd $ETCD_VERSION"
+go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3
+"$out.tmp/etcd" --version | grep -q "${ETCD_VERSION#v}" || { log "etcd is not $ETCD_VERSION"; exit 1; }
+
+export GOFLAGS="-buildvcs=false"
+gobin="$out.tmp/gobin"
+log "go install kwok $KWOK_VERSION"
+GOBIN="$gobin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+mv "$gobin/kwok" "$out.tmp/kwok"
+rm -rf "$out.tmp/kwok-stages"
+cp -r "$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage" "$out.tmp/kwok-stages"
+chmod -R u+w "$out.tmp/kwok-stages"
+
+# helm's Makefile stamps its version and the Kubernetes version it templates for;
+# without them `.Capabilities.KubeVersion` claims v1.20.
+log "go install helm $HELM_VERSION"
+helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+  helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=33"
+done
+GOBIN="$gobin" go install -trimpath -ldflags "$helm_ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+mv "$gobin/helm" "$out.tmp/helm"
+rmdir "$gobin"
+
+rm -rf "$out"
+mv "$out.tmp" "$out"
+log "done"
+echo "$out"

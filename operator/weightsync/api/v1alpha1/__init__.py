@@ -1,0 +1,43 @@
+"""The weightsync.io/v1alpha1 API: the WeightSync resource."""
+
+from weightsync.api.v1alpha1.resource import API_VERSION, VERSION, ObjectMeta, WeightSync
+from weightsync.api.v1alpha1.spec import (
+    DeploymentRef,
+    Engine,
+    InferenceSpec,
+    PauseMode,
+    PrewarmSpec,
+    ReadinessGateSpec,
+    RecoveryProtocol,
+    RecoverySpec,
+    StatefulSetRef,
+    SyncMode,
+    TrainerSpec,
+    TransferSpec,
+    WeightSyncSpec,
+)
+from weightsync.api.v1alpha1.status import Member, MemberRole, RoundSummary, WeightSyncStatus
+
+__all__ = [
+    "API_VERSION",
+    "VERSION",
+    "DeploymentRef",
+    "Engine",
+    "InferenceSpec",
+    "Member",
+    "MemberRole",
+    "ObjectMeta",
+    "PauseMode",
+    "PrewarmSpec",
+    "ReadinessGateSpec",
+    "RecoveryProtocol",
+    "RecoverySpec",
+    "RoundSummary",
+    "StatefulSetRef",
+    "SyncMode",
+    "TrainerSpec",
+    "TransferSpec",
+    "WeightSync",
+    "WeightSyncSpec",
+    "WeightSyncStatus",
+]

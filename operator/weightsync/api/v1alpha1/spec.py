@@ -1,0 +1,279 @@
+"""The desired state of a WeightSync (`spec`), v1alpha1."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Self
+
+from pydantic import ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from weightsync.api.base import ApiModel, Int64, ObjectName
+from weightsync.api.cel import CelRule, RuleReason, located_error, validations
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+MAX_INFERENCE_ENTRIES = 16
+MAX_SOURCE_RANKS = 128
+MAX_STAGING_BYTES = 16 * GIB
+
+
+class Engine(StrEnum):
+    """The inference server behind an inference entry."""
+
+    SGLANG = "SGLang"
+    VLLM = "VLLM"
+    REFERENCE = "Reference"
+
+
+class SyncMode(StrEnum):
+    """How weights travel from the trainer to the engines."""
+
+    DISAGGREGATED = "Disaggregated"
+    COLOCATED = "Colocated"
+
+
+class PauseMode(StrEnum):
+    """What an engine does with in-flight requests while it loads new weights."""
+
+    ABORT = "Abort"
+    WAIT = "Wait"
+    KEEP = "Keep"
+
+
+class RecoveryProtocol(StrEnum):
+    """The transport of a P2P recovery pull."""
+
+    RDMA = "RDMA"
+    TCP = "TCP"
+
+
+MODE_IMMUTABLE = CelRule(
+    rule="self == oldSelf",
+    message="mode is immutable: create a new WeightSync to change it",
+    reason=RuleReason.FORBIDDEN,
+)
+TRAINER_IMMUTABLE = CelRule(
+    rule="self == oldSelf",
+    message=(
+        "trainer.statefulSetRef.name is immutable: weight versions are the trainer's steps,"
+        " so a new trainer needs a new WeightSync"
+    ),
+    reason=RuleReason.FORBIDDEN,
+)
+INFERENCE_UNIQUE = CelRule(
+    rule="self.all(a, self.exists_one(b, b.deploymentRef.name == a.deploymentRef.name))",
+    message="inference entries must name distinct Deployments in deploymentRef.name",
+)
+COLOCATED_ONE_INFERENCE = CelRule(
+    rule="self.mode != 'Colocated' || (has(self.inference) && size(self.inference) == 1)",
+    message=(
+        "Colocated mode needs exactly one inference entry: the engine that shares the"
+        " trainer's GPUs"
+    ),
+    field_path=".inference",
+)
+STAGING_LIMIT = CelRule(
+    rule=f"self.bucketSizeBytes * self.pipelineDepth <= {MAX_STAGING_BYTES}",
+    message=(
+        "bucketSizeBytes * pipelineDepth is the staging memory on every GPU and must not"
+        f" exceed 16 GiB ({MAX_STAGING_BYTES} bytes)"
+    ),
+)
+
+
+class StatefulSetRef(ApiModel):
+    """A StatefulSet in the WeightSync's namespace."""
+
+    name: ObjectName = Field(json_schema_extra=validations(TRAINER_IMMUTABLE))
+    """name is the name of the trainer StatefulSet; it cannot change after creation."""
+
+
+class DeploymentRef(ApiModel):
+    """A Deployment in the WeightSync's namespace."""
+
+    name: ObjectName
+    """name is the name of the inference Deployment."""
+
+
+class TrainerSpec(ApiModel):
+    """The trainer that publishes weights."""
+
+    stateful_set_ref: StatefulSetRef
+    """statefulSetRef names the trainer StatefulSet whose pods run the Publisher."""
+
+    source_ranks: list[Int64] = Field(
+        default_factory=lambda: [0],
+        min_length=1,
+        max_length=MAX_SOURCE_RANKS,
+        json_schema_extra={"default": [0], "x-kubernetes-list-type": "set"},
+    )
+    """sourceRanks lists the trainer ranks (torch.distributed ranks in the trainer job) that
+    publish weights. Each source rank broadcasts its own shard; with a fully gathered
+    state dict only rank 0 publishes. Ranks are unique; the default is [0]."""
+
+    @field_validator("source_ranks")
+    @classmethod
+    def _ranks_are_a_set(cls, ranks: list[int]) -> list[int]:
+        # Mirrors `x-kubernetes-list-type: set`, which the API server reports at the
+        # index of the second occurrence.
+        seen: set[int] = set()
+        for index, rank in enumerate(ranks):
+            if rank in seen:
+                raise located_error(f"Duplicate value: {rank}", f"[{index}]")
+            seen.add(rank)
+        return ranks
+
+
+class InferenceSpec(ApiModel):
+    """One inference Deployment that receives the trainer's weights."""
+
+    deployment_ref: DeploymentRef
+    """deploymentRef names the inference Deployment; every pod it runs becomes a sink."""
+
+    engine: Engine
+    """engine is the inference server the Deployment runs: SGLang, VLLM, or Reference
+    (weightsync's own small engine for tests and demos)."""
+
+    port: int = Field(strict=True, ge=1, le=65535)
+    """port is the engine's HTTP port inside the pod; the agent sidecar talks to the engine
+    on localhost at this port to pause it, load weights and read its health."""
+
+    pause_mode: PauseMode = PauseMode.ABORT
+    """pauseMode says what the engine does with in-flight requests while it loads a new
+    version. Abort (the default, as in SGLang and vLLM) aborts them and the client retries;
+    Wait stops admitting requests and lets in-flight ones finish on the old weights first,
+    which delays the round; Keep freezes them and continues them on the new weights, so
+    their tokens mix two versions."""
+
+    flush_cache: StrictBool = True
+    """flushCache clears the engine's prefix (KV) cache after a new version is loaded.
+    Cached prefixes were computed with the old weights; turn this off only if stale cache
+    entries are acceptable for your rollouts."""
+
+
+class TransferSpec(ApiModel):
+    """How a round moves the weights."""
+
+    bucket_size_bytes: int = Field(
+        default=512 * MIB, strict=True, ge=MIB, le=16 * GIB, multiple_of=MIB
+    )
+    """bucketSizeBytes is the size of one broadcast bucket in bytes: tensors are packed
+    into buckets of this size and each bucket is one collective. Larger buckets reach
+    higher bandwidth; every GPU holds pipelineDepth of them. A multiple of 1 MiB
+    (1048576) from 1 MiB to 16 GiB; the default is 512 MiB (536870912)."""
+
+    pipeline_depth: int = Field(default=2, strict=True, ge=1, le=4)
+    """pipelineDepth is how many buckets are in flight at once on each rank: with 2 (the
+    default) an engine loads bucket k while bucket k+1 is broadcast. From 1 to 4."""
+
+    timeout_seconds: int = Field(default=60, strict=True, ge=1, le=3600)
+    """timeoutSeconds bounds one round, from the header broadcast to the engines' commit;
+    a round that takes longer fails on every rank and the communicator is aborted. From 1
+    to 3600; the default is 60."""
+
+    checksum: StrictBool = False
+    """checksum makes every sink verify a checksum of each bucket before handing it to the
+    engine. It costs one pass over the bytes on every rank; off by default."""
+
+    @model_validator(mode="after")
+    def _staging_fits(self) -> Self:
+        if self.bucket_size_bytes * self.pipeline_depth > MAX_STAGING_BYTES:
+            raise STAGING_LIMIT.violation()
+        return self
+
+    # pydantic merges this with ApiModel's config; only the schema extra is added.
+    model_config = ConfigDict(json_schema_extra=validations(STAGING_LIMIT))
+
+
+class PrewarmSpec(ApiModel):
+    """Pre-warming of the collective group."""
+
+    enabled: StrictBool = True
+    """enabled makes agents create the communicator and run a warm-up collective as soon as
+    their pod is ready, so the first round does not pay for connection setup. On by
+    default."""
+
+    timeout_seconds: int = Field(default=120, strict=True, ge=1, le=3600)
+    """timeoutSeconds bounds forming and warming one group generation; a member that is not
+    warm by then is left out of the generation and retried. From 1 to 3600; the default is
+    120."""
+
+
+class RecoverySpec(ApiModel):
+    """Recovery of restarted inference pods by P2P pull."""
+
+    enabled: StrictBool = True
+    """enabled lets a restarted inference pod pull the current version from a holder's
+    pinned host copy instead of waiting for the next round. On by default."""
+
+    protocol: RecoveryProtocol = RecoveryProtocol.RDMA
+    """protocol is the transport of the pull: RDMA (the default, for production clusters
+    with RDMA NICs on every node) or TCP (works everywhere, slower; use it on clusters
+    without RDMA, including CI and local test clusters)."""
+
+    holders: int = Field(default=1, strict=True, ge=1, le=8)
+    """holders is how many agents keep a pinned host-memory copy of the current version to
+    serve pulls. More holders survive more simultaneous failures and cost one model's size
+    of host memory each. From 1 to 8; the default is 1."""
+
+
+class ReadinessGateSpec(ApiModel):
+    """The readiness gate on inference pods."""
+
+    enabled: StrictBool = True
+    """enabled holds each inference pod NotReady (out of Service endpoints) until its engine
+    serves the current version, so no request meets stale weights. On by default."""
+
+
+class WeightSyncSpec(ApiModel):
+    """The desired state of a WeightSync."""
+
+    trainer: TrainerSpec
+    """trainer is the StatefulSet that trains and publishes weights."""
+
+    inference: list[InferenceSpec] = Field(
+        min_length=1,
+        max_length=MAX_INFERENCE_ENTRIES,
+        json_schema_extra=validations(INFERENCE_UNIQUE, **{"x-kubernetes-list-type": "atomic"}),
+    )
+    """inference lists the Deployments that receive the weights, 1 to 16 entries, each
+    naming a distinct Deployment."""
+
+    mode: SyncMode = Field(
+        default=SyncMode.DISAGGREGATED, json_schema_extra=validations(MODE_IMMUTABLE)
+    )
+    """mode is Disaggregated (the default: trainer and engines on separate GPUs, weights
+    broadcast over NCCL) or Colocated (trainer and one engine share GPUs on each node,
+    weights handed over by CUDA IPC). It cannot change after creation."""
+
+    transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
+    """transfer tunes how rounds move the weights."""
+
+    prewarm: PrewarmSpec = Field(default_factory=PrewarmSpec, json_schema_extra={"default": {}})
+    """prewarm controls warming the collective group before the first round."""
+
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec, json_schema_extra={"default": {}})
+    """recovery controls how restarted inference pods catch up with the current version."""
+
+    readiness_gate: ReadinessGateSpec = Field(
+        default_factory=ReadinessGateSpec, json_schema_extra={"default": {}}
+    )
+    """readinessGate controls holding inference pods NotReady until they serve the current
+    version."""
+
+    @field_validator("inference")
+    @classmethod
+    def _distinct_deployments(cls, entries: list[InferenceSpec]) -> list[InferenceSpec]:
+        names = [entry.deployment_ref.name for entry in entries]
+        if len(set(names)) != len(names):
+            raise INFERENCE_UNIQUE.violation()
+        return entries
+
+    @model_validator(mode="after")
+    def _colocated_has_one_engine(self) -> Self:
+        if self.mode is SyncMode.COLOCATED and len(self.inference) != 1:
+            raise COLOCATED_ONE_INFERENCE.violation()
+        return self
+
+    model_config = ConfigDict(json_schema_extra=validations(COLOCATED_ONE_INFERENCE))

@@ -1,0 +1,48 @@
+# weightsync: `make demo` runs the local demo, `make test` runs every CPU test tier.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
+        cluster-up cluster-down demo demo-down
+
+setup:  ## install Debian packages, the venv and the control plane's binaries
+	bash .ci/setup
+
+lint: setup  ## ruff, mypy --strict, import boundaries, CRD drift
+	$(VENV)/bin/ruff check operator tests
+	$(VENV)/bin/ruff format --check operator tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(MAKE) --no-print-directory verify-crds
+
+test: lint  ## everything CI runs: lint, unit, integration, cluster and e2e tiers
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-cluster: setup
+	$(PY) -m pytest -m cluster $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
+
+test-gpu:  ## on a GPU machine: the same contracts over NCCL
+	NCCL_NVLS_ENABLE=0 python3 -m pytest -m "gpu or multigpu" -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
+
+bench:  ## on a machine with 2-4 GPUs: round vs raw NCCL floor (see docs/benchmarks.md)
+	NCCL_NVLS_ENABLE=0 python3 -m tests.bench.bench_broadcast
+
+crds:  ## regenerate crds/ and the chart's copy from the pydantic models
+	$(PY) -m weightsync.api.crd
+
+verify-crds:
+	$(PY) -m weightsync.api.crd --check
+
+cluster-up: setup  ## a local control plane for poking at by hand
+	$(PY) -m tests.cluster.controlplane up
+
+cluster-down:
+	$(PY) -m tests.cluster.controlplane down

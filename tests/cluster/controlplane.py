@@ -1,0 +1,447 @@
+"""A real Kubernetes control plane on this machine, without a container runtime.
+
+etcd, kube-apiserver, kube-controller-manager and kube-scheduler run as local
+processes built by `build/build.sh`; KWOK plays the kubelets of N fake GPU nodes
+whose pod CIDRs lie in 127.0.0.0/8, so the pod runner (`podrunner.py`) can run a
+pod's containers as local processes bound to the pod's IP.
+
+    python -m tests.cluster.controlplane up [--state-dir DIR] [--nodes N]
+    python -m tests.cluster.controlplane down [--state-dir DIR]
+
+`up` writes DIR/kubeconfig and DIR/pids/*.pid; `down` stops only those PIDs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tests.cluster import kwok_stages
+from tests.cluster.pki import CertificateAuthority, service_account_keys
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO_ROOT / "tests" / "cluster" / "build" / "build.sh"
+DEFAULT_STATE_DIR = Path.home() / ".cache" / "weightsync" / "clusters" / "default"
+SERVICE_CIDR = "10.96.0.0/16"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# How long each component may take to answer its health check before `up` fails.
+ETCD_READY_SECONDS = 30
+APISERVER_READY_SECONDS = 60
+NODES_READY_SECONDS = 60
+
+
+class KubectlError(RuntimeError):
+    """kubectl failed; the message carries its stderr."""
+
+
+def build_binaries() -> Path:
+    """Build (or find cached) control-plane binaries; return their directory."""
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], check=True, stdout=subprocess.PIPE, text=True
+    )
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_until(check: object, timeout: float, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last_error = ""
+    while time.monotonic() < deadline:
+        try:
+            if callable(check) and check():
+                return
+        except OSError as error:
+            last_error = str(error)
+        time.sleep(0.2)
+    tail = ""
+    if log and log.exists():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s ({last_error})\n{tail}")
+
+
+@dataclass
+class LocalCluster:
+    """One local control plane, its files under `state_dir`."""
+
+    state_dir: Path = DEFAULT_STATE_DIR
+    bin_dir: Path = field(default_factory=Path)
+    nodes: int = 2
+    gpus_per_node: int = 4
+    _children: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "kubeconfig"
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def pid_dir(self) -> Path:
+        return self.state_dir / "pids"
+
+    def env(self) -> dict[str, str]:
+        """Environment in which kubectl and helm talk to this cluster."""
+        env = dict(os.environ)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the cluster's own kubectl; raises with its stderr when `check` fails."""
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise KubectlError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
+        return result
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def up(self) -> None:
+        if not self.bin_dir.name:
+            self.bin_dir = build_binaries()
+        self.down()
+        for directory in (self.state_dir, self.log_dir, self.pid_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        ports = {name: free_port() for name in ("etcd", "etcd_peer", "apiserver")}
+        (self.state_dir / "ports.json").write_text(json.dumps(ports))
+        self._write_pki()
+        self._start_etcd(ports["etcd"], ports["etcd_peer"])
+        self._start_apiserver(ports["apiserver"], ports["etcd"])
+        self._write_kubeconfigs(ports["apiserver"])
+        self._start_controller_manager()
+        self._start_scheduler()
+        self._start_kwok()
+        self._create_nodes()
+        self._spawn(
+            "podrunner",
+            [sys.executable, "-m", "tests.cluster.podrunner", "--state-dir", str(self.state_dir)],
+            cwd=REPO_ROOT,
+        )
+
+    def down(self) -> None:
+        """Stop the processes this cluster started (and only those, by their PID files)."""
+        if self.pid_dir.exists():
+            pids = []
+            for pid_file in self.pid_dir.glob("*.pid"):
+                pids.append(int(pid_file.read_text()))
+                pid_file.unlink()
+            for pid in pids:
+                _signal_group(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for pid in pids:
+                while _alive(pid) and time.monotonic() < deadline:
+                    self._reap()
+                    time.sleep(0.05)
+                if _alive(pid):
+                    _signal_group(pid, signal.SIGKILL)
+        for child in self._children:
+            child.wait()
+        self._children.clear()
+        # etcd's data is disposable: every `up` starts from an empty cluster.
+        subprocess.run(["rm", "-rf", str(self.state_dir / "etcd")], check=True)
+
+    def _reap(self) -> None:
+        # Our own children linger as zombies (still "alive" to kill -0) until waited on.
+        for child in self._children:
+            child.poll()
+
+    # -- components ----------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str], cwd: Path | None = None) -> None:
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            process = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=cwd or self.state_dir,
+            )
+        self._children.append(process)
+        (self.pid_dir / f"{name}.pid").write_text(str(process.pid))
+
+    def _write_pki(self) -> None:
+        ca = CertificateAuthority(self.pki_dir)
+        ca.issue(
+            "apiserver",
+            "kube-apiserver",
+            dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"),
+            ip_addresses=("127.0.0.1", "10.96.0.1"),
+            server=True,
+        )
+        ca.issue("admin", "weightsync-admin", organization="system:masters")
+        ca.issue("controller-manager", "system:kube-controller-manager")
+        ca.issue("scheduler", "system:kube-scheduler")
+        service_account_keys(self.pki_dir)
+
+    def _start_etcd(self, port: int, peer_port: int) -> None:
+        self._spawn(
+            "etcd",
+            [
+                str(self.bin_dir / "etcd"),
+                "--data-dir", str(self.state_dir / "etcd"),
+                "--listen-client-urls", f"http://127.0.0.1:{port}",
+                "--advertise-client-urls", f"http://127.0.0.1:{port}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
+                # Tests churn objects quickly; fsync latency buys nothing for throwaway data.
+                "--unsafe-no-fsync",
+                "--log-level", "warn",
+            ],
+        )  # fmt: skip
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+                return bool(json.load(reply).get("health") == "true")
+
+        _wait_until(healthy, ETCD_READY_SECONDS, "etcd", self.log_dir / "etcd.log")
+
+    def _start_apiserver(self, port: int, etcd_port: int) -> None:
+        pki = self.pki_dir
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bin_dir / "kube-apiserver"),
+                "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
+                "--bind-address", "127.0.0.1",
+                "--advertise-address", "127.0.0.1",
+                "--secure-port", str(port),
+                "--tls-cert-file", str(pki / "apiserver.crt"),
+                "--tls-private-key-file", str(pki / "apiserver.key"),
+                "--client-ca-file", str(pki / "ca.crt"),
+                "--service-account-key-file", str(pki / "sa.pub"),
+                "--service-account-signing-key-file", str(pki / "sa.key"),
+                "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+                "--service-cluster-ip-range", SERVICE_CIDR,
+                "--authorization-mode", "RBAC",
+                "--allow-privileged",
+                # Endpoints may not hold loopback addresses, and ours is 127.0.0.1.
+                "--endpoint-reconciler-type", "none",
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+                "--v", "1",
+            ],
+        )  # fmt: skip
+        context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        context.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+
+        def ready() -> bool:
+            url = f"https://127.0.0.1:{port}/readyz"
+            with urllib.request.urlopen(url, timeout=2, context=context) as reply:
+                return bool(reply.status == 200)
+
+        _wait_until(
+            ready, APISERVER_READY_SECONDS, "kube-apiserver", self.log_dir / "kube-apiserver.log"
+        )
+
+    def _write_kubeconfigs(self, port: int) -> None:
+        for user in ("admin", "controller-manager", "scheduler"):
+            config = {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "weightsync-local",
+                        "cluster": {
+                            "server": f"https://127.0.0.1:{port}",
+                            "certificate-authority": str(self.pki_dir / "ca.crt"),
+                        },
+                    }
+                ],
+                "users": [
+                    {
+                        "name": user,
+                        "user": {
+                            "client-certificate": str(self.pki_dir / f"{user}.crt"),
+                            "client-key": str(self.pki_dir / f"{user}.key"),
+                        },
+                    }
+                ],
+                "contexts": [
+                    {
+                        "name": "weightsync-local",
+                        "context": {"cluster": "weightsync-local", "user": user},
+                    }
+                ],
+                "current-context": "weightsync-local",
+            }
+            name = "kubeconfig" if user == "admin" else f"{user}.kubeconfig"
+            (self.state_dir / name).write_text(yaml.safe_dump(config))
+
+    def _start_controller_manager(self) -> None:
+        kubeconfig = str(self.state_dir / "controller-manager.kubeconfig")
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.bin_dir / "kube-controller-manager"),
+                "--kubeconfig", kubeconfig,
+                "--authentication-kubeconfig", kubeconfig,
+                "--authorization-kubeconfig", kubeconfig,
+                "--service-account-private-key-file", str(self.pki_dir / "sa.key"),
+                "--root-ca-file", str(self.pki_dir / "ca.crt"),
+                "--use-service-account-credentials=true",
+                "--leader-elect=false",
+                "--bind-address", "127.0.0.1",
+                "--secure-port", "0",
+                # The default 20 QPS makes a fresh namespace's ServiceAccount take seconds.
+                "--kube-api-qps", "200",
+                "--kube-api-burst", "400",
+                "--concurrent-replicaset-syncs", "10",
+                "--concurrent-statefulset-syncs", "10",
+            ],
+        )  # fmt: skip
+
+    def _start_scheduler(self) -> None:
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(self.bin_dir / "kube-scheduler"),
+                "--kubeconfig", str(self.state_dir / "scheduler.kubeconfig"),
+                "--authentication-kubeconfig", str(self.state_dir / "scheduler.kubeconfig"),
+                "--authorization-kubeconfig", str(self.state_dir / "scheduler.kubeconfig"),
+                "--leader-elect=false",
+                "--bind-address", "127.0.0.1",
+                "--secure-port", "0",
+                "--kube-api-qps", "200",
+                "--kube-api-burst", "400",
+            ],
+        )  # fmt: skip
+
+    def _start_kwok(self) -> None:
+        config = self.state_dir / "kwok.yaml"
+        config.write_text(kwok_stages.render(self.bin_dir / "kwok-stages"))
+        self._spawn(
+            "kwok",
+            [
+                str(self.bin_dir / "kwok"),
+                "--kubeconfig", str(self.kubeconfig),
+                "--config", str(config),
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake",
+                "--node-ip", "127.0.0.1",
+                "--cidr", "127.1.0.1/24",
+                "--server-address", f"127.0.0.1:{free_port()}",
+            ],
+        )  # fmt: skip
+
+    def _create_nodes(self) -> None:
+        nodes = [self.node_manifest(index) for index in range(self.nodes)]
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(nodes))
+
+        def all_ready() -> bool:
+            listing = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)
+            ready = [
+                node
+                for node in listing["items"]
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in node.get("status", {}).get("conditions", [])
+                )
+            ]
+            return len(ready) >= self.nodes
+
+        _wait_until(all_ready, NODES_READY_SECONDS, "KWOK nodes", self.log_dir / "kwok.log")
+
+    def node_manifest(self, index: int) -> dict[str, object]:
+        """A fake GPU node; its pods get IPs in 127.1.<index+1>.0/24."""
+        name = f"gpu-node-{index}"
+        resources = {
+            "cpu": "64",
+            "memory": "512Gi",
+            "pods": "110",
+            GPU_RESOURCE: str(self.gpus_per_node),
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "nvidia.com/gpu.present": "true",
+                    "type": "kwok",
+                },
+            },
+            "spec": {"podCIDR": f"127.1.{index + 1}.0/24", "podCIDRs": [f"127.1.{index + 1}.0/24"]},
+            "status": {
+                "capacity": resources,
+                "allocatable": resources,
+                "addresses": [{"type": "InternalIP", "address": f"127.0.{index + 1}.1"}],
+            },
+        }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("command", choices=["up", "down", "build"])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--nodes", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        print(build_binaries())
+        return 0
+    cluster = LocalCluster(state_dir=args.state_dir, nodes=args.nodes)
+    if args.command == "down":
+        cluster.down()
+        return 0
+    started = time.monotonic()
+    cluster.up()
+    print(f"control plane up in {time.monotonic() - started:.1f}s; KUBECONFIG={cluster.kubeconfig}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The local control plane behaves like a cluster: scheduling, replacement, webhooks, processes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tests.cluster import kwok_stages
+from tests.cluster.controlplane import LocalCluster, free_port
+from tests.cluster.pki import CertificateAuthority
+from tests.support.eventually import Timeouts, eventually
+from tests.support.kube import condition, deployment, watch_pods_until
+
+pytestmark = pytest.mark.cluster
+
+# A container that serves HTTP on its pod IP and exits with code 3 when asked to.
+SERVE_UNTIL_EXIT = """
+import http.server, os, sys, threading
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(os.environ["POD_NAME"].encode())
+        if self.path == "/exit":
+            threading.Thread(target=lambda: os._exit(3)).start()
+    def log_message(self, *args): pass
+http.server.ThreadingHTTPServer((os.environ["POD_IP"], 8080), Handler).serve_forever()
+"""
+
+
+def apply(cluster: LocalCluster, namespace: str, *objects: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return condition(pod, "Ready") == "True" and not pod["metadata"].get("deletionTimestamp")
+
+
+def test_deployment_pods_become_ready_on_kwok_nodes_with_loopback_ips(
+    cluster: LocalCluster, namespace: str, k8s: client.ApiClient
+) -> None:
+    apply(cluster, namespace, deployment("plain", replicas=3))
+    core = client.CoreV1Api(k8s)
+
+    def three_ready() -> list[Any] | None:
+        pods = [
+            p
+            for p in core.list_namespaced_pod(namespace).items
+            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+        ]
+        return pods if len(pods) == 3 else None
+
+    pods = eventually(three_ready, timeout=Timeouts.POD_READY, message="3 Ready pods")
+    for pod in pods:
+        assert pod.spec.node_name.startswith("gpu-node-")
+        assert pod.status.pod_ip.startswith("127.1."), pod.status.pod_ip
+    nodes = client.CoreV1Api(k8s).list_node().items
+    assert all(n.status.allocatable["nvidia.com/gpu"] == "4" for n in nodes)
+
+
+def test_deleted_pod_is_replaced(
+    cluster: LocalCluster, namespace: str, k8s: client.ApiClient
+) -> None:
+    apply(cluster, namespace, deployment("replaced"))
+    first = watch_pods_until(k8s, namespace, lambda _, p: ready(p), timeout=Timeouts.POD_READY)
+    cluster.kubectl("delete", "pod", "-n", namespace, first["metadata"]["name"], "--wait=false")
+    second = watch_pods_until(
+        k8s,
+        namespace,
+        lambda _, p: ready(p) and p["metadata"]["uid"] != first["metadata"]["uid"],
+        timeout=Timeouts.POD_REPLACED,
+    )
+    assert second["metadata"]["name"] != first["metadata"]["name"]
+
+
+def test_pod_runner_process_serves_on_pod_ip_and_its_exit_fails_the_pod(
+    cluster: LocalCluster, namespace: str, k8s: client.ApiClient
+) -> None:
+    container = {
+        "name": "server",
+        "image": "python:3.11-slim",
+        "command": [sys.executable, "-c", SERVE_UNTIL_EXIT],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/", "port": 8080}},
+    }
+    annotations = {kwok_stages.RUN_LOCAL: "true"}
+    apply(cluster, namespace, deployment("local", annotations=annotations, containers=[container]))
+    pod = watch_pods_until(k8s, namespace, lambda _, p: ready(p), timeout=Timeouts.POD_READY)
+    ip, name = pod["status"]["podIP"], pod["metadata"]["name"]
+    assert ip.startswith("127.1.")
+    with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as reply:
+        assert reply.read().decode() == name  # the pod's own env reached the process
+
+    urllib.request.urlopen(f"http://{ip}:8080/exit", timeout=5).close()
+    failed = watch_pods_until(
+        k8s,
+        namespace,
+        lambda _, p: p["metadata"]["name"] == name and p["status"].get("phase") == "Failed",
+        timeout=Timeouts.POD_REPLACED,
+    )
+    terminated = failed["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 3
+    replacement = watch_pods_until(
+        k8s,
+        namespace,
+        lambda _, p: ready(p) and p["metadata"]["name"] != name,
+        timeout=Timeouts.POD_READY,
+    )
+    with urllib.request.urlopen(
+        f"http://{replacement['status']['podIP']}:8080/", timeout=5
+    ) as reply:
+        assert reply.read().decode() == replacement["metadata"]["name"]
+
+
+def test_crash_loop_stage_holds_pod_not_ready(
+    cluster: LocalCluster, namespace: str, k8s: client.ApiClient
+) -> None:
+    apply(cluster, namespace, deployment("looping"))
+    pod = watch_pods_until(k8s, namespace, lambda _, p: ready(p), timeout=Timeouts.POD_READY)
+    name = pod["metadata"]["name"]
+    cluster.kubectl("label", "pod", "-n", namespace, name, f"{kwok_stages.CRASH_LOOP_LABEL}=true")
+    looping = watch_pods_until(
+        k8s,
+        namespace,
+        lambda _, p: p["metadata"]["name"] == name and condition(p, "Ready") == "False",
+        timeout=Timeouts.API,
+    )
+    waiting = looping["status"]["containerStatuses"][0]["state"]["waiting"]
+    assert waiting["reason"] == "CrashLoopBackOff"
+    assert looping["status"]["phase"] == "Running"
+
+
+class _Webhook(BaseHTTPRequestHandler):
+    """Admits every pod, adding a label so the test sees the API server called it."""
+
+    def do_POST(self) -> None:
+        review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        patch = [{"op": "add", "path": "/metadata/labels", "value": {"webhook-called": "yes"}}]
+        body = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "response": {
+                "uid": review["request"]["uid"],
+                "allowed": True,
+                "patchType": "JSONPatch",
+                "patch": base64.b64encode(json.dumps(patch).encode()).decode(),
+            },
+        }
+        payload = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.fixture
+def webhook_server(cluster: LocalCluster) -> Iterator[ThreadingHTTPServer]:
+    ca = CertificateAuthority(cluster.pki_dir)
+    cert, key = ca.issue("test-webhook", "test-webhook", ip_addresses=("127.0.0.1",), server=True)
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Webhook)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_api_server_calls_tls_webhook_by_url_and_fails_closed_without_it(
+    cluster: LocalCluster, namespace: str, webhook_server: ThreadingHTTPServer
+) -> None:
+    port = webhook_server.server_address[1]
+    config = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": f"test-{namespace}"},
+        "webhooks": [
+            {
+                "name": "label.test.weightsync.io",
+                "clientConfig": {
+                    "url": f"https://127.0.0.1:{port}/mutate",
+                    "caBundle": base64.b64encode(
+                        (cluster.pki_dir / "ca.crt").read_bytes()
+                    ).decode(),
+                },
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE"],
+                        "resources": ["pods"],
+                    }
+                ],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 5,
+            }
+        ],
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(config))
+    try:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "called"},
+            "spec": {"containers": [{"name": "main", "image": "busybox:1.36"}]},
+        }
+        apply(cluster, namespace, pod)
+        labels = json.loads(
+            cluster.kubectl("get", "pod", "called", "-n", namespace, "-o", "json").stdout
+        )["metadata"]["labels"]
+        assert labels == {"webhook-called": "yes"}
+
+        webhook_server.shutdown()
+        webhook_server.server_close()
+        pod["metadata"]["name"] = "refused"
+        result = cluster.kubectl(
+            "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(pod), check=False
+        )
+        assert result.returncode != 0
+        assert "failed calling webhook" in result.stderr
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", f"test-{namespace}", check=False)

@@ -1,0 +1,68 @@
+"""Fixtures shared by every tier. The control plane starts only for tests that ask for it."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.controlplane import LocalCluster, build_binaries
+from tests.support.eventually import Timeouts, eventually
+
+CLUSTER_FIXTURES = {"cluster", "namespace", "k8s"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A test that needs the API server is a cluster test, whether or not it says so.
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & CLUSTER_FIXTURES and not item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A fresh local control plane (etcd, API server, controllers, KWOK, pod runner)."""
+    state_dir: Path = tmp_path_factory.mktemp("cluster")
+    local = LocalCluster(state_dir=state_dir, bin_dir=build_binaries(), nodes=2)
+    local.up()
+    try:
+        yield local
+    finally:
+        local.down()
+
+
+@pytest.fixture
+def k8s(cluster: LocalCluster) -> Iterator[object]:
+    """A kubernetes ApiClient authenticated as the cluster admin."""
+    from kubernetes import config
+
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace of the test's own, deleted (and waited for) afterwards."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{slug}-{secrets.token_hex(3)}"
+    cluster.kubectl("create", "namespace", name)
+    # Pods are rejected until the namespace's default ServiceAccount exists.
+    eventually(
+        lambda: (
+            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+            == 0
+        ),
+        timeout=Timeouts.API,
+        message=f"default ServiceAccount in {name}",
+    )
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=60s", check=False)

@@ -108,8 +108,10 @@ class PodRunner:
         self.core = client.CoreV1Api()
         self.reader = ApiReader(self.core, state_dir / "pki" / "ca.crt")
         ports = json.loads((state_dir / "ports.json").read_text())
+        # The venv's console scripts (weightsync-agent, ...) stand in for an image's binaries.
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
         self.base_env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "PATH": path,
             "HOME": os.environ.get("HOME", "/root"),
             "PYTHONUNBUFFERED": "1",
             "KUBERNETES_SERVICE_HOST": "127.0.0.1",

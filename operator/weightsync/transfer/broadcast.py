@@ -1,0 +1,212 @@
+"""Bucket transports: how bucket bytes get from the source's slot into every sink's slot.
+
+* `BroadcastTransport`: one c10d broadcast per bucket from the source rank over a
+  generation's process group (NCCL between GPUs, gloo on CPU).
+* `LocalTransport`: no peers (Colocated mode): the bytes are already where the engine
+  reads them, the source agent's own slots, shared by CUDA IPC or shared memory.
+
+Every wait has a deadline: `wait` polls `Work.is_completed()` rather than blocking in
+the backend, and meanwhile checks the generation's failure key, so one rank's failure
+stops the others well before their timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import logging
+import time
+import zlib
+from typing import ClassVar, Protocol, cast
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    BroadcastOptions,
+    ReduceOp,
+    Store,
+)
+from torch._C._distributed_c10d import Backend as C10dBackend
+
+from weightsync.api.control import Backend
+
+log = logging.getLogger(__name__)
+
+_FAILURE_POLL_SECONDS = 0.1
+
+
+class Collectives(Protocol):
+    """The c10d backend methods used here (torch's stubs for `Backend` lack them)."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work: ...
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> dist.Work: ...
+    def barrier(self, opts: dist.BarrierOptions) -> dist.Work: ...
+    def abort(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class TransferError(RuntimeError):
+    """A collective failed, timed out, or a peer reported failure; `reason` is a metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Transport(abc.ABC):
+    """Moves a bucket from the source rank to all others; every call has a deadline."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def start_bucket(self, buffer: torch.Tensor) -> dist.Work | None:
+        """Issue the transfer of `buffer` (sent on the source, received elsewhere)."""
+
+    @abc.abstractmethod
+    def wait(self, pending: dist.Work | None, *, deadline: float, failure_key: str | None) -> None:
+        """Return once `pending` is complete and its buffer may be read or reused."""
+
+    @abc.abstractmethod
+    def agree_max(self, flag: int, *, deadline: float, failure_key: str | None) -> int:
+        """The maximum of `flag` over all ranks (the fail-together vote)."""
+
+    def abort(self) -> None:  # noqa: B027 - a transport without peers holds nothing
+        """Abort in-flight work without waiting on peers."""
+
+
+class LocalTransport(Transport):
+    """No peers: the round's only rank is the source."""
+
+    name = "local"
+
+    def start_bucket(self, buffer: torch.Tensor) -> dist.Work | None:
+        return None
+
+    def wait(self, pending: dist.Work | None, *, deadline: float, failure_key: str | None) -> None:
+        return None
+
+    def agree_max(self, flag: int, *, deadline: float, failure_key: str | None) -> int:
+        return flag
+
+
+class BroadcastTransport(Transport):
+    """c10d broadcast from `source_rank` over one generation's process group."""
+
+    name = "broadcast"
+
+    def __init__(
+        self,
+        pg: C10dBackend,
+        *,
+        source_rank: int,
+        device: torch.device,
+        ctl: Store,
+    ) -> None:
+        self._pg: Collectives | None = cast(Collectives, pg)
+        self._source_rank = source_rank
+        self._device = device
+        self._ctl = ctl
+
+    @property
+    def pg(self) -> Collectives:
+        if self._pg is None:
+            raise TransferError("aborted", "the process group was aborted")
+        return self._pg
+
+    def start_bucket(self, buffer: torch.Tensor) -> dist.Work:
+        opts = BroadcastOptions()
+        opts.rootRank = self._source_rank
+        opts.rootTensor = 0
+        return self.pg.broadcast([buffer], opts)
+
+    def wait(self, pending: dist.Work | None, *, deadline: float, failure_key: str | None) -> None:
+        if pending is None:
+            return
+        delay = 5e-5
+        next_check = time.monotonic() + _FAILURE_POLL_SECONDS
+        while not pending.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                raise TransferError("timeout", "collective timed out")
+            if failure_key is not None and now >= next_check:
+                next_check = now + _FAILURE_POLL_SECONDS
+                if self._ctl.check([failure_key]):
+                    reason = self._ctl.get(failure_key).decode()
+                    raise TransferError("peer_failed", f"a peer failed the round: {reason}")
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        try:
+            pending.wait()
+        except (RuntimeError, dist.DistError) as exc:
+            raise TransferError("collective_error", f"collective failed: {exc}") from exc
+
+    def agree_max(self, flag: int, *, deadline: float, failure_key: str | None) -> int:
+        vote = torch.tensor([flag], dtype=torch.int32, device=self._device)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp(ReduceOp.MAX)
+        self.wait(self.pg.allreduce([vote], opts), deadline=deadline, failure_key=failure_key)
+        return int(vote.item())
+
+    def barrier_blocking(self, *, deadline: float) -> None:
+        """The warm-up barrier (with `device_ids` on NCCL, so it uses the right GPU)."""
+        opts = dist.BarrierOptions()
+        if self._device.type == "cuda":
+            opts.device_ids = [self._device.index or 0]
+        self.wait(self.pg.barrier(opts), deadline=deadline, failure_key=None)
+
+    def abort(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            pg.abort()
+        except RuntimeError as exc:  # gloo may not abort; its sockets close with the group
+            log.debug("backend abort unsupported: %s", exc)
+
+    def shutdown(self) -> None:
+        """Release a healthy group (NCCL communicators are destroyed, not aborted)."""
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            pg.shutdown()
+        except RuntimeError as exc:
+            log.warning("process group shutdown failed: %s", exc)
+
+
+def backend_available(backend: Backend) -> bool:
+    """Whether this process can use `backend` at all."""
+    if backend == Backend.NCCL:
+        return dist.is_nccl_available() and torch.cuda.is_available()
+    return dist.is_gloo_available()
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> Backend:
+    """Check the plan's backend against this process and the device; log the resolution."""
+    if not backend_available(backend):
+        raise TransferError("backend_unavailable", f"{backend.value} is not available here")
+    if (backend == Backend.NCCL) != (device.type == "cuda"):
+        raise TransferError(
+            "backend_device_mismatch", f"backend {backend.value} cannot move {device.type} buffers"
+        )
+    log.info("bucket transport: %s broadcast on %s", backend.value, device)
+    return backend
+
+
+def bucket_checksum(buffer: torch.Tensor) -> int:
+    """A per-bucket checksum: CRC-32 on CPU; on GPU a position-weighted sum, no host copy.
+
+    The GPU sum catches corrupted or misplaced blocks (each 4 KiB row is weighted by its
+    index), which is what a transfer can get wrong; it is not a cryptographic digest.
+    """
+    if buffer.device.type == "cpu":
+        data = buffer.contiguous().view(torch.uint8)
+        # ctypes instead of .numpy(): the bytes are read in place and numpy is optional.
+        return zlib.crc32((ctypes.c_char * data.numel()).from_address(data.data_ptr()))
+    words = buffer.view(torch.int64)
+    rows = words.numel() // 512
+    head, tail = words[: rows * 512].view(rows, 512), words[rows * 512 :]
+    weights = torch.arange(1, rows + 1, dtype=torch.int64, device=buffer.device)
+    total = head.sum(dim=1, dtype=torch.int64) * weights
+    return int(total.sum().item()) ^ int(tail.sum().item()) ^ rows

@@ -1,0 +1,243 @@
+"""Bucket slots shared once across processes; afterwards only metadata moves.
+
+An agent owns `pipeline_depth` slots, each one bucket's capacity of raw bytes:
+* on CPU, POSIX shared memory: a file in /dev/shm mapped with `torch.from_file(shared=True)`;
+* on GPU, CUDA memory from the caching allocator, exported once as a CUDA IPC handle.
+
+`SlotHandles` is the typed, JSON-serialisable message that lets another process (the
+trainer's Publisher, the engine, or an engine on the same GPU in Colocated mode) open the
+same slots with `open_slots`. A CUDA handle names its GPU by UUID, so a process that sees
+the GPU under another index (a different CUDA_VISIBLE_DEVICES) still finds it.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from weightsync.engines.base import TensorSlice
+
+DEFAULT_SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shared memory, not a temp dir
+
+
+class SlotError(RuntimeError):
+    """A slot cannot be created, described or opened."""
+
+
+class ShmSlotHandle(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["shm"] = "shm"
+    path: str
+    nbytes: int
+
+
+class CudaIpcSlotHandle(BaseModel):
+    """The fields of `UntypedStorage._share_cuda_()`, bytes as base64, device as UUID."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["cuda_ipc"] = "cuda_ipc"
+    device_uuid: str
+    storage_handle: str
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: str
+    ref_counter_offset: int
+    event_handle: str
+    event_sync_required: bool
+    nbytes: int
+
+
+SlotHandle = Annotated[ShmSlotHandle | CudaIpcSlotHandle, Field(discriminator="kind")]
+
+
+class SlotHandles(BaseModel):
+    """How to open an agent's bucket slots; sent once per attach."""
+
+    model_config = ConfigDict(frozen=True)
+
+    slots: list[SlotHandle]
+
+
+_shm_registry: dict[int, ShmSlotHandle] = {}
+_registry_lock = threading.Lock()
+
+
+def _b64(raw: bytes | None) -> str:
+    return base64.b64encode(raw or b"").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_cuda_index(device_uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == device_uuid:
+            return index
+    raise SlotError(f"GPU {device_uuid} is not visible to this process")
+
+
+def describe_slots(slots: Sequence[torch.Tensor]) -> SlotHandles:
+    """The handle message for slots made by `BucketSlots` (or opened by `open_slots`)."""
+    handles: list[ShmSlotHandle | CudaIpcSlotHandle] = []
+    for slot in slots:
+        if slot.dtype != torch.uint8 or slot.dim() != 1 or not slot.is_contiguous():
+            raise SlotError("a slot is a contiguous 1-D uint8 tensor")
+        if slot.is_cuda:
+            handles.append(_describe_cuda(slot))
+            continue
+        with _registry_lock:
+            handle = _shm_registry.get(slot.untyped_storage().data_ptr())
+        if handle is None:
+            raise SlotError("CPU slot is not backed by weightsync shared memory")
+        handles.append(handle)
+    return SlotHandles(slots=handles)
+
+
+def _describe_cuda(slot: torch.Tensor) -> CudaIpcSlotHandle:
+    storage = slot.untyped_storage()
+    (
+        device,
+        storage_handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = storage._share_cuda_()  # type: ignore[no-untyped-call]
+    return CudaIpcSlotHandle(
+        device_uuid=_device_uuid(int(device)),
+        storage_handle=_b64(storage_handle),
+        storage_size_bytes=int(storage_size_bytes),
+        storage_offset_bytes=int(storage_offset_bytes),
+        ref_counter_handle=_b64(ref_counter_handle),
+        ref_counter_offset=int(ref_counter_offset),
+        event_handle=_b64(event_handle),
+        event_sync_required=bool(event_sync_required),
+        nbytes=slot.numel(),
+    )
+
+
+def open_slots(handles: SlotHandles) -> list[torch.Tensor]:
+    """Map another process's slots into this one. Keep the tensors as long as they are used."""
+    return [_open_one(handle) for handle in handles.slots]
+
+
+def _open_one(handle: ShmSlotHandle | CudaIpcSlotHandle) -> torch.Tensor:
+    if isinstance(handle, ShmSlotHandle):
+        if not Path(handle.path).exists():
+            raise SlotError(f"shared memory slot {handle.path} does not exist")
+        tensor = torch.from_file(handle.path, shared=True, size=handle.nbytes, dtype=torch.uint8)
+        with _registry_lock:
+            _shm_registry[tensor.untyped_storage().data_ptr()] = handle
+        return tensor
+    index = _local_cuda_index(handle.device_uuid)
+    torch.cuda._lazy_init()  # type: ignore[no-untyped-call]
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index,
+        _unb64(handle.storage_handle),
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        _unb64(handle.ref_counter_handle),
+        handle.ref_counter_offset,
+        _unb64(handle.event_handle),
+        handle.event_sync_required,
+    )
+    tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+    tensor.set_(storage, 0, (handle.nbytes,), (1,))
+    return tensor
+
+
+class BucketSlots:
+    """`depth` slots of `capacity` bytes on `device`, owned by this process."""
+
+    def __init__(self, depth: int, capacity: int, device: torch.device, shm_dir: str) -> None:
+        if depth < 1:
+            raise SlotError(f"pipeline depth must be at least 1, got {depth}")
+        self.capacity = capacity
+        self.device = device
+        self._paths: list[Path] = []
+        self.slots: list[torch.Tensor] = []
+        try:
+            for index in range(depth):
+                self.slots.append(self._allocate(index, shm_dir))
+        except BaseException:
+            self.close()
+            raise
+        self.handles = describe_slots(self.slots)
+
+    def _allocate(self, index: int, shm_dir: str) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        if self.device.type != "cpu":
+            raise SlotError(f"unsupported slot device {self.device}")
+        path = Path(shm_dir) / f"weightsync-{os.getpid()}-{uuid.uuid4().hex[:12]}-{index}"
+        # 0o660: the engine container shares the pod's fsGroup, not necessarily our uid.
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
+        self._paths.append(path)
+        try:
+            os.ftruncate(fd, self.capacity)
+        finally:
+            os.close(fd)
+        tensor = torch.from_file(str(path), shared=True, size=self.capacity, dtype=torch.uint8)
+        with _registry_lock:
+            _shm_registry[tensor.untyped_storage().data_ptr()] = ShmSlotHandle(
+                path=str(path), nbytes=self.capacity
+            )
+        return tensor
+
+    def close(self) -> None:
+        """Unlink the shared memory names; processes that mapped them keep their mapping."""
+        with _registry_lock:
+            for slot in self.slots:
+                _shm_registry.pop(slot.untyped_storage().data_ptr(), None)
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+        self._paths.clear()
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """`torch.<name>` for a dtype name as the layout writes it."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        candidate = getattr(torch, name, None)
+        if not isinstance(candidate, torch.dtype):
+            raise SlotError(f"unknown dtype {name!r}")
+        dtype = _DTYPES[name] = candidate
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def slot_views(slot: torch.Tensor, tensors: Sequence[TensorSlice]) -> list[torch.Tensor]:
+    """Typed, shaped views of `tensors` inside `slot`; compute once per slot and bucket."""
+    return [
+        slot[t.offset : t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape)
+        for t in tensors
+    ]
+
+
+def copy_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """One batched copy (a multi-tensor kernel on GPU) instead of a Python loop of copies."""
+    if destinations:
+        torch._foreach_copy_(destinations, sources)

@@ -1,0 +1,151 @@
+"""The Publisher <-> source agent hand-off protocol over a Unix socket.
+
+Frames are a 4-byte big-endian length and a JSON message; no pickle, no tensor data.
+Tensor bytes travel through the shared bucket slots (`buffers.SlotHandles`).
+
+    Publisher                         source agent
+    Attach(tensors)          ->                         (first publish, or a new tensor set)
+                             <-  Attached(layout_hash, bucket settings, slot handles)
+    Publish(version, hash)   ->
+                             <-  Fill(bucket k, slot k % depth)     (up to depth ahead)
+    Filled(k)                ->                          (slot k now holds bucket k)
+    ...                                                  (agent broadcasts k, frees slot)
+                             <-  RoundResult(version, ok, duration, bytes, reason)
+
+A Publisher that cannot fill a bucket sends `Abandon`; the agent still drives the
+round to its end so every rank fails it together, then answers `RoundResult(ok=False)`.
+Any request may be answered by `HandoffError` (e.g. `layout_mismatch`, `no_group`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from weightsync.transfer.buffers import SlotHandles
+
+_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 64 << 20  # an 18k-tensor Attach is ~2 MB; anything near this is a bug
+
+
+class ProtocolError(RuntimeError):
+    """The peer sent something that is not a valid frame or message, or went away."""
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Attach(_Msg):
+    type: Literal["attach"] = "attach"
+    tensors: list[tuple[str, list[int], str]]  # name, shape, dtype name
+
+
+class Attached(_Msg):
+    type: Literal["attached"] = "attached"
+    layout_hash: str
+    bucket_size_bytes: int
+    alignment: int
+    slots: SlotHandles
+
+
+class Publish(_Msg):
+    type: Literal["publish"] = "publish"
+    version: int
+    layout_hash: str
+
+
+class Fill(_Msg):
+    type: Literal["fill"] = "fill"
+    bucket: int
+    slot: int
+
+
+class Filled(_Msg):
+    type: Literal["filled"] = "filled"
+    bucket: int
+
+
+class Abandon(_Msg):
+    type: Literal["abandon"] = "abandon"
+    reason: str
+    message: str = ""
+
+
+class RoundResult(_Msg):
+    type: Literal["round_result"] = "round_result"
+    version: int
+    ok: bool
+    duration_seconds: float
+    bytes: int
+    reason: str = ""
+    message: str = ""
+    generation: int | None = None
+
+
+class HandoffError(_Msg):
+    type: Literal["error"] = "error"
+    reason: str
+    message: str
+
+
+Message = Annotated[
+    Attach | Attached | Publish | Fill | Filled | Abandon | RoundResult | HandoffError,
+    Field(discriminator="type"),
+]
+_MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode(message: _Msg) -> bytes:
+    body = message.model_dump_json().encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    try:
+        return _MESSAGE.validate_json(body)
+    except ValueError as exc:
+        raise ProtocolError(f"invalid hand-off message: {exc}") from exc
+
+
+def _check_length(length: int) -> int:
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    return length
+
+
+async def read_message(reader: asyncio.StreamReader) -> Message:
+    try:
+        header = await reader.readexactly(_HEADER.size)
+        body = await reader.readexactly(_check_length(_HEADER.unpack(header)[0]))
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError("peer closed the connection") from exc
+    return decode(body)
+
+
+async def write_message(writer: asyncio.StreamWriter, message: _Msg) -> None:
+    writer.write(encode(message))
+    await writer.drain()
+
+
+def recv_message(sock: socket.socket) -> Message:
+    header = _recv_exact(sock, _HEADER.size)
+    return decode(_recv_exact(sock, _check_length(_HEADER.unpack(header)[0])))
+
+
+def send_message(sock: socket.socket, message: _Msg) -> None:
+    sock.sendall(encode(message))
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(size - len(chunks))
+        if not chunk:
+            raise ProtocolError("peer closed the connection")
+        chunks += chunk
+    return bytes(chunks)

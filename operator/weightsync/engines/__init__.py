@@ -1,1 +1,37 @@
-"""weightsync.engines."""
+"""Engine adapters by engine name (the WeightSync `engine` field), imported lazily.
+
+Every adapter takes the engine's base URL as its first argument. Lazy imports keep one
+engine's client dependencies off agents that drive another.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightsync.engines.base import EngineAdapter
+
+ADAPTERS: dict[str, tuple[str, str]] = {
+    "Reference": ("weightsync.engines.reference.adapter", "ReferenceEngineAdapter"),
+    "SGLang": ("weightsync.engines.sglang", "SGLangAdapter"),
+    "VLLM": ("weightsync.engines.vllm", "VLLMAdapter"),
+}
+
+
+def adapter_class(engine: str) -> type[EngineAdapter]:
+    """The adapter class for `engine`; raises `KeyError` for an unknown name."""
+    from weightsync.engines.base import EngineAdapter
+
+    try:
+        module_name, class_name = ADAPTERS[engine]
+    except KeyError:
+        raise KeyError(f"unknown engine {engine!r}; known: {sorted(ADAPTERS)}") from None
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, EngineAdapter)):
+        raise TypeError(f"{module_name}.{class_name} is not an EngineAdapter")
+    return cls
+
+
+def create_adapter(engine: str, base_url: str) -> EngineAdapter:
+    return adapter_class(engine)(base_url)  # type: ignore[call-arg]

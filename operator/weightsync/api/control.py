@@ -1,0 +1,160 @@
+"""Messages of the agent's HTTP control API (operator -> agent). No torch here.
+
+Routes (bearer-token auth on every route):
+* `PUT /v1/plan`   body `MembershipPlan` -> 202 `PlanAccepted`; the agent forms and
+  pre-warms that generation in the background. 409 `ErrorResponse` for a plan older
+  than the newest the agent holds; 400 for an invalid plan.
+* `GET /v1/status` -> 200 `AgentStatus`.
+
+Durations are integers with their unit in the name, like the WeightSync status.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MiB = 1 << 20
+
+
+class Role(StrEnum):
+    SOURCE = "source"
+    SINK = "sink"
+
+
+class Backend(StrEnum):
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class Mode(StrEnum):
+    DISAGGREGATED = "Disaggregated"
+    COLOCATED = "Colocated"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TransferOptions(_Message):
+    bucket_size_bytes: int = Field(default=512 * MiB, gt=0)
+    pipeline_depth: int = Field(default=2, ge=1, le=8)
+    timeout_seconds: float = Field(default=60.0, gt=0)
+    checksum: bool = False
+
+
+class Rendezvous(_Message):
+    """The TCPStore on the rank-0 agent (the trainer's source agent)."""
+
+    host: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+
+
+class PlanMember(_Message):
+    rank: int = Field(ge=0)
+    pod: str = Field(min_length=1)
+    host: str = Field(min_length=1)  # the member's pod IP; gloo binds to it
+    role: Role
+
+
+class MembershipPlan(_Message):
+    """Generation `generation` of the sync group, addressed to the member with `rank`."""
+
+    sync_name: str = Field(min_length=1)
+    generation: int = Field(ge=1)
+    rank: int = Field(ge=0)
+    backend: Backend
+    mode: Mode = Mode.DISAGGREGATED
+    rendezvous: Rendezvous
+    members: list[PlanMember] = Field(min_length=1)
+    transfer: TransferOptions = TransferOptions()
+    prewarm_timeout_seconds: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_members(self) -> Self:
+        ranks = sorted(m.rank for m in self.members)
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"member ranks must be 0..{len(ranks) - 1} once each, got {ranks}")
+        sources = [m for m in self.members if m.role == Role.SOURCE]
+        if len(sources) != 1:
+            raise ValueError(f"a plan has exactly one source member, got {len(sources)}")
+        if sources[0].rank != 0:
+            raise ValueError("the source member is rank 0: it hosts the rendezvous store")
+        if self.rank >= len(self.members):
+            raise ValueError(f"rank {self.rank} is not a member of the plan")
+        if self.mode == Mode.COLOCATED and len(self.members) != 1:
+            raise ValueError("a Colocated plan has only the source member")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def source_rank(self) -> int:
+        return 0
+
+    @property
+    def me(self) -> PlanMember:
+        return next(m for m in self.members if m.rank == self.rank)
+
+
+class PlanAccepted(_Message):
+    generation: int
+    rank: int
+    world_size: int
+
+
+class GenerationState(StrEnum):
+    FORMING = "forming"
+    WARM = "warm"  # formed and pre-warmed, not yet serving rounds
+    ACTIVE = "active"  # the generation rounds run on
+    BROKEN = "broken"  # a round or the formation failed; a new plan is needed
+    RETIRED = "retired"  # replaced by a newer generation at a round boundary
+
+
+class GenerationStatus(_Message):
+    generation: int
+    state: GenerationState
+    rank: int
+    world_size: int
+    prewarm_millis: int | None = None
+    error: str | None = None
+
+
+class EngineStatus(_Message):
+    healthy: bool
+    version: int | None
+    torn: bool = False
+    detail: str = ""
+
+
+class RoundReport(_Message):
+    version: int
+    generation: int | None
+    ok: bool
+    duration_millis: int
+    bytes: int
+    bandwidth_bytes_per_second: int
+    reason: str = ""  # a short label (also the failure metric's label); empty when ok
+    message: str = ""
+    finished_at_unix_millis: int
+
+
+class AgentStatus(_Message):
+    pod: str
+    role: Role
+    generation: int | None  # the active generation
+    warm: bool  # the active generation, or the newest one, is pre-warmed
+    version: int | None  # the last version this agent committed
+    round_in_progress: bool
+    generations: list[GenerationStatus]
+    engine: EngineStatus | None
+    last_round: RoundReport | None
+
+
+class ErrorResponse(_Message):
+    error: str
+    detail: str = ""

@@ -1,0 +1,226 @@
+"""A Llama-shaped decoder (RMSNorm, rotary, GQA attention, SwiGLU MLP), built from a config.
+
+Parameter names follow the Hugging Face Llama layout (`model.layers.0.self_attn.q_proj.weight`,
+`lm_head.weight`), so a state dict looks like the ones real engines load. The trainer side
+of tests, the demo and the benchmarks build the same class with `build_model`, so greedy
+outputs of trainer and engine can be compared token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the conventional name
+from torch import nn
+
+from weightsync.transfer.layout import TensorMeta
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    ),
+    "small": ModelConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1408,
+    ),
+    # Llama-3-8B's shapes: 291 tensors, 8.03e9 parameters (16.06 GB in bf16).
+    "llama3-8b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+    ),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _rotary(length: int, config: ModelConfig, device: torch.device) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    )
+    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat((angles, angles), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        head, kv = config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * head, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * head, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        repeat = cfg.num_heads // cfg.num_kv_heads
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return projected
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), angles)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x: torch.Tensor = self.model.embed_tokens(input_ids)
+        angles = _rotary(input_ids.shape[1], self.config, input_ids.device)
+        for layer in self.model.layers:
+            x = layer(x, angles)
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits
+
+
+@torch.no_grad()
+def randomize(model: nn.Module, seed: int) -> None:
+    """Deterministic weights from `seed`, independent of device and thread count."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        # Norm weights near one, projections small: outputs stay sensible at any depth.
+        values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.02 * values
+        param.copy_(values.to(param.dtype))
+
+
+def build_model(
+    config: ModelConfig,
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
+    """The model with deterministic weights from `seed`, in eval mode, gradients off."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    randomize(model, seed)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def state_dict_metas(config: ModelConfig, dtype: str = "bfloat16") -> list[TensorMeta]:
+    """Names and shapes of the model's parameters, in order, without allocating them."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return [TensorMeta(name, tuple(p.shape), dtype) for name, p in model.named_parameters()]
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy decoding, one prompt at a time (no KV cache: the reference favours clarity)."""
+    device = next(model.parameters()).device
+    outputs: list[list[int]] = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        generated: list[int] = []
+        for _ in range(max_new_tokens):
+            next_id = int(model(ids)[0, -1].argmax().item())
+            generated.append(next_id)
+            ids = torch.cat([ids, torch.tensor([[next_id]], device=device)], dim=1)
+        outputs.append(generated)
+    return outputs

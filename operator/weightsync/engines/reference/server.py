@@ -1,0 +1,186 @@
+"""The reference inference server: greedy generation over HTTP plus the update API.
+
+Routes:
+* `POST /generate`          {"input_ids": [[int]], "max_new_tokens": int}
+                            -> {"output_ids": [[int]], "weight_version": int | null}
+* `GET  /health`            -> {"healthy", "version", "torn", "detail"}
+* `GET  /v1/weights/digest` -> {"version", "tensors": {name: sha256}}
+* `POST /v1/update/attach`  `SlotHandles`            (once, or when the slots change)
+* `POST /v1/update/begin`   {"version"}
+* `POST /v1/update/load`    {"slot", "tensors": [[name, dtype, shape, offset, nbytes]]}
+* `POST /v1/update/finish`  {"version"}              (atomic swap to the new version)
+* `POST /v1/update/abort`   {"version", "reason"}
+
+Update errors answer 409 with {"reason", "message"}; the adapter turns them into
+`EngineError`. The server listens on localhost by default: the update API is for the
+agent sidecar in the same pod, not for clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.reference.engine import ReferenceEngine
+from weightsync.engines.reference.model import PRESETS, build_model
+from weightsync.transfer.buffers import SlotHandles, torch_dtype
+
+log = logging.getLogger(__name__)
+
+ENGINE_KEY: web.AppKey[ReferenceEngine] = web.AppKey("engine", ReferenceEngine)
+EXECUTOR_KEY: web.AppKey[ThreadPoolExecutor] = web.AppKey("executor", ThreadPoolExecutor)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GenerateRequest(_Body):
+    input_ids: list[list[int]] = Field(min_length=1)
+    max_new_tokens: int = Field(default=16, ge=1, le=4096)
+
+
+class VersionRequest(_Body):
+    version: int = Field(ge=0)
+
+
+class AbortRequest(_Body):
+    version: int = Field(ge=0)
+    reason: str = ""
+
+
+class LoadRequest(_Body):
+    slot: int = Field(ge=0)
+    tensors: list[tuple[str, str, list[int], int, int]]
+
+    def slices(self) -> list[TensorSlice]:
+        return [TensorSlice(n, d, tuple(s), o, b) for n, d, s, o, b in self.tensors]
+
+
+def _engine_error(exc: EngineError) -> web.Response:
+    return web.json_response({"reason": exc.reason, "message": str(exc)}, status=409)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise web.HTTPBadRequest(text=exc.json(), content_type="application/json") from exc
+
+
+async def _in_thread(request: web.Request, fn: Callable[[], Any]) -> Any:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[EXECUTOR_KEY], fn)
+
+
+async def generate(request: web.Request) -> web.Response:
+    body = _parse(GenerateRequest, await request.read())
+    engine = request.app[ENGINE_KEY]
+    try:
+        outputs, version = await _in_thread(
+            request, lambda: engine.generate(body.input_ids, body.max_new_tokens)
+        )
+    except EngineError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from exc
+    return web.json_response({"output_ids": outputs, "weight_version": version})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[ENGINE_KEY].health()
+    return web.json_response(
+        {
+            "healthy": state.healthy,
+            "version": state.version,
+            "torn": state.torn,
+            "detail": state.detail,
+        }
+    )
+
+
+async def digest(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    version, tensors = await _in_thread(request, engine.digests)
+    return web.json_response({"version": version, "tensors": tensors})
+
+
+async def update(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    raw = await request.read()
+    action = request.match_info["action"]
+    call: Callable[[], None]
+    if action == "attach":
+        handles = _parse(SlotHandles, raw)
+        call = lambda: engine.attach(handles)  # noqa: E731
+    elif action == "begin":
+        begin = _parse(VersionRequest, raw)
+        call = lambda: engine.begin(begin.version)  # noqa: E731
+    elif action == "load":
+        load = _parse(LoadRequest, raw)
+        call = lambda: engine.load(load.slot, load.slices())  # noqa: E731
+    elif action == "finish":
+        finish = _parse(VersionRequest, raw)
+        call = lambda: engine.commit(finish.version)  # noqa: E731
+    elif action == "abort":
+        abort = _parse(AbortRequest, raw)
+        log.warning("update to version %d aborted: %s", abort.version, abort.reason)
+        call = lambda: engine.abort(abort.version)  # noqa: E731
+    else:
+        raise web.HTTPNotFound
+    try:
+        await _in_thread(request, call)
+    except EngineError as exc:
+        return _engine_error(exc)
+    return web.json_response({"ok": True, "version": engine.version})
+
+
+def make_app(engine: ReferenceEngine) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app[ENGINE_KEY] = engine
+    # One worker: updates and generation are ordered by the engine's own lock anyway,
+    # and torch uses its own threads inside each call.
+    app[EXECUTOR_KEY] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ref-engine")
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/weights/digest", digest)
+    app.router.add_post("/v1/update/{action}", update)
+
+    async def _shutdown(app: web.Application) -> None:
+        app[EXECUTOR_KEY].shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(_shutdown)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="weightsync reference inference engine")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights (version none)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    model = build_model(
+        PRESETS[args.preset], args.seed, dtype=torch_dtype(args.dtype), device=args.device
+    )
+    app = make_app(ReferenceEngine(model))
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,17 @@
-"""weightsync.client."""
+"""weightsync.client: the trainer-side Publisher."""
+
+from weightsync.client.publisher import (
+    AgentUnavailableError,
+    LayoutChangedError,
+    Publisher,
+    PublisherError,
+    PublishResult,
+)
+
+__all__ = [
+    "AgentUnavailableError",
+    "LayoutChangedError",
+    "PublishResult",
+    "Publisher",
+    "PublisherError",
+]

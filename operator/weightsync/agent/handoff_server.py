@@ -1,0 +1,83 @@
+"""The source agent's Unix socket for the trainer's Publisher (see transfer.handoff)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from weightsync.agent.rounds import RoundFailed
+from weightsync.transfer.handoff import (
+    Abandon,
+    Attach,
+    Fill,
+    Filled,
+    HandoffError,
+    ProtocolError,
+    Publish,
+    read_message,
+    write_message,
+)
+from weightsync.transfer.layout import LayoutError, TensorMeta
+
+if TYPE_CHECKING:
+    from weightsync.agent.service import Agent
+
+log = logging.getLogger(__name__)
+
+
+class SocketFillChannel:
+    """Asks the Publisher to fill one bucket and waits for its `Filled`."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._timeout = timeout
+
+    async def fill(self, bucket: int, slot: int) -> None:
+        try:
+            await write_message(self._writer, Fill(bucket=bucket, slot=slot))
+            reply = await asyncio.wait_for(read_message(self._reader), self._timeout)
+        except (ProtocolError, ConnectionError) as exc:
+            raise RoundFailed("publisher_gone", f"the Publisher went away: {exc}") from exc
+        except TimeoutError as exc:
+            raise RoundFailed("publisher_timeout", f"bucket {bucket} was not filled") from exc
+        if isinstance(reply, Abandon):
+            raise RoundFailed("publisher_abandoned", f"{reply.reason}: {reply.message}")
+        if not isinstance(reply, Filled) or reply.bucket != bucket:
+            raise RoundFailed("publisher_protocol", f"expected Filled({bucket}), got {reply!r}")
+
+
+async def serve_publisher(
+    agent: Agent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """One Publisher connection: Attach and Publish requests until it closes."""
+    try:
+        while True:
+            try:
+                message = await read_message(reader)
+            except (ProtocolError, ConnectionError):
+                return
+            if isinstance(message, Attach):
+                try:
+                    metas = [TensorMeta(n, tuple(s), d) for n, s, d in message.tensors]
+                    await write_message(writer, await agent.attach_publisher(metas))
+                except (LayoutError, RoundFailed) as exc:
+                    reason = exc.reason if isinstance(exc, RoundFailed) else "bad_layout"
+                    await write_message(writer, HandoffError(reason=reason, message=str(exc)))
+            elif isinstance(message, Publish):
+                result = await agent.publish(
+                    message, SocketFillChannel(reader, writer, agent.fill_timeout)
+                )
+                await write_message(writer, result)
+            else:
+                await write_message(
+                    writer,
+                    HandoffError(reason="protocol", message=f"unexpected {message.type!r}"),
+                )
+    except (ConnectionError, ProtocolError) as exc:
+        log.info("Publisher connection closed: %s", exc)
+    finally:
+        writer.close()

@@ -1,0 +1,48 @@
+"""`weightsync-agent`: the sidecar's entry point. All configuration comes from
+`WEIGHTSYNC_*` environment variables (see `AgentSettings`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from weightsync.agent.settings import AgentSettings
+
+
+def _nccl_defaults() -> None:
+    # CleanUpOnly: on a collective timeout the NCCL watchdog aborts the communicator but
+    # leaves the agent alive; the round fails and the next generation takes over.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+async def _run(settings: AgentSettings) -> None:
+    from weightsync.agent.service import Agent, serve
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(Agent(settings), stop)
+
+
+def main() -> None:
+    try:
+        settings = AgentSettings.from_env()
+    except ValidationError as exc:
+        print(f"weightsync-agent: invalid configuration:\n{exc}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    _nccl_defaults()
+    asyncio.run(_run(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The agent's Prometheus metrics: one registry per agent, `weightsync_` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Rounds of a 16 GB model take tens of milliseconds on NVLink and seconds over TCP.
+_ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PREWARM_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class AgentMetrics:
+    """Labels stay low-cardinality: role, and a failure reason from a fixed set of labels."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.role = role
+        self.round_duration = Histogram(
+            "weightsync_round_duration_seconds",
+            "Duration of a sync round as this agent saw it, header to commit.",
+            ["role"],
+            buckets=_ROUND_BUCKETS,
+            registry=self.registry,
+        ).labels(role)
+        self.round_bytes = Counter(
+            "weightsync_round_bytes_total",
+            "Bucket bytes moved by successful rounds.",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
+        self.bandwidth = Gauge(
+            "weightsync_round_bandwidth_bytes_per_second",
+            "Achieved bandwidth of the last successful round (bytes over round duration).",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
+        self.prewarm_duration = Histogram(
+            "weightsync_prewarm_duration_seconds",
+            "Time to form and pre-warm a group generation.",
+            ["role"],
+            buckets=_PREWARM_BUCKETS,
+            registry=self.registry,
+        ).labels(role)
+        self.round_failures = Counter(
+            "weightsync_round_failures_total",
+            "Failed rounds by reason.",
+            ["role", "reason"],
+            registry=self.registry,
+        )
+        self.current_version = Gauge(
+            "weightsync_current_version",
+            "The weight version this agent last committed (-1 before the first).",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
+        self.current_version.set(-1)
+        self.generation = Gauge(
+            "weightsync_group_generation",
+            "The active group generation (0 before the first).",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
+
+    def round_succeeded(self, duration_seconds: float, nbytes: int, version: int) -> None:
+        self.round_duration.observe(duration_seconds)
+        self.round_bytes.inc(nbytes)
+        if duration_seconds > 0:
+            self.bandwidth.set(nbytes / duration_seconds)
+        self.current_version.set(version)
+
+    def round_failed(self, duration_seconds: float, reason: str) -> None:
+        self.round_duration.observe(duration_seconds)
+        self.round_failures.labels(self.role, reason).inc()

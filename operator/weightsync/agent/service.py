@@ -1,0 +1,372 @@
+"""The agent: control API for the operator, Publisher socket, rounds, metrics.
+
+HTTP routes (bearer token on every route; messages in `weightsync.api.control`):
+* `PUT /v1/plan`   `MembershipPlan` -> 202 `PlanAccepted`; forms + pre-warms in the background
+* `GET /v1/status` -> `AgentStatus`
+Metrics: `GET /metrics` on the metrics port (no token: Prometheus scrapes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from weightsync.agent.generations import Generation, Generations, PlanRejectedError
+from weightsync.agent.handoff_server import serve_publisher
+from weightsync.agent.metrics import AgentMetrics
+from weightsync.agent.rounds import RoundFailed, RoundHeader, RoundOutcome, SlotPool, SwitchNotice
+from weightsync.agent.settings import AgentSettings
+from weightsync.agent.sink import SinkLoop
+from weightsync.agent.source import FillChannel, SourceRound
+from weightsync.api.control import (
+    AgentStatus,
+    EngineStatus,
+    ErrorResponse,
+    GenerationState,
+    MembershipPlan,
+    PlanAccepted,
+    Role,
+    RoundReport,
+)
+from weightsync.engines import create_adapter
+from weightsync.engines.base import EngineAdapter
+from weightsync.transfer.handoff import Attached, Publish, RoundResult
+from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
+
+log = logging.getLogger(__name__)
+
+AGENT_KEY: web.AppKey[Agent] = web.AppKey("agent")
+_HEALTH_TIMEOUT = 2.0
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.device = torch.device(settings.device)
+        self.metrics = AgentMetrics(settings.role.value)
+        self.generations = Generations(self.device, self.metrics)
+        self.pool = SlotPool(self.device, str(settings.shm_dir))
+        self.adapter: EngineAdapter | None = (
+            create_adapter(settings.engine, settings.engine_url) if settings.engine else None
+        )
+        self.layout: BucketLayout | None = None
+        self.version: int | None = None
+        self.last_round: RoundReport | None = None
+        self.round_in_progress = False
+        self._round_lock = asyncio.Lock()
+        self._local_epoch = -1  # the slot epoch the local (Colocated) engine attached
+        self._publisher_epoch = -1  # the slot epoch the Publisher was last given
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def fill_timeout(self) -> float:
+        plan = self.generations.newest_plan()
+        return plan.transfer.timeout_seconds if plan else 60.0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self.settings.role == Role.SINK and self.adapter is not None:
+            loop = SinkLoop(
+                self.generations,
+                self.pool,
+                self.adapter,
+                engine_timeout_seconds=self.settings.engine_timeout_seconds,
+                debug_bucket_delay_seconds=self.settings.debug_bucket_delay_seconds,
+                on_round_start=self._sink_round_started,
+                on_round_end=self._round_finished,
+            )
+            self._tasks.append(asyncio.create_task(self._supervise(loop.run_forever), name="sink"))
+
+    async def _supervise(self, body: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await body()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sink loop crashed; restarting in 1 s")
+                await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.generations.close()
+        if self.adapter is not None:
+            await self.adapter.close()
+        self.pool.close()
+
+    # ---------------------------------------------------------------- control API
+    def apply_plan(self, plan: MembershipPlan) -> PlanAccepted:
+        if plan.me.role != self.settings.role:
+            raise PlanRejectedError(
+                f"rank {plan.rank} is a {plan.me.role}, this agent a {self.settings.role}"
+            )
+        generation = self.generations.apply_plan(plan)
+        return PlanAccepted(
+            generation=generation.number, rank=plan.rank, world_size=plan.world_size
+        )
+
+    async def status(self) -> AgentStatus:
+        engine: EngineStatus | None = None
+        if self.adapter is not None:
+            try:
+                health = await asyncio.wait_for(self.adapter.health(), _HEALTH_TIMEOUT)
+                engine = EngineStatus(
+                    healthy=health.healthy,
+                    version=health.version,
+                    torn=health.torn,
+                    detail=health.detail,
+                )
+            except TimeoutError:
+                engine = EngineStatus(healthy=False, version=None, detail="health timed out")
+        active = self.generations.active() or self.generations.newest_usable()
+        return AgentStatus(
+            pod=self.settings.pod_name,
+            role=self.settings.role,
+            generation=active.number if active else None,
+            warm=active is not None and active.usable,
+            version=self.version,
+            round_in_progress=self.round_in_progress,
+            generations=self.generations.statuses(),
+            engine=engine,
+            last_round=self.last_round,
+        )
+
+    # ---------------------------------------------------------------- rounds
+    def _sink_round_started(self, header: RoundHeader, generation: Generation) -> None:
+        self.round_in_progress = True
+        if generation.state == GenerationState.WARM:
+            generation.state = GenerationState.ACTIVE
+        self.metrics.generation.set(generation.number)
+
+    def _round_finished(self, outcome: RoundOutcome, committed: bool) -> None:
+        self.round_in_progress = False
+        if committed or outcome.ok:
+            self.version = outcome.version
+        if outcome.ok:
+            self.metrics.round_succeeded(outcome.duration_seconds, outcome.nbytes, outcome.version)
+        else:
+            self.metrics.round_failed(outcome.duration_seconds, outcome.reason)
+        duration = max(outcome.duration_seconds, 1e-9)
+        self.last_round = RoundReport(
+            version=outcome.version,
+            generation=outcome.generation,
+            ok=outcome.ok,
+            duration_millis=round(outcome.duration_seconds * 1000),
+            bytes=outcome.nbytes,
+            bandwidth_bytes_per_second=int(outcome.nbytes / duration) if outcome.ok else 0,
+            reason=outcome.reason,
+            message=outcome.message,
+            finished_at_unix_millis=int(outcome.finished_at * 1000),
+        )
+
+    async def attach_publisher(self, metas: list[TensorMeta]) -> Attached:
+        plan = self.generations.newest_plan()
+        if plan is None:
+            raise RoundFailed("no_plan", "the agent has no membership plan yet")
+        async with self._round_lock:
+            layout = plan_layout(metas, plan.transfer.bucket_size_bytes)
+            slots = self.pool.ensure(layout, plan.transfer.pipeline_depth)
+            self.layout = layout
+            self._publisher_epoch = self.pool.epoch
+        log.info(
+            "layout %s: %d tensors, %d buckets, %d bytes",
+            layout.layout_hash[:12],
+            len(metas),
+            len(layout.buckets),
+            layout.total_bytes,
+        )
+        return Attached(
+            layout_hash=layout.layout_hash,
+            bucket_size_bytes=layout.bucket_size_bytes,
+            alignment=layout.alignment,
+            slots=slots.handles,
+        )
+
+    async def _select_generation(self) -> Generation:
+        """The newest warm generation; older ones are told to switch, then retired."""
+        newest = self.generations.newest_usable()
+        forming = [g for g in self.generations.all() if g.state == GenerationState.FORMING]
+        if newest is None and forming:  # a plan is being warmed: worth waiting for
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    forming[-1].formed.wait(), forming[-1].plan.prewarm_timeout_seconds
+                )
+            newest = self.generations.newest_usable()
+        if newest is None:
+            raise RoundFailed("no_group", "no warm group generation; waiting for a plan")
+        for old in self.generations.all():
+            if old.number < newest.number and old.state != GenerationState.RETIRED:
+                await self._switch_away(old, newest.number)
+        if newest.state != GenerationState.ACTIVE:
+            newest.state = GenerationState.ACTIVE
+            self.metrics.generation.set(newest.number)
+        return newest
+
+    async def _switch_away(self, old: Generation, target: int) -> None:
+        """Ring `old`'s doorbell with a switch notice (its sinks follow), then retire it."""
+        group = old.group
+        if group is not None:
+            key = f"doorbell/{old.next_seq}"
+            notice = SwitchNotice(generation=target).model_dump_json()
+            old.next_seq += 1
+            try:
+                await asyncio.wait_for(group.run(lambda: group.ctl.set(key, notice)), 5.0)
+            except (TimeoutError, RuntimeError) as exc:
+                log.warning("could not tell generation %d to switch: %s", old.number, exc)
+        old.retire()
+
+    async def publish(self, request: Publish, channel: FillChannel) -> RoundResult:
+        async with self._round_lock:
+            started = time.monotonic()
+            try:
+                outcome = await self._run_source_round(request, channel)
+            except RoundFailed as exc:
+                outcome = RoundOutcome.failed(request.version, None, started, exc.reason, str(exc))
+            self._round_finished(outcome, committed=False)
+        return RoundResult(
+            version=outcome.version,
+            ok=outcome.ok,
+            duration_seconds=outcome.duration_seconds,
+            bytes=outcome.nbytes,
+            reason=outcome.reason,
+            message=outcome.message,
+            generation=outcome.generation,
+        )
+
+    async def _run_source_round(self, request: Publish, channel: FillChannel) -> RoundOutcome:
+        layout = self.layout
+        if layout is None or request.layout_hash != layout.layout_hash:
+            raise RoundFailed("layout_mismatch", "the tensor set changed: attach again")
+        generation = await self._select_generation()
+        transfer = generation.plan.transfer
+        if transfer.bucket_size_bytes != layout.bucket_size_bytes:
+            raise RoundFailed("layout_mismatch", "the plan changed the bucket size: attach again")
+        slots = self.pool.ensure(layout, transfer.pipeline_depth)
+        if self.pool.epoch != self._publisher_epoch:
+            raise RoundFailed("layout_mismatch", "the bucket slots changed: attach again")
+        if self.adapter is not None and self._local_epoch != self.pool.epoch:
+            await asyncio.wait_for(
+                self.adapter.attach_buffers(slots.slots), self.settings.engine_timeout_seconds
+            )
+            self._local_epoch = self.pool.epoch
+        self.round_in_progress = True
+        runner = SourceRound(
+            generation,
+            layout,
+            slots,
+            request.version,
+            channel,
+            local_engine=self.adapter,
+            engine_timeout_seconds=self.settings.engine_timeout_seconds,
+        )
+        return await runner.run()
+
+
+# -------------------------------------------------------------------- HTTP
+@web.middleware
+async def _auth(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    expected = f"Bearer {request.app[AGENT_KEY].settings.bearer_token()}"
+    given = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        return _error(401, "unauthorized", "missing or wrong bearer token")
+    return await handler(request)
+
+
+def _error(status: int, error: str, detail: str) -> web.Response:
+    body = ErrorResponse(error=error, detail=detail).model_dump_json()
+    return web.Response(status=status, text=body, content_type="application/json")
+
+
+async def put_plan(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    try:
+        plan = MembershipPlan.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return _error(400, "invalid_plan", str(exc))
+    try:
+        accepted = agent.apply_plan(plan)
+    except PlanRejectedError as exc:
+        return _error(409, "plan_rejected", str(exc))
+    return web.Response(
+        status=202, text=accepted.model_dump_json(), content_type="application/json"
+    )
+
+
+async def get_status(request: web.Request) -> web.Response:
+    status = await request.app[AGENT_KEY].status()
+    return web.Response(text=status.model_dump_json(), content_type="application/json")
+
+
+async def get_metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[AGENT_KEY].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def make_control_app(agent: Agent) -> web.Application:
+    app = web.Application(middlewares=[_auth])
+    app[AGENT_KEY] = agent
+    app.router.add_put("/v1/plan", put_plan)
+    app.router.add_get("/v1/status", get_status)
+    return app
+
+
+def make_metrics_app(agent: Agent) -> web.Application:
+    app = web.Application()
+    app[AGENT_KEY] = agent
+    app.router.add_get("/metrics", get_metrics)
+    return app
+
+
+async def serve(agent: Agent, stop: asyncio.Event) -> None:
+    """Run the control API, the metrics listener and (source) the Publisher socket."""
+    settings = agent.settings
+    runners = [web.AppRunner(make_control_app(agent), access_log=None)]
+    sites: list[tuple[web.AppRunner, str, int]] = [
+        (runners[0], settings.http_host, settings.http_port)
+    ]
+    if settings.metrics_port:
+        metrics_runner = web.AppRunner(make_metrics_app(agent), access_log=None)
+        runners.append(metrics_runner)
+        sites.append((metrics_runner, settings.http_host, settings.metrics_port))
+    server: asyncio.base_events.Server | None = None
+    try:
+        for runner, host, port in sites:
+            await runner.setup()
+            await web.TCPSite(runner, host, port).start()
+        if settings.role == Role.SOURCE:
+            settings.socket.parent.mkdir(parents=True, exist_ok=True)
+            settings.socket.unlink(missing_ok=True)
+            server = await asyncio.start_unix_server(
+                lambda r, w: serve_publisher(agent, r, w), path=str(settings.socket)
+            )
+        agent.start()
+        log.info(
+            "agent %s (%s) serving on %s:%d",
+            settings.pod_name,
+            settings.role.value,
+            settings.http_host,
+            settings.http_port,
+        )
+        await stop.wait()
+    finally:
+        if server is not None:
+            server.close()
+            settings.socket.unlink(missing_ok=True)
+        await agent.close()
+        for runner in runners:
+            await runner.cleanup()

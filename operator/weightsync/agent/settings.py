@@ -1,0 +1,76 @@
+"""The agent's typed settings, read once from `WEIGHTSYNC_*` environment variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from weightsync.api.control import Role
+
+ENV_PREFIX = "WEIGHTSYNC_"
+DEFAULT_SOCKET = "/var/run/weightsync/agent.sock"
+
+
+class SettingsError(ValueError):
+    """The environment does not describe a valid agent."""
+
+
+class AgentSettings(BaseModel):
+    """Field `foo_bar` is read from `WEIGHTSYNC_FOO_BAR`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    pod_name: str = Field(default_factory=socket.gethostname)
+    http_host: str = "0.0.0.0"  # noqa: S104 - the operator reaches the agent on its pod IP
+    http_port: int = Field(default=8470, ge=1, le=65535)
+    metrics_port: int = Field(default=9470, ge=0, le=65535)  # 0: no metrics listener
+    token: SecretStr | None = None
+    token_file: Path | None = None
+    socket: Path = Path(DEFAULT_SOCKET)  # the Publisher's Unix socket (source role)
+    device: str = "cpu"  # "cpu" or "cuda:N": where the bucket slots live
+    shm_dir: Path = Path("/dev/shm")  # noqa: S108 - POSIX shared memory, not a temp dir
+    engine: str | None = None  # "Reference" | "SGLang" | "VLLM"; sinks, or Colocated sources
+    engine_url: str = "http://127.0.0.1:30000"
+    engine_timeout_seconds: float = Field(default=60.0, gt=0)
+    log_level: str = "INFO"
+    # Test hook: sleep this long before handing each bucket to the engine, so a test
+    # can kill a member mid-round. Never set in production.
+    debug_bucket_delay_seconds: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentSettings:
+        if self.token is None and self.token_file is None:
+            raise ValueError("set WEIGHTSYNC_TOKEN or WEIGHTSYNC_TOKEN_FILE")
+        if self.role == Role.SINK and self.engine is None:
+            raise ValueError("a sink agent needs WEIGHTSYNC_ENGINE")
+        return self
+
+    def bearer_token(self) -> str:
+        """The control API token; a token file is re-read so rotation needs no restart."""
+        if self.token_file is not None:
+            token = self.token_file.read_text().strip()
+        elif self.token is not None:
+            token = self.token.get_secret_value()
+        else:
+            token = ""
+        if not token:
+            raise SettingsError("the control API token is empty")
+        return token
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> AgentSettings:
+        env = os.environ if environ is None else environ
+        known = set(cls.model_fields)
+        values: dict[str, str] = {}
+        for key, value in env.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            field = key.removeprefix(ENV_PREFIX).lower()
+            if field in known:
+                values[field] = value
+        return cls.model_validate(values)

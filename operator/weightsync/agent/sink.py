@@ -1,0 +1,327 @@
+"""The sink side: wait on the doorbell, receive buckets, hand them to the engine.
+
+Bucket k+1 (and up to `depth - 1` more) is already being received into the other slot
+while bucket k is handed to the engine; a slot is reused only after the engine's
+`load_bucket` for its previous bucket returned. An engine failure does not break the
+pipeline: the sink keeps receiving (so the collectives stay in step) and votes to fail
+the round at the end. A transport failure breaks the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from functools import partial
+
+import torch.distributed as dist
+
+from weightsync.agent.generations import Generation, Generations
+from weightsync.agent.rounds import (
+    DOORBELL,
+    Doorbell,
+    RoundFailed,
+    RoundHeader,
+    RoundOutcome,
+    SlotPool,
+    SwitchNotice,
+    checksum_key,
+    doorbell_key,
+    failure_key,
+    layout_key,
+)
+from weightsync.api.control import GenerationState
+from weightsync.engines.base import EngineAdapter, EngineError
+from weightsync.transfer.broadcast import TransferError, bucket_checksum
+from weightsync.transfer.layout import BucketLayout, LayoutError
+
+log = logging.getLogger(__name__)
+
+_DOORBELL_SLICE = timedelta(seconds=10)
+
+
+class SinkRound:
+    def __init__(
+        self,
+        generation: Generation,
+        header: RoundHeader,
+        layout: BucketLayout,
+        pool: SlotPool,
+        adapter: EngineAdapter,
+        *,
+        engine_timeout_seconds: float,
+        debug_bucket_delay_seconds: float = 0.0,
+    ) -> None:
+        if generation.group is None:
+            raise RoundFailed("no_group", f"generation {generation.number} is not formed")
+        self.generation = generation
+        self.group = generation.group
+        self.header = header
+        self.layout = layout
+        self.pool = pool
+        self.adapter = adapter
+        self.engine_timeout = engine_timeout_seconds
+        self.debug_delay = debug_bucket_delay_seconds
+        self.timeout = generation.plan.transfer.timeout_seconds
+        self.failure_key = failure_key(header.seq)
+        self.error: RoundFailed | None = None
+        self.committed = False
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    async def _engine(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+        if self.error is not None:
+            return
+        try:
+            await asyncio.wait_for(call(), self.engine_timeout)
+        except EngineError as exc:
+            self.error = RoundFailed(f"engine_{exc.reason}", f"{what}: {exc}")
+        except TimeoutError:
+            self.error = RoundFailed("engine_timeout", f"{what} timed out")
+
+    async def _stream(self, depth: int) -> list[int]:
+        slots = self.pool.ensure(self.layout, depth).slots
+        transport, buckets = self.group.transport, self.layout.buckets
+        pending: deque[dist.Work | None] = deque()
+        checksums: list[int] = []
+        issued = 0
+        for bucket in buckets:
+            while issued < len(buckets) and issued < bucket.index + depth:
+                view = slots[issued % depth][: buckets[issued].nbytes]
+                pending.append(await self.group.run(partial(transport.start_bucket, view)))
+                issued += 1
+            wait = partial(
+                transport.wait,
+                pending.popleft(),
+                deadline=self._deadline(),
+                failure_key=self.failure_key,
+            )
+            await self.group.run(wait)
+            slot_index = bucket.index % depth
+            if self.header.checksum:
+                view = slots[slot_index][: bucket.nbytes]
+                checksums.append(await self.group.run(partial(bucket_checksum, view)))
+            if self.debug_delay:
+                await asyncio.sleep(self.debug_delay)
+            load = partial(self.adapter.load_bucket, slot_index, bucket.tensors)
+            await self._engine(f"load bucket {bucket.index}", load)
+        return checksums
+
+    async def _verify_checksums(self, mine: list[int]) -> None:
+        ctl, deadline = self.group.ctl, self._deadline()
+
+        def fetch() -> bytes:
+            key = checksum_key(self.header.seq)
+            while not ctl.check([key]):
+                if ctl.check([self.failure_key]):
+                    raise TransferError("peer_failed", "a peer failed the round")
+                if time.monotonic() > deadline:
+                    raise TransferError("timeout", "the source's checksums never came")
+                time.sleep(0.005)
+            return ctl.get(key)
+
+        expected = json.loads(await self.group.run(fetch))
+        if expected != mine and self.error is None:
+            bad = [i for i, (a, b) in enumerate(zip(expected, mine, strict=False)) if a != b]
+            self.error = RoundFailed("checksum_mismatch", f"buckets {bad[:8]} differ")
+
+    async def _vote(self, flag: int) -> int:
+        transport, deadline = self.group.transport, self._deadline()
+        return await self.group.run(
+            lambda: transport.agree_max(flag, deadline=deadline, failure_key=self.failure_key)
+        )
+
+    async def run(self, depth: int) -> RoundOutcome:
+        started, version = time.monotonic(), self.header.version
+        number = self.generation.number
+        try:
+            await self._engine("begin", lambda: self.adapter.begin_update(version))
+            checksums = await self._stream(depth)
+            if self.header.checksum:
+                await self._verify_checksums(checksums)
+            if await self._vote(int(self.error is not None)):
+                raise self.error or RoundFailed("peer_error", "another rank failed the round")
+            await self._engine("finish", lambda: self.adapter.finish_update(version))
+            self.committed = self.error is None
+            if await self._vote(int(self.error is not None)):
+                raise self.error or RoundFailed("commit_failed", "another engine did not commit")
+        except (TransferError, dist.DistError) as exc:
+            reason = exc.reason if isinstance(exc, TransferError) else "store_error"
+            await self._fail_hard(reason, str(exc))
+            return RoundOutcome.failed(version, number, started, reason, str(exc))
+        except RoundFailed as exc:
+            await self._abort_engine(exc.reason)
+            return RoundOutcome.failed(version, number, started, exc.reason, str(exc))
+        return RoundOutcome(
+            version=version,
+            generation=number,
+            ok=True,
+            duration_seconds=time.monotonic() - started,
+            nbytes=self.layout.total_bytes,
+            finished_at=time.time(),
+        )
+
+    async def _abort_engine(self, reason: str) -> None:
+        if self.committed:  # this engine serves the version; the others did not
+            return
+        try:
+            await asyncio.wait_for(
+                self.adapter.abort_update(self.header.version, reason), self.engine_timeout
+            )
+        except (EngineError, TimeoutError) as exc:
+            log.warning("engine abort failed: %s", exc)
+
+    async def _fail_hard(self, reason: str, message: str) -> None:
+        log.warning(
+            "round %d (version %d) failed: %s", self.header.seq, self.header.version, message
+        )
+        rank = self.generation.plan.rank
+
+        def flag() -> None:
+            try:
+                self.group.ctl.set(self.failure_key, f"rank {rank}: {reason}")
+            except dist.DistError as exc:
+                log.warning("could not set the failure key: %s", exc)
+
+        try:
+            await asyncio.wait_for(self.group.run(flag), 5.0)
+        except TimeoutError:
+            log.warning("setting the failure key timed out")
+        self.generation.mark_broken(f"round {self.header.seq} failed: {reason}")
+        await self._abort_engine(reason)
+
+
+class SinkLoop:
+    """Follows the doorbell of the generation this sink is in, round after round."""
+
+    def __init__(
+        self,
+        generations: Generations,
+        pool: SlotPool,
+        adapter: EngineAdapter,
+        *,
+        engine_timeout_seconds: float,
+        debug_bucket_delay_seconds: float,
+        on_round_start: Callable[[RoundHeader, Generation], None],
+        on_round_end: Callable[[RoundOutcome, bool], None],
+    ) -> None:
+        self.generations = generations
+        self.pool = pool
+        self.adapter = adapter
+        self.engine_timeout = engine_timeout_seconds
+        self.debug_delay = debug_bucket_delay_seconds
+        self.on_round_start = on_round_start
+        self.on_round_end = on_round_end
+        self._layouts: dict[str, BucketLayout] = {}
+        self._attached_epoch = -1
+
+    async def run_forever(self) -> None:
+        while True:
+            generation = self.generations.oldest_listenable()
+            if generation is None:
+                async with self.generations.changed:
+                    await self.generations.changed.wait()
+                continue
+            bell = await self._wait_doorbell(generation)
+            if bell is None:
+                continue
+            generation.next_seq += 1
+            if isinstance(bell, SwitchNotice):
+                log.info("switching from generation %d to %d", generation.number, bell.generation)
+                generation.retire()
+                continue
+            await self._round(generation, bell)
+
+    async def _wait_doorbell(self, generation: Generation) -> Doorbell | None:
+        group = generation.group
+        if group is None:
+            return None
+        store, key = group.doorbell_store, doorbell_key(generation.next_seq)
+
+        def wait() -> bytes | None:
+            try:
+                store.wait([key], _DOORBELL_SLICE)
+            except dist.DistStoreError:
+                return None  # a quiet slice: look again (the generation may have changed)
+            return store.get(key)
+
+        try:
+            raw = await group.run(wait)
+        except (dist.DistError, RuntimeError) as exc:  # store gone, or group closed
+            if generation.state != GenerationState.RETIRED:
+                log.warning("generation %d doorbell lost: %s", generation.number, exc)
+                generation.mark_broken(f"doorbell lost: {exc}")
+                generation.retire()
+            return None
+        return None if raw is None else DOORBELL.validate_json(raw)
+
+    async def _layout(self, generation: Generation, layout_hash: str) -> BucketLayout:
+        layout = self._layouts.get(layout_hash)
+        if layout is None:
+            group = generation.group
+            if group is None:
+                raise RoundFailed("no_group", "generation not formed")
+            raw = await group.run(lambda: group.ctl.get(layout_key(layout_hash)))
+            layout = BucketLayout.from_json(raw)
+            self._layouts[layout_hash] = layout
+        return layout
+
+    async def _prepare(self, generation: Generation, header: RoundHeader) -> SinkRound:
+        """The layout (fetched once per hash), slots and engine attachment for a round."""
+        if not generation.usable:
+            raise RoundFailed("group_broken", f"generation {generation.number} is broken")
+        layout = await self._layout(generation, header.layout_hash)
+        if len(layout.buckets) != header.bucket_count:
+            raise LayoutError("bucket count disagrees with the layout")
+        runner = SinkRound(
+            generation,
+            header,
+            layout,
+            self.pool,
+            self.adapter,
+            engine_timeout_seconds=self.engine_timeout,
+            debug_bucket_delay_seconds=self.debug_delay,
+        )
+        slots = self.pool.ensure(layout, generation.plan.transfer.pipeline_depth)
+        if self.pool.epoch != self._attached_epoch:
+            try:
+                await asyncio.wait_for(
+                    self.adapter.attach_buffers(slots.slots), self.engine_timeout
+                )
+                self._attached_epoch = self.pool.epoch
+            except (EngineError, TimeoutError) as exc:
+                # Still take part in the round (the collectives must stay in step); vote no.
+                runner.error = RoundFailed("engine_attach_failed", f"attach: {exc!r}")
+        return runner
+
+    async def _round(self, generation: Generation, header: RoundHeader) -> None:
+        started = time.monotonic()
+        self.on_round_start(header, generation)
+        try:
+            runner = await self._prepare(generation, header)
+        except (RoundFailed, LayoutError, dist.DistError) as exc:
+            reason = exc.reason if isinstance(exc, RoundFailed) else "layout_unavailable"
+            await self._refuse(generation, header, reason)
+            self.on_round_end(
+                RoundOutcome.failed(header.version, generation.number, started, reason, str(exc)),
+                False,
+            )
+            return
+        outcome = await runner.run(generation.plan.transfer.pipeline_depth)
+        self.on_round_end(outcome, runner.committed)
+
+    async def _refuse(self, generation: Generation, header: RoundHeader, reason: str) -> None:
+        """Fail a round this sink cannot take part in, so the others stop at once."""
+        group = generation.group
+        if group is None:
+            return
+        try:
+            await group.run(lambda: group.ctl.set(failure_key(header.seq), f"refused: {reason}"))
+        except (dist.DistError, RuntimeError) as exc:
+            log.warning("could not refuse round %d: %s", header.seq, exc)
+        generation.mark_broken(f"round {header.seq} refused: {reason}")

@@ -1,0 +1,206 @@
+"""`Publisher`: what a trainer calls after `optimizer.step()`.
+
+    from weightsync.client import Publisher
+    publisher = Publisher()
+    result = publisher.publish(model.named_parameters(), version=step)
+
+The first publish sends the tensor metadata; the agent plans the bucket layout and
+answers with its bucket slots (shared memory on CPU, CUDA IPC on GPU), which this
+process maps once. Every publish then copies bucket after bucket into the slots the
+agent names, in step with its broadcast; only small JSON messages cross the socket.
+A different tensor set (or new bucket settings from the operator) renegotiates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from weightsync.transfer.buffers import copy_tensors, dtype_name, open_slots, slot_views
+from weightsync.transfer.handoff import (
+    Abandon,
+    Attach,
+    Attached,
+    Fill,
+    Filled,
+    HandoffError,
+    Message,
+    ProtocolError,
+    Publish,
+    RoundResult,
+    recv_message,
+    send_message,
+)
+from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
+
+log = logging.getLogger(__name__)
+
+SOCKET_ENV = "WEIGHTSYNC_SOCKET"
+DEFAULT_SOCKET = "/var/run/weightsync/agent.sock"
+
+
+class PublisherError(RuntimeError):
+    """The publish could not even start or complete its exchange with the agent."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class AgentUnavailableError(PublisherError):
+    """The source agent's socket is missing, refused, or closed mid-exchange."""
+
+
+class LayoutChangedError(PublisherError):
+    """The agent no longer accepts this layout and renegotiation did not settle it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    version: int
+    ok: bool
+    duration_seconds: float  # as measured by the agent, header to commit
+    bytes: int
+    reason: str = ""  # a short label when not ok, e.g. "peer_failed", "timeout"
+    message: str = ""
+    generation: int | None = None
+
+
+class Publisher:
+    """A connection to the local source agent; not thread-safe (one trainer rank, one)."""
+
+    def __init__(
+        self, socket_path: str | os.PathLike[str] | None = None, *, timeout: float = 600.0
+    ) -> None:
+        self.socket_path = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._metas: list[TensorMeta] | None = None
+        self._layout: BucketLayout | None = None
+        self._slots: list[torch.Tensor] = []
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ public
+    def publish(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+    ) -> PublishResult:
+        """Send `named_tensors` as weight version `version` to every engine of the group."""
+        tensors = dict(
+            named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        )
+        metas = [
+            TensorMeta(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()
+        ]
+        for attempt in range(2):
+            if self._layout is None or metas != self._metas:
+                self._attach(metas)
+            result = self._round(tensors, version)
+            if result.reason != "layout_mismatch":
+                return result
+            log.info("agent asked to renegotiate the layout (attempt %d)", attempt + 1)
+            self._layout = None
+        raise LayoutChangedError("layout_mismatch", "the agent rejected the layout twice")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ protocol
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(str(self.socket_path))
+            except OSError as exc:
+                sock.close()
+                raise AgentUnavailableError(
+                    "agent_unavailable", f"no weightsync agent at {self.socket_path}: {exc}"
+                ) from exc
+            self._sock = sock
+        return self._sock
+
+    def _exchange(self, message: Attach | Publish | Filled | Abandon | None) -> Message:
+        sock = self._connect()
+        try:
+            if message is not None:
+                send_message(sock, message)
+            return recv_message(sock)
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            self._layout = None  # a restarted agent has new slots
+            raise AgentUnavailableError(
+                "agent_gone", f"the weightsync agent went away: {exc}"
+            ) from exc
+
+    def _attach(self, metas: list[TensorMeta]) -> None:
+        reply = self._exchange(Attach(tensors=[(m.name, list(m.shape), m.dtype) for m in metas]))
+        if isinstance(reply, HandoffError):
+            raise PublisherError(reply.reason, reply.message)
+        if not isinstance(reply, Attached):
+            raise PublisherError("protocol", f"expected Attached, got {reply.type}")
+        layout = plan_layout(metas, reply.bucket_size_bytes, reply.alignment)
+        if layout.layout_hash != reply.layout_hash:
+            raise LayoutChangedError("layout_hash_mismatch", "the agent planned another layout")
+        self._slots = open_slots(reply.slots)
+        self._views.clear()
+        self._metas, self._layout = metas, layout
+
+    def _round(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
+        layout = self._layout
+        if layout is None:
+            raise PublisherError("protocol", "publish before attach")
+        message = self._exchange(Publish(version=version, layout_hash=layout.layout_hash))
+        while True:
+            if isinstance(message, RoundResult):
+                return PublishResult(
+                    version=message.version,
+                    ok=message.ok,
+                    duration_seconds=message.duration_seconds,
+                    bytes=message.bytes,
+                    reason=message.reason,
+                    message=message.message,
+                    generation=message.generation,
+                )
+            if isinstance(message, HandoffError):
+                raise PublisherError(message.reason, message.message)
+            if not isinstance(message, Fill):
+                raise PublisherError("protocol", f"unexpected {message.type} during a round")
+            try:
+                self._fill(layout, tensors, message)
+            except (RuntimeError, KeyError, IndexError) as exc:
+                log.exception("filling bucket %d failed", message.bucket)
+                message = self._exchange(Abandon(reason="fill_failed", message=repr(exc)))
+                continue
+            message = self._exchange(Filled(bucket=message.bucket))
+
+    def _fill(self, layout: BucketLayout, tensors: dict[str, torch.Tensor], fill: Fill) -> None:
+        started = time.perf_counter()
+        bucket = layout.buckets[fill.bucket]
+        key = (fill.slot, fill.bucket)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = slot_views(self._slots[fill.slot], bucket.tensors)
+        sources = [tensors[t.name].detach() for t in bucket.tensors]
+        copy_tensors(views, sources)
+        slot = self._slots[fill.slot]
+        if slot.is_cuda:  # the agent broadcasts from another process: the copy must be done
+            torch.cuda.current_stream(slot.device).synchronize()
+        log.debug("bucket %d filled in %.6f s", fill.bucket, time.perf_counter() - started)

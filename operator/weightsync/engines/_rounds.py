@@ -1,0 +1,235 @@
+"""The round both HTTP engines share: pause, open a session, load, commit, resume, verify.
+
+SGLang and vLLM both load in place between a "begin" and a "finish" call, and both keep a
+free-form `weight_version` string. `RoundAdapter` drives the common shape and leaves the
+endpoints to the engine modules:
+
+* begin: read the served label, pause, open the engine's update session, write the
+  partial marker (so an engine left half-loaded reports it, whoever asks);
+* finish: commit (the engine's own finish, which also writes the served label), resume,
+  then read the label back: anything but the finished version is an error;
+* abort: close the session, write the old label back if nothing was loaded (the old
+  weights are intact), resume. After a load the marker stays and `health` says torn.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from weightsync.engines import _versions
+from weightsync.engines._http import (
+    REASON_SEQUENCE,
+    REASON_VERSION_MISMATCH,
+    EngineHTTP,
+    Reply,
+    engine_message,
+    error_reason,
+)
+from weightsync.engines._ipc import LogicalSlot, export_slots
+from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth, TensorSlice
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+HTTP_OK = 200
+
+
+@dataclass
+class Round:
+    """What the adapter knows about the update in progress."""
+
+    version: int
+    previous_label: object  # the engine's weight_version before the round
+    session_open: bool = False
+    marked: bool = False  # the partial marker is written
+    loads_attempted: int = 0
+
+
+class RoundAdapter(EngineAdapter):
+    """An engine behind HTTP that loads in place inside a begin/finish session."""
+
+    engine_name = "engine"
+
+    def __init__(
+        self,
+        http: EngineHTTP,
+        *,
+        control_timeout_seconds: float,
+        health_timeout_seconds: float,
+    ) -> None:
+        self._http = http
+        self._control_timeout = control_timeout_seconds
+        self._health_timeout = health_timeout_seconds
+        self._slots: list[LogicalSlot] = []
+        self._round: Round | None = None
+
+    # -- what each engine provides ------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _read_label(self, timeout_seconds: float) -> object:
+        """The engine's current weight_version."""
+
+    @abc.abstractmethod
+    async def _write_label(self, label: str) -> None:
+        """Set the engine's weight_version without touching weights."""
+
+    @abc.abstractmethod
+    async def _pause(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _open_session(self) -> None:
+        """Open the engine's update session (closing one an earlier agent left open)."""
+
+    @abc.abstractmethod
+    async def _close_session(self) -> None:
+        """Close the session without committing a version (abort)."""
+
+    @abc.abstractmethod
+    async def _commit(self, version: int) -> None:
+        """Close the session, make the new weights final and write the served label."""
+
+    @abc.abstractmethod
+    async def _load(self, round_: Round, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        """Hand one bucket to the engine; count each request in `round_.loads_attempted`."""
+
+    def _check_slots(self, slots: list[LogicalSlot]) -> None:
+        """Refuse slots this engine cannot read (raise ValueError)."""
+
+    # -- HTTP helpers ----------------------------------------------------------------------
+
+    async def _call(
+        self,
+        path: str,
+        timeout_seconds: float,
+        body: Any = None,
+        *,
+        method: str = "POST",
+        params: dict[str, str] | None = None,
+    ) -> Reply:
+        """One request; an error status becomes `EngineError` with the engine's message."""
+        reply = await self._http.request(
+            method, path, timeout_seconds=timeout_seconds, json_body=body, params=params
+        )
+        if reply.status >= 400:
+            raise EngineError(
+                error_reason(reply.status),
+                f"{self.engine_name} {path}: HTTP {reply.status}: {engine_message(reply)}",
+            )
+        return reply
+
+    # -- EngineAdapter -------------------------------------------------------------------
+
+    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+        exported = export_slots(slots)
+        self._check_slots(exported)
+        self._slots = exported
+
+    async def begin_update(self, version: int) -> None:
+        if self._round is not None:
+            raise EngineError(
+                REASON_SEQUENCE, f"update {self._round.version} is still open; abort it first"
+            )
+        previous = await self._read_label(self._control_timeout)
+        round_ = Round(version=version, previous_label=previous)
+        self._round = round_
+        try:
+            await self._pause()
+            await self._open_session()
+            round_.session_open = True
+            await self._write_label(_versions.partial_label(version))
+            round_.marked = True
+        except EngineError:
+            await self._unwind(round_)
+            raise
+
+    async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        round_ = self._round
+        if round_ is None:
+            raise EngineError(REASON_SEQUENCE, "load_bucket outside begin_update/finish_update")
+        await self._load(round_, slot, tensors)
+
+    async def finish_update(self, version: int) -> None:
+        round_ = self._round
+        if round_ is None or round_.version != version:
+            raise EngineError(REASON_SEQUENCE, f"finish_update({version}) without its begin")
+        await self._commit(version)
+        round_.session_open = False
+        round_.marked = False
+        self._round = None
+        await self._resume()
+        served = await self._read_label(self._control_timeout)
+        if served != _versions.served_label(version):
+            raise EngineError(
+                REASON_VERSION_MISMATCH,
+                f"{self.engine_name} reports weight_version {served!r} after finishing {version}",
+            )
+
+    async def abort_update(self, version: int, reason: str) -> None:
+        round_ = self._round
+        if round_ is not None and round_.version != version:
+            raise EngineError(REASON_SEQUENCE, f"abort_update({version}) during {round_.version}")
+        log.warning("aborting update %d on %s: %s", version, self._http.base_url, reason)
+        await self._unwind(round_)
+
+    async def _unwind(self, round_: Round | None) -> None:
+        """Leave the engine serving; raise only if it could not be resumed."""
+        self._round = None
+        failures: list[str] = []
+        if round_ is not None and round_.session_open:
+            try:
+                await self._close_session()
+            except EngineError as err:
+                failures.append(str(err))
+        if round_ is not None and round_.marked and round_.loads_attempted == 0:
+            # Nothing reached the engine: the old weights are intact and the old label true.
+            previous = round_.previous_label
+            try:
+                await self._write_label(previous if isinstance(previous, str) else "default")
+            except EngineError as err:
+                failures.append(str(err))
+        try:
+            await self._resume()
+        except EngineError as err:
+            failures.append(str(err))
+            raise EngineError(err.reason, "; ".join(failures)) from err
+        if failures:
+            log.warning("abort on %s: %s", self._http.base_url, "; ".join(failures))
+
+    async def health(self) -> EngineHealth:
+        try:
+            label = await self._read_label(self._health_timeout)
+        except EngineError as err:
+            return EngineHealth(healthy=False, version=None, detail=str(err))
+        round_ = self._round
+        if round_ is not None:
+            # Paused mid-round: a liveness probe that generates would queue behind the pause.
+            previous = _versions.parse_label(round_.previous_label)
+            return EngineHealth(
+                healthy=True,
+                version=previous.version,
+                torn=previous.partial,
+                detail=f"loading version {round_.version}",
+            )
+        parsed = _versions.parse_label(label)
+        detail = f"weight_version {label!r}"
+        if parsed.partial:
+            detail += ": an update was started and not finished, the weights are mixed"
+        try:
+            reply = await self._http.request("GET", "/health", timeout_seconds=self._health_timeout)
+        except EngineError as err:
+            return EngineHealth(False, parsed.version, parsed.partial, f"{detail}; {err}")
+        if reply.status != HTTP_OK:
+            detail += f"; /health answered {reply.status}"
+        return EngineHealth(reply.status == HTTP_OK, parsed.version, parsed.partial, detail)
+
+    async def close(self) -> None:
+        await self._http.close()

@@ -1,0 +1,213 @@
+"""SGLang adapter: flattened buckets through SGLang's HTTP server, by CUDA IPC.
+
+Targets SGLang 0.5.23 (PyPI release of the v0.5.23 tag), read in
+`python/sglang/srt/entrypoints/http_server.py`, `srt/managers/io_struct.py`,
+`srt/managers/tokenizer_control_mixin.py`, `srt/managers/scheduler_components/
+weight_updater.py`, `srt/model_executor/model_runner_components/weight_updater.py`,
+`srt/weight_sync/tensor_bucket.py` and `srt/utils/common.py` (MultiprocessingSerializer,
+SafeUnpickler). SGLang is not imported: the payload is built with torch alone.
+
+A round, as HTTP calls (bodies are JSON):
+
+1. `GET /model_info` reads the served `weight_version`.
+2. `POST /pause_generation {"mode": ...}` (abort | retract | in_place).
+3. `POST /begin_weight_update {}`: 0.5.23 refuses tensor updates outside such a session.
+4. `POST /update_weight_version {"new_version": "weightsync-partial-<v>", ...}` so an
+   engine left half-loaded says so itself.
+5. Per bucket, `POST /update_weights_from_tensor` with `load_format: "flattened_bucket"`
+   and one base64 `MultiprocessingSerializer` payload per TP rank: a pickled
+   `{"flattened_tensor": <uint8 view of the slot>, "metadata": [...]}`. The tensor pickles
+   as torch's `rebuild_cuda_tensor` call on the slot's CUDA IPC handle (device named by
+   GPU UUID, as SGLang's own patched reducer does); each metadata record has the
+   attributes of SGLang's `FlattenedTensorMetadata` (name, shape, dtype, start_idx,
+   end_idx, numel) and is a `types.SimpleNamespace`, which SGLang's SafeUnpickler admits
+   and its loader reads by attribute. `flush_cache` is false per bucket.
+6. `POST /end_weight_update {}`, `POST /flush_cache`, `POST /update_weight_version
+   {"new_version": "<v>"}`, `POST /continue_generation {}`, then `GET /model_info` must
+   report "<v>".
+
+SGLang replies to a bucket only after every TP rank loaded it and dropped the rebuilt
+tensor; torch's CUDA IPC receiver synchronizes its stream before it releases an opened
+storage, so a reply means the slot may be reused.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import pickle
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from weightsync.engines import _versions
+from weightsync.engines._http import (
+    REASON_BAD_BUCKET,
+    REASON_REJECTED,
+    EngineHTTP,
+    normalize_base_url,
+)
+from weightsync.engines._ipc import LogicalSlot, check_slices, metadata_record
+from weightsync.engines._rounds import Round, RoundAdapter
+from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.injection import EngineFlag, EngineInjection
+
+log = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+
+SGLANG_INJECTION = EngineInjection(
+    flags=(
+        EngineFlag(
+            "--load-format",
+            "dummy",
+            "the trainer's weights arrive by update_weights_from_tensor; starting from random "
+            "weights skips reading a checkpoint, and the readiness gate keeps the pod out of "
+            "Service endpoints until the first version is loaded",
+        ),
+    ),
+)
+
+SESSION_ALREADY_OPEN = "a weight-update session is already open"
+
+
+class SGLangSettings(BaseModel):
+    """How the adapter reaches one SGLang server and drives its updates."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_url: str = Field(description="SGLang's HTTP server, e.g. http://127.0.0.1:30000")
+    api_key: SecretStr | None = Field(
+        default=None, description="sent as a Bearer token (--api-key / --admin-api-key)"
+    )
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        default="abort", description="PauseGenerationReqInput.mode during an update"
+    )
+    flush_cache: bool = Field(
+        default=True, description="flush the radix/KV cache computed with the old weights"
+    )
+    tp_size: int = Field(default=1, ge=1, description="SGLang's --tp-size: payloads per bucket")
+    connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    control_timeout_seconds: float = Field(
+        default=120.0, gt=0, description="pause (abort mode retries every second), versions"
+    )
+    load_timeout_seconds: float = Field(default=300.0, gt=0, description="one bucket")
+    health_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="/health runs a one-token generation for up to 20 s"
+    )
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return normalize_base_url(value)
+
+    @model_validator(mode="after")
+    def _in_place_keeps_cache(self) -> SGLangSettings:
+        if self.pause_mode == "in_place" and self.flush_cache:
+            raise ValueError(
+                "pause_mode in_place keeps running requests and their KV cache, so SGLang "
+                "refuses to flush it; set flush_cache false or use abort/retract"
+            )
+        return self
+
+
+class SGLangAdapter(RoundAdapter):
+    """Feeds one SGLang server from the agent's bucket slots."""
+
+    engine_name = "SGLang"
+
+    def __init__(self, settings: SGLangSettings | str) -> None:
+        if isinstance(settings, str):
+            settings = SGLangSettings(base_url=settings)
+        self.settings = settings
+        super().__init__(
+            EngineHTTP(
+                settings.base_url,
+                connect_timeout_seconds=settings.connect_timeout_seconds,
+                api_key=settings.api_key,
+            ),
+            control_timeout_seconds=settings.control_timeout_seconds,
+            health_timeout_seconds=settings.health_timeout_seconds,
+        )
+
+    async def _post_ok(self, path: str, body: Any, timeout_seconds: float) -> dict[str, Any]:
+        """POST where SGLang answers {"success": bool, "message": str}."""
+        reply = await self._call(path, timeout_seconds, body)
+        result = reply.json_object()
+        if result.get("success") is not True:
+            raise EngineError(REASON_REJECTED, f"SGLang {path}: {result.get('message', result)}")
+        return result
+
+    async def _read_label(self, timeout_seconds: float) -> object:
+        reply = await self._call("/model_info", timeout_seconds, method="GET")
+        return reply.json_object().get("weight_version")
+
+    async def _write_label(self, label: str) -> None:
+        body = {"new_version": label, "abort_all_requests": False}
+        await self._post_ok("/update_weight_version", body, self._control_timeout)
+
+    async def _pause(self) -> None:
+        await self._call(
+            "/pause_generation", self._control_timeout, {"mode": self.settings.pause_mode}
+        )
+
+    async def _resume(self) -> None:
+        await self._call("/continue_generation", self._control_timeout, {})
+
+    async def _open_session(self) -> None:
+        try:
+            await self._post_ok("/begin_weight_update", {}, self._control_timeout)
+        except EngineError as err:
+            # A session an earlier agent left open (it stopped mid-round): close, retry.
+            if SESSION_ALREADY_OPEN not in str(err):
+                raise
+            log.warning("closing a weight-update session left open on %s", self.settings.base_url)
+            await self._close_session()
+            await self._post_ok("/begin_weight_update", {}, self._control_timeout)
+
+    async def _close_session(self) -> None:
+        await self._post_ok("/end_weight_update", {}, self._control_timeout)
+
+    async def _commit(self, version: int) -> None:
+        await self._close_session()
+        if self.settings.flush_cache:
+            await self._call("/flush_cache", self._control_timeout)
+        await self._write_label(_versions.served_label(version))
+
+    def _check_slots(self, slots: list[LogicalSlot]) -> None:
+        copies = len(slots[0].copies)
+        if copies not in (1, self.settings.tp_size):
+            raise ValueError(
+                f"slots are on {copies} devices but SGLang runs tp_size={self.settings.tp_size}: "
+                "give one device (every rank reads it) or one per rank"
+            )
+
+    def bucket_request(self, slot: int, tensors: Sequence[TensorSlice]) -> dict[str, Any]:
+        """The /update_weights_from_tensor body for a bucket in slot `slot` (stages it)."""
+        if not 0 <= slot < len(self._slots):
+            raise EngineError(REASON_BAD_BUCKET, f"slot {slot} of {len(self._slots)} attached")
+        logical = self._slots[slot]
+        lo, hi = check_slices(tensors, logical.nbytes)
+        metadata = [metadata_record(item, item.offset - lo) for item in tensors]
+        for copy in logical.copies:
+            copy.stage(lo, hi - lo)
+        payloads: list[str] = []
+        for rank in range(self.settings.tp_size):
+            # Rank r reads the copy on the r-th GPU when there is one per rank. Each rank
+            # gets its own pickle: a reader's rebuild consumes one sender reference.
+            copy = logical.copies[rank if len(logical.copies) > 1 else 0]
+            bucket = {"flattened_tensor": copy.view(lo, hi - lo), "metadata": metadata}
+            raw = pickle.dumps(bucket, protocol=pickle.DEFAULT_PROTOCOL)
+            payloads.append(base64.b64encode(raw).decode("ascii"))
+        return {
+            "serialized_named_tensors": payloads,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "abort_all_requests": False,
+        }
+
+    async def _load(self, round_: Round, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        body = self.bucket_request(slot, tensors)
+        round_.loads_attempted += 1
+        await self._post_ok("/update_weights_from_tensor", body, self.settings.load_timeout_seconds)

@@ -1,0 +1,240 @@
+"""vLLM adapter: vLLM's native weight-transfer API with its CUDA IPC backend, packed.
+
+Targets vLLM 0.33.0 (PyPI release, commit 4ba787ec9), read in
+`vllm/entrypoints/rl/online/api_router.py` (the RL routes, mounted only with
+VLLM_SERVER_DEV_MODE=1), `vllm/distributed/weight_transfer/{base,ipc_engine,
+packed_tensor,clients}.py`, `vllm/v1/worker/gpu_worker.py` (session checks),
+`vllm/v1/engine/async_llm.py` and `vllm/entrypoints/serve/exception_handling/`.
+vLLM is not imported.
+
+Why IPC: the agent already holds each bucket in GPU memory on the engine's node, so
+the "ipc" backend lets vLLM read it in place. "nccl" would make vLLM's workers join
+a second process group with the agent and receive every byte again; "ipc" adds no
+group and no copy beyond vLLM's own. Packed mode, because vLLM's unpacked mode hands the
+loader views of the sender's memory that its layerwise reload may keep past the call,
+which a reused slot would overwrite; packed mode clones each tensor out of the buffer.
+
+A round, as HTTP calls:
+
+1. `GET /weight_info` reads the served `weight_version`.
+2. `POST /pause?mode=abort|wait|keep`.
+3. `POST /init_weight_transfer_engine {"init_info": {"packed": true}}` (cheap for IPC; sent
+   every round so an engine restarted since the last one decodes packed buffers).
+4. `POST /start_weight_update`; then `POST /update_weight_version {"new_version":
+   "weightsync-partial-<v>"}` so a half-loaded engine says so itself.
+5. Per bucket, one `POST /update_weights {"update_info": {...}}` per contiguous run of
+   tensors in the slot: `names`, `dtype_names`, `shapes`, `tensor_sizes` and
+   `ipc_handles_pickled`, a base64 pickle of {GPU UUID: `reduce_tensor` args} for the
+   run's bytes (vLLM's packed consumer rebuilds that view and splits it by
+   `tensor_sizes` from its first byte, so a gap between tensors starts a new run).
+   vLLM synchronizes the device after each update, so a reply means the slot is free.
+6. `POST /finish_weight_update {"weight_version": "<v>"}`, `POST /resume`, and
+   `GET /weight_info` must report "<v>".
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from weightsync.engines import _versions
+from weightsync.engines._http import (
+    REASON_BAD_BUCKET,
+    REASON_ENGINE_FAILED,
+    REASON_REJECTED,
+    EngineHTTP,
+    normalize_base_url,
+)
+from weightsync.engines._ipc import check_slices
+from weightsync.engines._rounds import Round, RoundAdapter
+from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.injection import EngineFlag, EngineInjection
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.33.0"
+VLLM_COMMIT = "4ba787ec9"
+
+VLLM_INJECTION = EngineInjection(
+    flags=(
+        EngineFlag(
+            "--weight-transfer-config",
+            '{"backend": "ipc"}',
+            "create vLLM's CUDA IPC weight-transfer engine in every worker",
+        ),
+        EngineFlag(
+            "--load-format",
+            "dummy",
+            "the trainer's weights arrive over IPC; starting from random weights skips "
+            "reading a checkpoint, and the readiness gate keeps the pod out of Service "
+            "endpoints until the first version is loaded",
+        ),
+    ),
+    env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+    env_why={
+        "VLLM_SERVER_DEV_MODE": "mounts /pause, /resume and the weight-transfer routes",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "lets workers unpickle ipc_handles_pickled, "
+        "the only way IPC handles travel over HTTP",
+    },
+)
+
+UPDATE_ALREADY_ACTIVE = "start_weight_update called while a weight update is already active"
+
+
+class VLLMSettings(BaseModel):
+    """How the adapter reaches one vLLM server and drives its updates."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_url: str = Field(description="vLLM's HTTP server, e.g. http://127.0.0.1:8000")
+    api_key: SecretStr | None = Field(default=None, description="sent as a Bearer token")
+    pause_mode: Literal["abort", "wait", "keep"] = Field(
+        default="abort",
+        description="/pause mode; abort and wait also clear the prefix cache, keep keeps it",
+    )
+    connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    control_timeout_seconds: float = Field(
+        default=120.0, gt=0, description="pause (wait mode drains requests), start, finish"
+    )
+    load_timeout_seconds: float = Field(default=300.0, gt=0, description="one update_weights")
+    health_timeout_seconds: float = Field(default=10.0, gt=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return normalize_base_url(value)
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Tensors that lie back to back in a slot: one packed update."""
+
+    start: int
+    tensors: tuple[TensorSlice, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.tensors)
+
+
+def contiguous_runs(tensors: Sequence[TensorSlice]) -> list[_Run]:
+    """Split a bucket into runs of back-to-back tensors, in offset order."""
+    ordered = sorted(tensors, key=lambda item: item.offset)
+    runs: list[_Run] = []
+    current: list[TensorSlice] = []
+    end = 0
+    for item in ordered:
+        if current and item.offset < end:
+            raise EngineError(REASON_BAD_BUCKET, f"{item.name} overlaps {current[-1].name}")
+        if current and item.offset != end:
+            runs.append(_Run(start=current[0].offset, tensors=tuple(current)))
+            current = []
+        current.append(item)
+        end = item.offset + item.nbytes
+    runs.append(_Run(start=current[0].offset, tensors=tuple(current)))
+    return runs
+
+
+class VLLMAdapter(RoundAdapter):
+    """Feeds one vLLM server from the agent's bucket slots."""
+
+    engine_name = "vLLM"
+
+    def __init__(self, settings: VLLMSettings | str) -> None:
+        if isinstance(settings, str):
+            settings = VLLMSettings(base_url=settings)
+        self.settings = settings
+        super().__init__(
+            EngineHTTP(
+                settings.base_url,
+                connect_timeout_seconds=settings.connect_timeout_seconds,
+                api_key=settings.api_key,
+            ),
+            control_timeout_seconds=settings.control_timeout_seconds,
+            health_timeout_seconds=settings.health_timeout_seconds,
+        )
+
+    async def _read_label(self, timeout_seconds: float) -> object:
+        reply = await self._call("/weight_info", timeout_seconds, method="GET")
+        return reply.json_object().get("weight_version")
+
+    async def _write_label(self, label: str) -> None:
+        await self._call("/update_weight_version", self._control_timeout, {"new_version": label})
+
+    async def _pause(self) -> None:
+        await self._call("/pause", self._control_timeout, params={"mode": self.settings.pause_mode})
+
+    async def _resume(self) -> None:
+        await self._call("/resume", self._control_timeout)
+
+    async def _open_session(self) -> None:
+        timeout = self._control_timeout
+        await self._call("/init_weight_transfer_engine", timeout, {"init_info": {"packed": True}})
+        try:
+            await self._call("/start_weight_update", timeout)
+        except EngineError as err:
+            # A session an earlier agent left open (it stopped mid-round): finish, retry.
+            if UPDATE_ALREADY_ACTIVE not in str(err):
+                raise
+            log.warning("finishing a weight update left open on %s", self.settings.base_url)
+            await self._close_session()
+            await self._call("/start_weight_update", timeout)
+
+    async def _close_session(self) -> None:
+        # Finishing puts every layer that received nothing back on its old tensors; a
+        # session left open would leave those layers on the meta device.
+        await self._call("/finish_weight_update", self._control_timeout)
+
+    async def _commit(self, version: int) -> None:
+        label = _versions.served_label(version)
+        await self._call("/finish_weight_update", self._control_timeout, {"weight_version": label})
+
+    def bucket_requests(self, slot: int, tensors: Sequence[TensorSlice]) -> list[dict[str, Any]]:
+        """The /update_weights bodies for a bucket in slot `slot`, one per contiguous run."""
+        if not 0 <= slot < len(self._slots):
+            raise EngineError(REASON_BAD_BUCKET, f"slot {slot} of {len(self._slots)} attached")
+        logical = self._slots[slot]
+        check_slices(tensors, logical.nbytes)
+        bodies: list[dict[str, Any]] = []
+        for run in contiguous_runs(tensors):
+            for copy in logical.copies:
+                copy.stage(run.start, run.nbytes)
+            # One entry per GPU holding a copy; each worker picks its own GPU's UUID.
+            handles = {
+                copy.key: copy.view(run.start, run.nbytes).rebuild_args() for copy in logical.copies
+            }
+            update_info = {
+                "names": [item.name for item in run.tensors],
+                "dtype_names": [item.dtype for item in run.tensors],
+                "shapes": [list(item.shape) for item in run.tensors],
+                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+                "tensor_sizes": [item.nbytes for item in run.tensors],
+            }
+            bodies.append({"update_info": update_info})
+        return bodies
+
+    async def _load(self, round_: Round, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        for body in self.bucket_requests(slot, tensors):
+            round_.loads_attempted += 1
+            try:
+                await self._call("/update_weights", self.settings.load_timeout_seconds, body)
+            except EngineError as err:
+                # A worker whose update raised has ended its session (gpu_worker.py).
+                if err.reason in (REASON_REJECTED, REASON_ENGINE_FAILED):
+                    round_.session_open = False
+                raise
+
+    async def close(self) -> None:
+        # Let vLLM drop its mapping of the slots; best effort, the engine keeps running.
+        if self._slots:
+            try:
+                await self._call("/shutdown_weight_transfer_engine", self._control_timeout)
+            except EngineError as err:
+                log.info("shutdown_weight_transfer_engine on %s: %s", self.settings.base_url, err)
+        await super().close()

@@ -1,0 +1,210 @@
+"""The data-plane contract, one body for every backend (gloo on CPU in CI, NCCL on GPUs).
+
+One source agent (the trainer's) and N sink agents, each feeding a reference engine:
+rounds deliver bit-identical weights and identical greedy outputs; a sink killed
+mid-round fails that round on every rank within the timeout and no engine serves the
+half-sent version; the survivors complete the next round in a new generation.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.stack import AgentProc, Engine, Stack, free_port, stack, wait_warm
+from tests.support.eventually import eventually
+from weightsync.api.control import (
+    Backend,
+    MembershipPlan,
+    PlanMember,
+    Rendezvous,
+    Role,
+    TransferOptions,
+)
+from weightsync.client import Publisher, PublishResult
+from weightsync.engines.reference.engine import tensor_digest
+from weightsync.engines.reference.model import (
+    PRESETS,
+    LlamaForCausalLM,
+    build_model,
+    greedy_generate,
+    randomize,
+)
+
+PROMPTS = [[1, 2, 3, 4], [42], [7, 7, 7, 200, 13]]
+NEW_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class ContractConfig:
+    backend: Backend
+    devices: list[str]  # rank order: the source (trainer) first, then one per sink
+    preset: str = "tiny"
+    bucket_size_bytes: int = 16 << 10  # small buckets: many of them, so a kill lands mid-round
+    timeout_seconds: float = 10.0
+    rounds: int = 5
+    # Test hook on the sinks: a pause per bucket keeps a round open long enough to kill.
+    bucket_delay_seconds: float = 0.02
+    checksum: bool = True
+
+
+def make_plan(
+    config: ContractConfig, generation: int, rank: int, pods: list[str], port: int
+) -> MembershipPlan:
+    return MembershipPlan(
+        sync_name="contract",
+        generation=generation,
+        rank=rank,
+        backend=config.backend,
+        rendezvous=Rendezvous(host="127.0.0.1", port=port),
+        members=[
+            PlanMember(rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i == 0 else Role.SINK)
+            for i, pod in enumerate(pods)
+        ],
+        transfer=TransferOptions(
+            bucket_size_bytes=config.bucket_size_bytes,
+            pipeline_depth=2,
+            timeout_seconds=config.timeout_seconds,
+            checksum=config.checksum,
+        ),
+        prewarm_timeout_seconds=30.0,
+    )
+
+
+def apply_plan(config: ContractConfig, agents: list[AgentProc], generation: int, port: int) -> None:
+    pods = [a.proc.name for a in agents]
+    for rank, agent in enumerate(agents):
+        accepted = agent.put_plan(make_plan(config, generation, rank, pods, port))
+        assert accepted == {"generation": generation, "rank": rank, "world_size": len(agents)}
+    wait_warm(agents, generation, timeout=40.0)
+
+
+def expect_served(trainer: LlamaForCausalLM, engines: list[Engine], version: int) -> None:
+    """Every engine serves `version`, bit-identical to the trainer, same greedy output."""
+    want = {name: tensor_digest(p) for name, p in trainer.named_parameters()}
+    reference = greedy_generate(trainer, PROMPTS, NEW_TOKENS)
+    for engine in engines:
+        served = engine.digests()
+        assert served["version"] == version
+        assert served["tensors"] == want, f"engine on port {engine.port} differs from trainer"
+        generated = engine.generate(PROMPTS, NEW_TOKENS)
+        assert generated == {"output_ids": reference, "weight_version": version}
+
+
+def start(config: ContractConfig, workdir: Path, st: Stack) -> tuple[AgentProc, list[AgentProc]]:
+    sinks: list[AgentProc] = []
+    engines: list[Engine] = []
+    for index, device in enumerate(config.devices[1:], start=1):
+        engine = st.start_engine(f"engine-{index}", preset=config.preset, seed=0, device=device)
+        engines.append(engine)
+        sinks.append(
+            st.start_agent(
+                f"sink-{index}",
+                role="sink",
+                device=device,
+                engine=engine,
+                extra_env={
+                    "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS": str(config.bucket_delay_seconds)
+                },
+            )
+        )
+    source = st.start_agent("source-0", role="source", device=config.devices[0])
+    st.wait_ready([source, *sinks], engines)
+    return source, sinks
+
+
+def run_contract(config: ContractConfig, workdir: Path) -> None:
+    torch.manual_seed(0)
+    with stack(workdir) as st:
+        source, sinks = start(config, workdir, st)
+        engines = [s.engine for s in sinks if s.engine is not None]
+        port = free_port()
+        apply_plan(config, [source, *sinks], generation=1, port=port)
+
+        trainer = build_model(PRESETS[config.preset], seed=0, device=config.devices[0])
+        assert source.socket_path is not None
+        with Publisher(source.socket_path, timeout=60.0) as publisher:
+            for version in range(1, config.rounds + 1):
+                randomize(trainer, seed=1000 + version)
+                result = publisher.publish(trainer.named_parameters(), version=version)
+                assert result.ok, result
+                assert result.version == version
+                assert result.generation == 1
+                assert result.bytes >= sum(
+                    p.numel() * p.element_size() for p in trainer.parameters()
+                )
+                expect_served(trainer, engines, version)
+            served = config.rounds
+
+            # ---- a sink dies mid-round: the round fails everywhere, nobody serves it
+            victim, survivors = sinks[-1], sinks[:-1]
+            randomize(trainer, seed=7777)
+            failed = publish_while_killing(publisher, trainer, served + 1, victim)
+            assert not failed.ok
+            assert failed.reason in {"collective_error", "peer_failed", "timeout"}, failed
+            assert failed.duration_seconds < config.timeout_seconds + 5.0
+            for engine in engines:
+                assert engine.health()["version"] == served
+            for sink in survivors:
+                last = eventually(
+                    lambda s=sink: _last_round(s, served + 1), timeout=config.timeout_seconds + 5
+                )
+                assert not last.ok
+                assert sink.status().version == served
+
+            # ---- the operator plans generation 2 without the dead sink
+            apply_plan(config, [source, *survivors], generation=2, port=port)
+            result = publisher.publish(trainer.named_parameters(), version=served + 1)
+            assert result.ok, result
+            assert result.generation == 2
+            expect_served(trainer, engines[:-1], served + 1)
+            assert engines[-1].health()["version"] == served
+
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(source.metrics())
+            for s in family.samples
+        }
+        source_label = (("role", "source"),)
+        assert samples[("weightsync_current_version", source_label)] == served + 1
+        assert samples[("weightsync_prewarm_duration_seconds_count", source_label)] == 2
+        assert samples[("weightsync_round_duration_seconds_count", source_label)] == served + 2
+        reason = (("reason", failed.reason), ("role", "source"))
+        assert samples[("weightsync_round_failures_total", reason)] == 1
+
+
+def _last_round(agent: AgentProc, version: int) -> object:
+    last = agent.status().last_round
+    return last if last is not None and last.version == version else None
+
+
+def publish_while_killing(
+    publisher: Publisher, trainer: LlamaForCausalLM, version: int, victim: AgentProc
+) -> PublishResult:
+    outcome: list[PublishResult | BaseException] = []
+
+    def publish() -> None:
+        try:
+            outcome.append(publisher.publish(trainer.named_parameters(), version=version))
+        except BaseException as exc:  # handed to the test thread below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=publish, name="publish")
+    thread.start()
+    eventually(
+        lambda: victim.status().round_in_progress, timeout=20, interval=0.02, message="round open"
+    )
+    time.sleep(0.1)  # a few buckets in
+    victim.proc.popen.send_signal(signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "publish did not return after a sink was killed"
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result

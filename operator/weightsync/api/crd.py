@@ -47,9 +47,9 @@ def openapi_schema() -> Schema:
         "properties": {
             "apiVersion": {"description": _field_description("api_version"), "type": "string"},
             "kind": {"description": _field_description("kind"), "type": "string"},
-            # The API server validates metadata itself and allows no schema for it
-            # beyond its type.
-            "metadata": {"description": _field_description("metadata"), "type": "object"},
+            # The API server validates metadata itself and refuses any schema for it
+            # beyond its type, a description included.
+            "metadata": {"type": "object"},
             "spec": structural_schema(WeightSyncSpec, _field_description("spec")),
             "status": structural_schema(WeightSyncStatus, _field_description("status")),
         },

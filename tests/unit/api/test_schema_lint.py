@@ -72,7 +72,9 @@ def _lint_types(node: Schema) -> Iterator[str]:
 def _lint_naming(path: str, name: str, node: Schema) -> Iterator[str]:
     if name.lower() in ("phase", "state"):
         yield f"{name} field; report conditions instead"
-    if path and not path.endswith("[]"):  # a property, not the root or a list's items
+    # Properties need descriptions; the root, list items and metadata (where the API
+    # server forbids any schema but its type) are exempt.
+    if path not in ("", "metadata") and not path.endswith("[]"):
         description = node.get("description", "")
         if not description:
             yield "no description"

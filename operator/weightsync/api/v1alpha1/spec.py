@@ -73,8 +73,14 @@ COLOCATED_ONE_INFERENCE = CelRule(
     ),
     field_path=".inference",
 )
+# Both fields are defaulted, so a stored object always has them; the has() guards are
+# for the API server's own check of `transfer: {}` (the default), which it runs
+# against the rule before any nested defaulting.
 STAGING_LIMIT = CelRule(
-    rule=f"self.bucketSizeBytes * self.pipelineDepth <= {MAX_STAGING_BYTES}",
+    rule=(
+        "!has(self.bucketSizeBytes) || !has(self.pipelineDepth)"
+        f" || self.bucketSizeBytes * self.pipelineDepth <= {MAX_STAGING_BYTES}"
+    ),
     message=(
         "bucketSizeBytes * pipelineDepth is the staging memory on every GPU and must not"
         f" exceed 16 GiB ({MAX_STAGING_BYTES} bytes)"

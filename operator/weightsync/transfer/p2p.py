@@ -1,0 +1,223 @@
+"""Peer-to-peer pulls of a held weight version through the Mooncake transfer engine.
+
+A *holder* keeps the latest committed version in host memory (pinned where CUDA
+exists) registered with its transfer engine. A recovering agent registers its own
+destination buffer and reads the bytes chunk by chunk from one or more holders:
+RDMA in production, TCP where no RDMA NIC exists (as on CI machines). Segments are
+found by Mooncake's P2P handshake, so no metadata server runs: a segment's name is
+`<host>:<rpc port>`.
+
+Chunks are striped over holders by work stealing (one reader thread per holder, one
+shared queue), so a faster holder serves more and a holder that dies mid-pull just
+stops taking chunks; its unfinished chunk goes back to the queue for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class P2PProtocol(StrEnum):
+    TCP = "tcp"
+    RDMA = "rdma"
+
+
+class P2PError(RuntimeError):
+    """A pull or a registration failed; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def mooncake_available() -> tuple[bool, str]:
+    """Whether the Mooncake transfer engine loads here, and why not if it does not."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError as error:  # a missing libibverbs1 shows up here, too
+        return False, str(error)
+    return True, "mooncake transfer engine"
+
+
+class TransferEngineEndpoint:
+    """One process's Mooncake transfer engine: registers memory and reads peers' memory."""
+
+    def __init__(self, host: str, protocol: P2PProtocol, device_names: str = "") -> None:
+        ok, why = mooncake_available()
+        if not ok:
+            raise P2PError("transport_unavailable", f"Mooncake transfer engine unavailable: {why}")
+        from mooncake.engine import TransferEngine
+
+        self._engine: Any = TransferEngine()
+        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol.value, device_names)
+        if code != 0:
+            raise P2PError("init_failed", f"transfer engine init on {host} ({protocol}) -> {code}")
+        self.protocol = protocol
+        self.segment = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: set[int] = set()
+        log.info("P2P transport: Mooncake %s, segment %s", protocol.value, self.segment)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make `tensor`'s memory readable by peers (holder) or writable by reads (puller)."""
+        address = tensor.data_ptr()
+        if address in self._registered:
+            return
+        code = self._engine.register_memory(address, tensor.numel() * tensor.element_size())
+        if code != 0:
+            raise P2PError("register_failed", f"register_memory({address:#x}) -> {code}")
+        self._registered.add(address)
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        address = tensor.data_ptr()
+        if address in self._registered:
+            self._engine.unregister_memory(address)
+            self._registered.discard(address)
+
+    def read(self, segment: str, local_address: int, remote_address: int, nbytes: int) -> None:
+        """Copy `nbytes` from a peer's registered memory into ours; raises on failure."""
+        code = self._engine.transfer_sync_read(segment, local_address, remote_address, nbytes)
+        if code < 0:
+            raise P2PError("read_failed", f"read of {nbytes} B from {segment} -> {code}")
+
+    def close(self) -> None:
+        for address in list(self._registered):
+            self._engine.unregister_memory(address)
+        self._registered.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRegion:
+    """A holder's copy of one version, as a puller addresses it."""
+
+    name: str  # the holder (a pod name), for reports and logs
+    segment: str
+    address: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A byte range of the version (a bucket) and, optionally, its expected checksum."""
+
+    offset: int
+    nbytes: int
+    checksum: int | None = None
+
+
+@dataclass
+class PullReport:
+    bytes: int
+    seconds: float
+    bytes_by_holder: dict[str, int] = field(default_factory=dict)
+    failed_holders: dict[str, str] = field(default_factory=dict)  # name -> why
+
+    @property
+    def bandwidth_bytes_per_second(self) -> int:
+        return int(self.bytes / self.seconds) if self.seconds > 0 else 0
+
+
+def _read_chunk(
+    endpoint: TransferEngineEndpoint,
+    holder: HeldRegion,
+    chunk: Chunk,
+    target: torch.Tensor,
+    checksum: Callable[[torch.Tensor], int] | None,
+) -> P2PError | None:
+    """Read one chunk from one holder; the error if the read or its checksum failed."""
+    try:
+        endpoint.read(
+            holder.segment, target.data_ptr(), holder.address + chunk.offset, chunk.nbytes
+        )
+    except P2PError as error:
+        return error
+    if checksum is not None and chunk.checksum is not None:
+        found = checksum(target)
+        if found != chunk.checksum:
+            return P2PError(
+                "checksum_mismatch",
+                f"chunk at {chunk.offset}: checksum {found} != {chunk.checksum}",
+            )
+    return None
+
+
+def pull(
+    endpoint: TransferEngineEndpoint,
+    holders: Sequence[HeldRegion],
+    chunks: Sequence[Chunk],
+    destination: torch.Tensor,
+    *,
+    checksum: Callable[[torch.Tensor], int] | None = None,
+    timeout_seconds: float = 600.0,
+) -> PullReport:
+    """Read every chunk into `destination` (at the chunk's offset) from the holders.
+
+    A holder whose read fails, or whose bytes fail a chunk's checksum, is dropped and
+    the chunk is read again from another holder. Raises `P2PError` when no holder is
+    left or the pull outlives `timeout_seconds`.
+    """
+    if not holders:
+        raise P2PError("no_holder", "no holder to pull from")
+    total = sum(c.nbytes for c in chunks)
+    end = max((c.offset + c.nbytes for c in chunks), default=0)
+    for holder in holders:
+        if holder.nbytes < end:
+            raise P2PError("holder_too_small", f"{holder.name} holds {holder.nbytes} B, need {end}")
+    if destination.dim() != 1 or destination.element_size() != 1 or not destination.is_contiguous():
+        raise P2PError("bad_destination", "the destination must be a contiguous 1-D byte tensor")
+    if destination.numel() < end:
+        raise P2PError(
+            "destination_too_small", f"destination holds {destination.numel()} B, need {end}"
+        )
+    endpoint.register(destination)
+
+    pending: queue.Queue[Chunk] = queue.Queue()
+    for chunk in chunks:
+        pending.put(chunk)
+    report = PullReport(bytes=total, seconds=0.0)
+    lock = threading.Lock()
+    deadline = time.monotonic() + timeout_seconds
+
+    def serve(holder: HeldRegion) -> None:
+        moved = 0
+        while time.monotonic() < deadline:
+            try:
+                chunk = pending.get_nowait()
+            except queue.Empty:
+                break
+            target = destination[chunk.offset : chunk.offset + chunk.nbytes]
+            failure = _read_chunk(endpoint, holder, chunk, target, checksum)
+            if failure is not None:
+                pending.put(chunk)  # another holder reads it again
+                with lock:
+                    report.failed_holders[holder.name] = f"{failure.reason}: {failure}"
+                log.warning("holder %s dropped from the pull: %s", holder.name, failure)
+                break
+            moved += chunk.nbytes
+        with lock:
+            report.bytes_by_holder[holder.name] = moved
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=serve, args=(h,), name=f"pull-{h.name}") for h in holders]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    report.seconds = time.monotonic() - started
+    finished = sum(report.bytes_by_holder.values())
+    if finished != total:
+        why = "; ".join(f"{k}: {v}" for k, v in report.failed_holders.items()) or "timed out"
+        reason = "timeout" if time.monotonic() >= deadline else "no_live_holder"
+        raise P2PError(reason, f"pulled {finished} of {total} B ({why})")
+    return report

@@ -152,7 +152,8 @@ def drop_connection(request: web.Request) -> NoReturn:
 @asynccontextmanager
 async def serve(app: web.Application) -> AsyncIterator[str]:
     """Run `app` on a free loopback port; yield its base URL."""
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    # In-flight handlers (a stalled reply in a timeout test) get a short grace at exit.
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.2)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

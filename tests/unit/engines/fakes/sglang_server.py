@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -113,11 +114,16 @@ class FakeSGLang:
     paused_health_seconds: float = 0.2  # SGLang's /health waits up to 20 s, then 503
     loaded: list[str] = field(default_factory=list)  # parameter names, in load order
     crash_reason: str = ""
+    api_key: str | None = None  # --api-key: every endpoint wants "Authorization: Bearer <key>"
     _requests_done: asyncio.Event = field(default_factory=asyncio.Event)
     controls: FakeControls = field(default_factory=FakeControls)
 
+    @property
+    def in_session(self) -> bool:
+        return self.session_open
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[logging_middleware(self.controls)])
+        app = web.Application(middlewares=[logging_middleware(self.controls), self._auth])
         app.router.add_get("/health", self._health)
         app.router.add_get("/model_info", self._model_info)
         app.router.add_post("/pause_generation", self._pause)
@@ -130,6 +136,17 @@ class FakeSGLang:
         return app
 
     # -- helpers --------------------------------------------------------------------
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        # srt/utils/auth.py: a missing or wrong key is 401 {"error": "Unauthorized"}.
+        if self.api_key is not None and request.headers.get("Authorization") != (
+            f"Bearer {self.api_key}"
+        ):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _parse(self, request: web.Request, model: type[_M]) -> _M | web.Response:
         present, body = await read_json_body(request)

@@ -118,6 +118,10 @@ class FakeVLLM:
     controls: FakeControls = field(default_factory=FakeControls)
     _requests_done: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def in_session(self) -> bool:
+        return self.update_active
+
     def app(self) -> web.Application:
         app = web.Application(middlewares=[logging_middleware(self.controls)])
         app.router.add_get("/health", self._health)

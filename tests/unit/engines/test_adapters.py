@@ -1,0 +1,292 @@
+"""Behaviour both HTTP adapters share, run against each engine's fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from tests.unit.engines.fakes.common import serve
+from tests.unit.engines.harness import CASES, EngineCase, connected
+from tests.unit.engines.support import make_model, pack, run, zeros_like_model
+from weightsync.engines.base import EngineError, TensorSlice
+
+pytestmark = pytest.mark.parametrize("case", CASES, ids=str)
+
+
+def assert_model_equal(engine: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    assert engine.keys() == source.keys()
+    for name, tensor in source.items():
+        assert engine[name].dtype == tensor.dtype, name
+        assert torch.equal(engine[name], tensor), name
+
+
+def test_round_loads_every_tensor_bit_exact_and_serves_the_version(case: EngineCase) -> None:
+    source = make_model(seed=1)
+    fake = case.make_fake(zeros_like_model(source))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            await link.adapter.begin_update(7)
+            count = await link.load_model(source)
+            await link.adapter.finish_update(7)
+            health = await link.adapter.health()
+        assert count >= 3
+        assert_model_equal(fake.model, source)
+        assert health.healthy
+        assert health.version == 7
+        assert not health.torn
+        assert fake.weight_version == "7"
+        assert not fake.paused
+        assert not fake.in_session
+        paths = fake.controls.paths()
+        loads = paths.count(case.load_path)
+        assert loads >= count
+        assert paths[: len(case.begin_paths)] == list(case.begin_paths)
+        finish = paths[len(case.begin_paths) + loads :][: len(case.finish_paths)]
+        assert finish == list(case.finish_paths)
+
+    run(scenario())
+
+
+def test_second_round_replaces_every_tensor(case: EngineCase) -> None:
+    first, second = make_model(seed=1), make_model(seed=2)
+    fake = case.make_fake(zeros_like_model(first))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            await link.sync(first, 1)
+            assert_model_equal(fake.model, first)
+            await link.sync(second, 2)
+        assert_model_equal(fake.model, second)
+        assert fake.weight_version == "2"
+
+    run(scenario())
+
+
+def test_bucket_outside_a_round_is_refused_before_any_request(case: EngineCase) -> None:
+    source = make_model()
+    fake = case.make_fake(zeros_like_model(source))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            slices = pack(link.slots[0], list(source.items())[:1])
+            with pytest.raises(EngineError) as caught:
+                await link.adapter.load_bucket(0, slices)
+            assert caught.value.reason == "sequence"
+            await link.adapter.begin_update(1)
+            with pytest.raises(EngineError) as caught:
+                await link.adapter.finish_update(2)
+            assert caught.value.reason == "sequence"
+        assert case.load_path not in fake.controls.paths()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("slice_", "what"),
+    [
+        (TensorSlice("w", "float32", (4,), 4090, 16), "outside"),
+        (TensorSlice("w", "float32", (4,), 2, 16), "multiple"),
+        (TensorSlice("w", "float32", (4,), 0, 12), "nbytes"),
+        (TensorSlice("w", "complex_float9", (4,), 0, 16), "dtype"),
+    ],
+)
+def test_bucket_that_does_not_fit_the_slot_is_refused(
+    case: EngineCase, slice_: TensorSlice, what: str
+) -> None:
+    fake = case.make_fake({"w": torch.zeros(4)})
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            await link.adapter.begin_update(1)
+            with pytest.raises(EngineError) as caught:
+                await link.adapter.load_bucket(0, [slice_])
+            assert caught.value.reason == "bad_bucket"
+            assert what in str(caught.value)
+            with pytest.raises(EngineError):
+                await link.adapter.load_bucket(5, [slice_])
+        assert case.load_path not in fake.controls.paths()
+
+    run(scenario())
+
+
+def test_slow_engine_times_out_within_the_request_timeout(case: EngineCase) -> None:
+    source = make_model()
+    fake = case.make_fake(zeros_like_model(source))
+    fake.controls.delays[case.load_path] = 5.0
+
+    async def scenario() -> None:
+        async with connected(case, fake, load_timeout_seconds=0.3) as link:
+            await link.adapter.begin_update(1)
+            started = time.monotonic()
+            with pytest.raises(EngineError) as caught:
+                await link.load_model(source, limit=1)
+            elapsed = time.monotonic() - started
+            assert caught.value.reason == "timeout"
+            assert "0.3 s" in str(caught.value)
+            assert elapsed < 2.0
+            fake.controls.delays.clear()
+            await link.adapter.abort_update(1, "timeout")
+
+    run(scenario())
+
+
+def test_unreachable_engine_is_an_engine_error(case: EngineCase) -> None:
+    async def scenario() -> None:
+        async with serve(case.make_fake({}).app()) as url:
+            pass  # the port is closed again
+        adapter = case.make_adapter(url, control_timeout_seconds=2.0)
+        with pytest.raises(EngineError) as caught:
+            await adapter.begin_update(1)
+        assert caught.value.reason == "unreachable"
+        health = await adapter.health()
+        assert not health.healthy
+        assert health.version is None
+        await adapter.close()
+
+    run(scenario())
+
+
+def test_engine_serving_another_version_after_finish_is_an_error(case: EngineCase) -> None:
+    source = make_model()
+    fake = case.make_fake(zeros_like_model(source))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            await link.adapter.begin_update(4)
+            await link.load_model(source)
+            fake.report_version = "3"  # as if another writer raced us
+            with pytest.raises(EngineError) as caught:
+                await link.adapter.finish_update(4)
+        assert caught.value.reason == "version_mismatch"
+        assert "'3'" in str(caught.value)
+
+    run(scenario())
+
+
+def test_abort_before_any_load_restores_the_served_version(case: EngineCase) -> None:
+    source = make_model()
+    fake = case.make_fake(zeros_like_model(source))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            await link.sync(source, 5)
+            await link.adapter.begin_update(6)
+            assert fake.weight_version == "weightsync-partial-6"
+            assert fake.paused
+            await link.adapter.abort_update(6, "trainer gave up")
+            health = await link.adapter.health()
+        assert fake.weight_version == "5"
+        assert not fake.paused
+        assert not fake.in_session
+        assert health.healthy
+        assert health.version == 5
+        assert not health.torn
+
+    run(scenario())
+
+
+def test_abort_after_a_load_leaves_the_engine_torn_until_a_full_round(case: EngineCase) -> None:
+    first, second, third = make_model(seed=1), make_model(seed=2), make_model(seed=3)
+    fake = case.make_fake(zeros_like_model(first))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            await link.sync(first, 1)
+            await link.adapter.begin_update(2)
+            await link.load_model(second, limit=1)
+            await link.adapter.abort_update(2, "broadcast failed")
+            torn = await link.adapter.health()
+            assert not fake.paused
+            assert not fake.in_session
+            assert torn.torn
+            assert torn.version is None
+            assert "mixed" in torn.detail
+            await link.sync(third, 3)
+            repaired = await link.adapter.health()
+        assert not repaired.torn
+        assert repaired.version == 3
+        assert_model_equal(fake.model, third)
+
+    run(scenario())
+
+
+def test_restarted_agent_finds_the_engine_torn_and_recovers(case: EngineCase) -> None:
+    first, second = make_model(seed=1), make_model(seed=2)
+    fake = case.make_fake(zeros_like_model(first))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as old:
+            await old.adapter.begin_update(1)
+            await old.load_model(first, limit=1)
+            # The agent dies here: the session stays open and the engine paused.
+        assert fake.in_session
+        async with connected(case, fake) as new:
+            seen = await new.adapter.health()
+            assert seen.torn
+            await new.sync(second, 2)
+            health = await new.adapter.health()
+        assert health.version == 2
+        assert not health.torn
+        assert_model_equal(fake.model, second)
+
+    run(scenario())
+
+
+def test_health_mid_round_reports_the_old_version_without_probing(case: EngineCase) -> None:
+    source = make_model()
+    fake = case.make_fake(zeros_like_model(source))
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            await link.sync(source, 3)
+            await link.adapter.begin_update(4)
+            probes = fake.controls.paths().count("/health")
+            health = await link.adapter.health()
+            assert fake.controls.paths().count("/health") == probes
+            await link.adapter.abort_update(4, "test over")
+        assert health.healthy
+        assert health.version == 3
+        assert not health.torn
+        assert "loading version 4" in health.detail
+
+    run(scenario())
+
+
+def test_unhealthy_engine_is_reported(case: EngineCase) -> None:
+    fake = case.make_fake({})
+    fake.healthy = False
+
+    async def scenario() -> None:
+        async with connected(case, fake) as link:
+            health = await link.adapter.health()
+        assert not health.healthy
+        assert health.version is None
+        assert "503" in health.detail
+
+    run(scenario())
+
+
+def test_failed_begin_resumes_generation(case: EngineCase) -> None:
+    fake = case.make_fake({})
+    stall = case.begin_paths[-2]  # the call that opens the engine's session
+    fake.controls.delays[stall] = 0.6
+
+    async def scenario() -> None:
+        async with connected(case, fake, control_timeout_seconds=0.3) as link:
+            with pytest.raises(EngineError) as caught:
+                await link.adapter.begin_update(1)
+            assert caught.value.reason == "timeout"
+            paths = fake.controls.paths()
+            assert case.resume_path in paths[paths.index(stall) :]
+            assert not fake.paused
+            # The adapter holds no round open: the next round may begin.
+            fake.controls.delays.clear()
+            await asyncio.sleep(0.6)  # let the stalled call land first
+            await link.adapter.begin_update(2)
+            await link.adapter.abort_update(2, "test over")
+
+    run(scenario())

@@ -203,6 +203,9 @@ class Stack:
         return "\n".join(f"----- {p.name}\n{p.tail()}" for p in self.procs)
 
     def close(self) -> None:
+        for proc in self.procs:  # all at once: each takes a moment to shut down
+            if proc.alive():
+                proc.popen.terminate()
         for proc in self.procs:
             proc.stop()
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -84,6 +85,42 @@ def _master_store(port: int, timeout: timedelta) -> TCPStore:
         return store
 
 
+class CollectiveThread:
+    """One daemon thread running submitted calls in order.
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, and a thread
+    stuck in a backend call (a peer that never came) must not keep the agent alive.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._stopped = False
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fn, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the awaiting coroutine
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        if self._stopped:
+            raise RuntimeError("the collective thread is stopped")
+        future: Future[T] = Future()
+        self._calls.put((fn, future))  # type: ignore[arg-type]
+        return future
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._calls.put(None)
+
+
 def _clone(store: Store) -> Store:
     """A new connection to the same store (`clone` is missing from torch's stubs)."""
     clone: Store = store.clone()  # type: ignore[attr-defined]
@@ -98,9 +135,7 @@ class Group:
         self.broken_reason: str | None = None
         self.prewarm_seconds: float | None = None
         self.transport: Transport = LocalTransport()
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"ws-g{spec.generation}-coll"
-        )
+        self._worker = CollectiveThread(f"ws-g{spec.generation}-coll")
         self._ctl: Store | None = None
         self._doorbell: Store | None = None
 
@@ -185,7 +220,41 @@ class Group:
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run `fn` on this generation's collective thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        return await asyncio.wrap_future(self._worker.submit(fn))
+
+    async def wait_key(self, key: str, quiet_after: timedelta) -> bytes | None:
+        """Wait for a control key on the doorbell connection; None after `quiet_after`.
+
+        Runs on a daemon thread of its own: a blocking store wait cannot be interrupted,
+        and an idle sink must still be able to exit at once.
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bytes | None] = loop.create_future()
+        store = self.doorbell_store
+
+        def settle(value: bytes | None, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(value)
+
+        def wait() -> None:
+            try:
+                store.wait([key], quiet_after)
+                value: bytes | None = store.get(key)
+            except dist.DistStoreError:
+                value = None  # a quiet slice
+            except (dist.DistError, RuntimeError) as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+                return
+            loop.call_soon_threadsafe(settle, value, None)
+
+        threading.Thread(
+            target=wait, name=f"ws-g{self.spec.generation}-doorbell", daemon=True
+        ).start()
+        return await done
 
     def abort(self, reason: str) -> None:
         """Mark broken and abort the communicator; never waits on peers."""
@@ -198,7 +267,7 @@ class Group:
         """Release the group after the switch to a newer generation (or after abort)."""
         if isinstance(self.transport, BroadcastTransport) and self.broken_reason is None:
             self.transport.shutdown()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._worker.stop()
 
 
 async def form_group(spec: GroupSpec) -> Group:

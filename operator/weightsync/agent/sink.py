@@ -241,17 +241,8 @@ class SinkLoop:
         group = generation.group
         if group is None:
             return None
-        store, key = group.doorbell_store, doorbell_key(generation.next_seq)
-
-        def wait() -> bytes | None:
-            try:
-                store.wait([key], _DOORBELL_SLICE)
-            except dist.DistStoreError:
-                return None  # a quiet slice: look again (the generation may have changed)
-            return store.get(key)
-
         try:
-            raw = await group.run(wait)
+            raw = await group.wait_key(doorbell_key(generation.next_seq), _DOORBELL_SLICE)
         except (dist.DistError, RuntimeError) as exc:  # store gone, or group closed
             if generation.state != GenerationState.RETIRED:
                 log.warning("generation %d doorbell lost: %s", generation.number, exc)

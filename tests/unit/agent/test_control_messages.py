@@ -1,0 +1,77 @@
+"""The membership plan rejects what no agent could form."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from weightsync.api.control import MembershipPlan
+
+
+def plan(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "sync_name": "demo",
+        "generation": 1,
+        "rank": 1,
+        "backend": "gloo",
+        "rendezvous": {"host": "10.0.0.1", "port": 29500},
+        "members": [
+            {"rank": 0, "pod": "trainer-0", "host": "10.0.0.1", "role": "source"},
+            {"rank": 1, "pod": "infer-a", "host": "10.0.0.2", "role": "sink"},
+        ],
+    }
+    body.update(overrides)
+    return body
+
+
+def test_valid_plan_defaults() -> None:
+    parsed = MembershipPlan.model_validate(plan())
+    assert parsed.world_size == 2
+    assert parsed.me.pod == "infer-a"
+    assert parsed.transfer.bucket_size_bytes == 512 << 20
+    assert parsed.transfer.pipeline_depth == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rank": 2}, "not a member"),
+        ({"generation": 0}, "greater than or equal to 1"),
+        (
+            {
+                "members": [
+                    {"rank": 0, "pod": "a", "host": "h", "role": "source"},
+                    {"rank": 2, "pod": "b", "host": "h", "role": "sink"},
+                ]
+            },
+            "0..1 once each",
+        ),
+        (
+            {
+                "members": [
+                    {"rank": 0, "pod": "a", "host": "h", "role": "sink"},
+                    {"rank": 1, "pod": "b", "host": "h", "role": "sink"},
+                ]
+            },
+            "exactly one source",
+        ),
+        (
+            {
+                "members": [
+                    {"rank": 0, "pod": "a", "host": "h", "role": "sink"},
+                    {"rank": 1, "pod": "b", "host": "h", "role": "source"},
+                ]
+            },
+            "source member is rank 0",
+        ),
+        ({"mode": "Colocated"}, "only the source"),
+        ({"transfer": {"pipeline_depth": 0}}, "pipeline_depth"),
+        ({"backend": "mpi"}, "backend"),
+        ({"unknown": 1}, "Extra inputs"),
+    ],
+)
+def test_invalid_plans(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        MembershipPlan.model_validate(plan(**overrides))

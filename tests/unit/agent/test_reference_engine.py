@@ -1,0 +1,129 @@
+"""The reference engine's updates are staged: all or nothing, never a mix."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync.engines.base import EngineError
+from weightsync.engines.reference.engine import ReferenceEngine, tensor_digest
+from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
+from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
+from weightsync.transfer.layout import BucketLayout, plan_layout
+
+CONFIG = PRESETS["tiny"]
+
+
+def digests(engine: ReferenceEngine) -> dict[str, str]:
+    return engine.digests()[1]
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[ReferenceEngine, BucketLayout, BucketSlots]:
+    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+    layout = plan_layout(state_dict_metas(CONFIG, "float32"), 8 << 10)
+    slots = BucketSlots(2, layout.capacity_bytes, torch.device("cpu"), str(tmp_path))
+    engine.attach(slots.handles)
+    return engine, layout, slots
+
+
+def stream(
+    engine: ReferenceEngine,
+    layout: BucketLayout,
+    slots: BucketSlots,
+    seed: int,
+    upto: int | None = None,
+) -> None:
+    source = dict(build_model(CONFIG, seed=seed).named_parameters())
+    for bucket in layout.buckets[:upto]:
+        slot = bucket.index % 2
+        copy_tensors(
+            slot_views(slots.slots[slot], bucket.tensors), [source[t.name] for t in bucket.tensors]
+        )
+        engine.load(slot, bucket.tensors)
+
+
+def test_commit_swaps_in_the_new_version(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, layout, slots = setup
+    engine.begin(1)
+    stream(engine, layout, slots, seed=5)
+    engine.commit(1)
+    want = {n: tensor_digest(p) for n, p in build_model(CONFIG, seed=5).named_parameters()}
+    assert digests(engine) == want
+    assert engine.health().version == 1
+    # The freed buffers are reused for the next version without touching the served one.
+    engine.begin(2)
+    stream(engine, layout, slots, seed=6)
+    assert digests(engine) == want
+    engine.commit(2)
+    assert digests(engine) != want
+
+
+def test_abort_leaves_the_served_weights(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, layout, slots = setup
+    before = digests(engine)
+    engine.begin(1)
+    stream(engine, layout, slots, seed=9, upto=len(layout.buckets) // 2)
+    engine.abort(1)
+    assert digests(engine) == before
+    assert engine.health().version is None
+    with pytest.raises(EngineError, match="without begin"):
+        engine.commit(1)
+
+
+def test_incomplete_update_is_refused(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, layout, slots = setup
+    before = digests(engine)
+    engine.begin(1)
+    stream(engine, layout, slots, seed=9, upto=len(layout.buckets) - 1)
+    with pytest.raises(EngineError) as error:
+        engine.commit(1)
+    assert error.value.reason == "incomplete_update"
+    assert digests(engine) == before
+
+
+def test_mismatched_tensors_are_refused(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, layout, _ = setup
+    engine.begin(1)
+    wrong = layout.buckets[0].tensors[0]
+    with pytest.raises(EngineError) as error:
+        engine.load(0, [replace(wrong, shape=(1, wrong.nbytes // 4))])
+    assert error.value.reason == "tensor_mismatch"
+    with pytest.raises(EngineError) as error:
+        engine.load(0, [replace(wrong, name="nope")])
+    assert error.value.reason == "unknown_tensor"
+    with pytest.raises(EngineError) as error:
+        engine.load(5, [wrong])
+    assert error.value.reason == "bad_slot"
+
+
+def test_versions_only_move_forward(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, layout, slots = setup
+    engine.begin(3)
+    stream(engine, layout, slots, seed=1)
+    engine.commit(3)
+    with pytest.raises(EngineError) as error:
+        engine.begin(3)
+    assert error.value.reason == "stale_version"
+
+
+def test_generate_reports_its_version() -> None:
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), version=4)
+    outputs, version = engine.generate([[1, 2], [3]], 3)
+    assert version == 4
+    assert [len(o) for o in outputs] == [3, 3]
+    with pytest.raises(EngineError, match="token ids"):
+        engine.generate([[CONFIG.vocab_size]], 1)

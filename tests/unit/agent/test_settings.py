@@ -1,0 +1,59 @@
+"""Agent settings come from WEIGHTSYNC_* variables, typed and validated once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from weightsync.agent.settings import AgentSettings, SettingsError
+from weightsync.api.control import Role
+
+
+def test_from_env_reads_prefixed_fields_only() -> None:
+    settings = AgentSettings.from_env(
+        {
+            "WEIGHTSYNC_ROLE": "sink",
+            "WEIGHTSYNC_TOKEN": "t0k",
+            "WEIGHTSYNC_ENGINE": "Reference",
+            "WEIGHTSYNC_HTTP_PORT": "9000",
+            "WEIGHTSYNC_SOME_OTHER_COMPONENT": "ignored",
+            "HTTP_PORT": "1",
+        }
+    )
+    assert settings.role == Role.SINK
+    assert settings.http_port == 9000
+    assert settings.bearer_token() == "t0k"
+    assert settings.socket == Path("/var/run/weightsync/agent.sock")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"WEIGHTSYNC_ROLE": "source"}, "WEIGHTSYNC_TOKEN"),
+        ({"WEIGHTSYNC_ROLE": "sink", "WEIGHTSYNC_TOKEN": "x"}, "WEIGHTSYNC_ENGINE"),
+        ({"WEIGHTSYNC_ROLE": "trainer", "WEIGHTSYNC_TOKEN": "x"}, "role"),
+        (
+            {"WEIGHTSYNC_ROLE": "source", "WEIGHTSYNC_TOKEN": "x", "WEIGHTSYNC_HTTP_PORT": "0"},
+            "http_port",
+        ),
+    ],
+)
+def test_invalid_environments(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        AgentSettings.from_env(env)
+
+
+def test_token_file_is_reread(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("first\n")
+    settings = AgentSettings.from_env(
+        {"WEIGHTSYNC_ROLE": "source", "WEIGHTSYNC_TOKEN_FILE": str(token_file)}
+    )
+    assert settings.bearer_token() == "first"
+    token_file.write_text("second")
+    assert settings.bearer_token() == "second"
+    token_file.write_text("  \n")
+    with pytest.raises(SettingsError, match="empty"):
+        settings.bearer_token()

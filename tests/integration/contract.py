@@ -21,7 +21,9 @@ from tests.integration.stack import AgentProc, Engine, Stack, free_port, stack, 
 from tests.support.eventually import eventually
 from weightsync.api.control import (
     Backend,
+    EngineStatus,
     MembershipPlan,
+    Mode,
     PlanMember,
     Rendezvous,
     Role,
@@ -55,13 +57,20 @@ class ContractConfig:
 
 
 def make_plan(
-    config: ContractConfig, generation: int, rank: int, pods: list[str], port: int
+    config: ContractConfig,
+    generation: int,
+    rank: int,
+    pods: list[str],
+    port: int,
+    *,
+    mode: Mode = Mode.DISAGGREGATED,
 ) -> MembershipPlan:
     return MembershipPlan(
         sync_name="contract",
         generation=generation,
         rank=rank,
         backend=config.backend,
+        mode=mode,
         rendezvous=Rendezvous(host="127.0.0.1", port=port),
         members=[
             PlanMember(rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i == 0 else Role.SINK)
@@ -208,3 +217,25 @@ def publish_while_killing(
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def run_colocated(workdir: Path, device: str, rounds: int = 3) -> None:
+    """Colocated mode: the engine reads the source agent's own slots; no broadcast."""
+    config = ContractConfig(
+        backend=Backend.NCCL if device.startswith("cuda") else Backend.GLOO, devices=[device]
+    )
+    with stack(workdir) as st:
+        engine = st.start_engine("engine-0", preset=config.preset, seed=0, device=device)
+        source = st.start_agent("source-0", role="source", device=device, engine=engine)
+        st.wait_ready([source], [engine])
+        source.put_plan(make_plan(config, 1, 0, ["source-0"], free_port(), mode=Mode.COLOCATED))
+        wait_warm([source], 1, timeout=30.0)
+        trainer = build_model(PRESETS[config.preset], seed=0, device=device)
+        assert source.socket_path is not None
+        with Publisher(source.socket_path, timeout=60.0) as publisher:
+            for version in range(1, rounds + 1):
+                randomize(trainer, seed=2000 + version)
+                result = publisher.publish(trainer.named_parameters(), version=version)
+                assert result.ok, result
+                expect_served(trainer, [engine], version)
+        assert source.status().engine == EngineStatus(healthy=True, version=rounds)

@@ -187,16 +187,21 @@ def randomize(model: nn.Module, seed: int) -> None:
 
 def build_model(
     config: ModelConfig,
-    seed: int,
+    seed: int | None,
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LlamaForCausalLM:
-    """The model with deterministic weights from `seed`, in eval mode, gradients off."""
+    """The model with deterministic weights from `seed`, in eval mode, gradients off.
+
+    `seed=None` leaves the weights uninitialised: for benchmarks of 8B shapes, whose
+    weights arrive by the first sync round anyway.
+    """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device=device).to(dtype)
-    randomize(model, seed)
+    if seed is not None:
+        randomize(model, seed)
     model.requires_grad_(False)
     return model.eval()
 

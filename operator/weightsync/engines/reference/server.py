@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0, help="initial weights (version none)")
+    parser.add_argument(
+        "--no-init", action="store_true", help="leave weights uninitialised (large benchmarks)"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -176,7 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     model = build_model(
-        PRESETS[args.preset], args.seed, dtype=torch_dtype(args.dtype), device=args.device
+        PRESETS[args.preset],
+        None if args.no_init else args.seed,
+        dtype=torch_dtype(args.dtype),
+        device=args.device,
     )
     app = make_app(ReferenceEngine(model))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.engines.fakes.common import ALLOWED_GLOBALS, RestrictedUnpickler
-from tests.unit.engines.fakes.reader import digest
+from tests.unit.engines.fakes.common import ALLOWED_GLOBALS, RestrictedUnpickler, digest
 from tests.unit.engines.support import cpu_slots, make_model, pack, run
 from weightsync.engines.sglang import SGLangAdapter, SGLangSettings
 from weightsync.engines.vllm import VLLMAdapter
@@ -47,7 +46,8 @@ def _globals(data: bytes) -> set[tuple[str, str]]:
 
 
 def _read_in_subprocess(request: dict[str, object]) -> dict[str, dict[str, str]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.unit.engines.fakes.reader"],
         input=json.dumps(request),

@@ -9,6 +9,7 @@ uses this stricter loader too, so a payload that passes here passes both engines
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import pickle
@@ -179,3 +180,18 @@ def apply_to_model(model: dict[str, torch.Tensor], name: str, tensor: torch.Tens
             f"model has {tuple(target.shape)} {target.dtype}"
         )
     target.copy_(tensor)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (without numpy, which the CI environment lacks)."""
+    raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return hashlib.sha256(bytes(raw.tolist())).hexdigest()
+
+
+def digests_route(model: dict[str, torch.Tensor]) -> Callable[[web.Request], Any]:
+    """GET /_fake/digests: the model's parameters by sha256, for a test in another process."""
+
+    async def handler(_: web.Request) -> web.Response:
+        return web.json_response({name: digest(tensor) for name, tensor in model.items()})
+
+    return handler

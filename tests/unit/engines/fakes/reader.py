@@ -12,7 +12,6 @@ Being a separate process, this proves the handles open shared memory, not a loca
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import pickle
 import sys
@@ -21,13 +20,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
-from tests.unit.engines.fakes.common import local_cuda_index, restricted_loads
-
-
-def digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (without numpy, which the test environment lacks)."""
-    raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
-    return hashlib.sha256(bytes(raw.tolist())).hexdigest()
+from tests.unit.engines.fakes.common import digest, local_cuda_index, restricted_loads
 
 
 def read_sglang(payload: str) -> dict[str, str]:

@@ -33,6 +33,7 @@ from tests.unit.engines.fakes.common import (
     NOT_JSON,
     FakeControls,
     apply_to_model,
+    digests_route,
     drop_connection,
     logging_middleware,
     read_json_body,
@@ -133,6 +134,7 @@ class FakeSGLang:
         app.router.add_post("/update_weights_from_tensor", self._update_from_tensor)
         app.router.add_route("*", "/flush_cache", self._flush_cache)
         app.router.add_post("/update_weight_version", self._update_weight_version)
+        app.router.add_get("/_fake/digests", digests_route(self.model))
         return app
 
     # -- helpers --------------------------------------------------------------------
@@ -291,7 +293,7 @@ class FakeSGLang:
         per_rank = [self._rebuild_rank(raw, rank) for rank in range(self.tp_size)]
         for named in per_rank[1:]:
             for (name, tensor), (_, first) in zip(named, per_rank[0], strict=True):
-                if not torch.equal(tensor, first):
+                if not torch.equal(tensor.cpu(), first.cpu()):
                     raise _SchedulerCrashError(f"TP ranks read different bytes for {name}")
         for name, tensor in per_rank[0]:
             apply_to_model(self.model, name, tensor)

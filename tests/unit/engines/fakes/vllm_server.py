@@ -35,6 +35,7 @@ from tests.unit.engines.fakes.common import (
     NOT_JSON,
     FakeControls,
     apply_to_model,
+    digests_route,
     local_cuda_index,
     logging_middleware,
     read_json_body,
@@ -135,6 +136,7 @@ class FakeVLLM:
         app.router.add_post("/finish_weight_update", self._finish)
         app.router.add_post("/update_weight_version", self._update_weight_version)
         app.router.add_post("/shutdown_weight_transfer_engine", self._shutdown)
+        app.router.add_get("/_fake/digests", digests_route(self.model))
         return app
 
     async def _parse(

@@ -71,6 +71,15 @@ SGLANG_INJECTION = EngineInjection(
 
 SESSION_ALREADY_OPEN = "a weight-update session is already open"
 
+# WeightSync's pauseMode -> SGLang's PauseGenerationReqInput.mode. Keep is "retract":
+# requests go back to the queue and continue on the new weights, their KV cache
+# recomputed, so the cache can still be flushed ("in_place" keeps old KV and refuses a
+# flush). SGLang has no mode that drains in-flight requests, so Wait has no mapping.
+SGLANG_PAUSE_MODES: dict[str, Literal["abort", "retract", "in_place"]] = {
+    "Abort": "abort",
+    "Keep": "retract",
+}
+
 
 class SGLangSettings(BaseModel):
     """How the adapter reaches one SGLang server and drives its updates."""
@@ -101,6 +110,19 @@ class SGLangSettings(BaseModel):
     @classmethod
     def _url(cls, value: str) -> str:
         return normalize_base_url(value)
+
+    @classmethod
+    def from_weightsync(
+        cls, base_url: str, *, pause_mode: str = "Abort", flush_cache: bool = True
+    ) -> SGLangSettings:
+        """Settings for a WeightSync inference entry (its pauseMode and flushCache)."""
+        if pause_mode not in SGLANG_PAUSE_MODES:
+            raise ValueError(
+                f"SGLang {SGLANG_VERSION} cannot pause with {pause_mode!r}: its pause_generation "
+                "modes abort, retract or freeze requests, none stops admission and drains them"
+            )
+        mode = SGLANG_PAUSE_MODES[pause_mode]
+        return cls(base_url=base_url, pause_mode=mode, flush_cache=flush_cache)
 
     @model_validator(mode="after")
     def _in_place_keeps_cache(self) -> SGLangSettings:

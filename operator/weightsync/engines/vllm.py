@@ -95,8 +95,13 @@ class VLLMSettings(BaseModel):
     base_url: str = Field(description="vLLM's HTTP server, e.g. http://127.0.0.1:8000")
     api_key: SecretStr | None = Field(default=None, description="sent as a Bearer token")
     pause_mode: Literal["abort", "wait", "keep"] = Field(
-        default="abort",
-        description="/pause mode; abort and wait also clear the prefix cache, keep keeps it",
+        default="abort", description="/pause mode: abort, wait (drain) or keep (freeze)"
+    )
+    flush_cache: bool = Field(
+        default=True,
+        description="drop the prefix cache computed with the old weights: /pause clears it in "
+        "abort and wait modes; in keep mode /reset_prefix_cache preempts the frozen requests "
+        "(they recompute on the new weights) before resuming",
     )
     connect_timeout_seconds: float = Field(default=5.0, gt=0)
     control_timeout_seconds: float = Field(
@@ -109,6 +114,23 @@ class VLLMSettings(BaseModel):
     @classmethod
     def _url(cls, value: str) -> str:
         return normalize_base_url(value)
+
+    @classmethod
+    def from_weightsync(
+        cls, base_url: str, *, pause_mode: str = "Abort", flush_cache: bool = True
+    ) -> VLLMSettings:
+        """Settings for a WeightSync inference entry (its pauseMode and flushCache)."""
+        return cls(
+            base_url=base_url, pause_mode=VLLM_PAUSE_MODES[pause_mode], flush_cache=flush_cache
+        )
+
+
+# WeightSync's pauseMode -> vLLM's /pause mode (the same three behaviours).
+VLLM_PAUSE_MODES: dict[str, Literal["abort", "wait", "keep"]] = {
+    "Abort": "abort",
+    "Wait": "wait",
+    "Keep": "keep",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +190,10 @@ class VLLMAdapter(RoundAdapter):
         await self._call("/update_weight_version", self._control_timeout, {"new_version": label})
 
     async def _pause(self) -> None:
-        await self._call("/pause", self._control_timeout, params={"mode": self.settings.pause_mode})
+        params: dict[str, str] = {"mode": self.settings.pause_mode}
+        if not self.settings.flush_cache and self.settings.pause_mode != "keep":
+            params["clear_cache"] = "false"  # deprecated in 0.33, still honoured
+        await self._call("/pause", self._control_timeout, params=params)
 
     async def _resume(self) -> None:
         await self._call("/resume", self._control_timeout)
@@ -194,6 +219,16 @@ class VLLMAdapter(RoundAdapter):
     async def _commit(self, version: int) -> None:
         label = _versions.served_label(version)
         await self._call("/finish_weight_update", self._control_timeout, {"weight_version": label})
+        if self.settings.flush_cache and self.settings.pause_mode == "keep":
+            # /pause leaves the cache alone in keep mode; frozen requests hold blocks, so
+            # they are preempted (and recomputed on the new weights) for the reset to work.
+            reply = await self._call(
+                "/reset_prefix_cache",
+                self._control_timeout,
+                params={"reset_running_requests": "true"},
+            )
+            if reply.json_object().get("success") is not True:
+                raise EngineError(REASON_REJECTED, f"vLLM /reset_prefix_cache: {reply.text}")
 
     def bucket_requests(self, slot: int, tensors: Sequence[TensorSlice]) -> list[dict[str, Any]]:
         """The /update_weights bodies for a bucket in slot `slot`, one per contiguous run."""

@@ -60,7 +60,7 @@ def test_adapter_sends_the_recorded_requests(engine: str, scenario: str) -> None
 
     async def replay() -> None:
         async with serve(server.app()) as url:
-            adapter = case.make_adapter(url)
+            adapter = case.make_adapter(url, **body.get("settings", {}))
             slots = cpu_slots(1, 4096)
             await adapter.attach_buffers(slots)
             bucket = pack_bucket(slots[0], body.get("bucket", recording["bucket"]))

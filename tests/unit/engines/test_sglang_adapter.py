@@ -167,3 +167,12 @@ def test_injection_loads_dummy_weights() -> None:
         "--load-format=auto",
     ]
     assert SGLANG_INJECTION.merged_args(["--model-path", "m"])[-2:] == ["--load-format", "dummy"]
+
+
+def test_weightsync_pause_modes_map_to_sglangs() -> None:
+    assert SGLangSettings.from_weightsync("http://e:30000").pause_mode == "abort"
+    keep = SGLangSettings.from_weightsync("http://e:30000", pause_mode="Keep")
+    assert keep.pause_mode == "retract"
+    assert keep.flush_cache
+    with pytest.raises(ValueError, match="drains"):
+        SGLangSettings.from_weightsync("http://e:30000", pause_mode="Wait")

@@ -166,3 +166,56 @@ def test_settings_and_injection() -> None:
     }
     assert set(VLLM_INJECTION.env_why) == set(VLLM_INJECTION.env)
     assert VLLM_INJECTION.merged_env({"VLLM_SERVER_DEV_MODE": "0"})["VLLM_SERVER_DEV_MODE"] == "0"
+
+
+def test_keep_mode_preempts_frozen_requests_to_flush_the_prefix_cache() -> None:
+    source = make_model()
+    fake = FakeVLLM(model=zeros_like_model(source))
+    fake.prefix_cache_entries = 5
+
+    async def scenario() -> None:
+        fake.set_running(2)
+        async with connected(VLLM, fake, pause_mode="keep") as link:
+            await link.sync(source, 1)
+
+    run(scenario())
+    resets = [r.query for r in fake.controls.requests if r.path == "/reset_prefix_cache"]
+    assert resets == [{"reset_running_requests": "true"}]
+    paths = fake.controls.paths()
+    assert paths.index("/finish_weight_update") < paths.index("/reset_prefix_cache")
+    assert paths.index("/reset_prefix_cache") < paths.index("/resume")
+    assert fake.prefix_cache_entries == 0
+    assert fake.waiting_requests == 2  # preempted, to recompute on the new weights
+
+
+@pytest.mark.parametrize(
+    ("mode", "flush", "query", "entries_left"),
+    [
+        ("abort", True, {"mode": "abort"}, 0),
+        ("wait", True, {"mode": "wait"}, 0),
+        ("abort", False, {"mode": "abort", "clear_cache": "false"}, 5),
+        ("keep", False, {"mode": "keep"}, 5),
+    ],
+)
+def test_pause_clears_the_cache_unless_told_not_to(
+    mode: str, flush: bool, query: dict[str, str], entries_left: int
+) -> None:
+    source = make_model()
+    fake = FakeVLLM(model=zeros_like_model(source))
+    fake.prefix_cache_entries = 5
+
+    async def scenario() -> None:
+        async with connected(VLLM, fake, pause_mode=mode, flush_cache=flush) as link:
+            await link.sync(source, 1)
+
+    run(scenario())
+    assert [r.query for r in fake.controls.requests if r.path == "/pause"] == [query]
+    assert "/reset_prefix_cache" not in fake.controls.paths()
+    assert fake.prefix_cache_entries == entries_left
+
+
+def test_weightsync_pause_modes_map_one_to_one() -> None:
+    for api, engine in (("Abort", "abort"), ("Wait", "wait"), ("Keep", "keep")):
+        settings = VLLMSettings.from_weightsync("http://e:8000", pause_mode=api, flush_cache=False)
+        assert settings.pause_mode == engine
+        assert settings.flush_cache is False

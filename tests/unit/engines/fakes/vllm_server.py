@@ -112,6 +112,8 @@ class FakeVLLM:
     paused: bool = False
     pause_mode: str | None = None
     running_requests: int = 0
+    waiting_requests: int = 0
+    prefix_cache_entries: int = 0  # cached prefixes; /pause (abort, wait) clears them
     packed: bool = False
     update_active: bool = False
     healthy: bool = True
@@ -136,6 +138,7 @@ class FakeVLLM:
         app.router.add_post("/finish_weight_update", self._finish)
         app.router.add_post("/update_weight_version", self._update_weight_version)
         app.router.add_post("/shutdown_weight_transfer_engine", self._shutdown)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.router.add_get("/_fake/digests", digests_route(self.model))
         return app
 
@@ -205,6 +208,9 @@ class FakeVLLM:
             self.set_running(0)
         elif mode == "wait" and self.running_requests:
             await self._requests_done.wait()
+        # clear_cache (deprecated, default true) is ignored in keep mode.
+        if mode != "keep" and request.query.get("clear_cache", "true").lower() != "false":
+            self.prefix_cache_entries = 0
         self.paused = True
         self.pause_mode = mode
         return web.json_response({"status": "paused"})
@@ -320,6 +326,16 @@ class FakeVLLM:
             return body
         self.weight_version = body.new_version
         return web.json_response({"success": True, "new_version": body.new_version})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        # Scheduler.reset_prefix_cache: running requests hold blocks unless preempted.
+        if request.query.get("reset_running_requests", "false").lower() == "true":
+            self.waiting_requests += self.running_requests
+            self.set_running(0)
+        success = self.running_requests == 0
+        if success:
+            self.prefix_cache_entries = 0
+        return web.json_response({"success": success})
 
     async def _shutdown(self, _: web.Request) -> web.Response:
         if self.update_active:

@@ -1,0 +1,156 @@
+"""Admission: inject the agent into selected pods; refuse WeightSyncs that claim taken workloads.
+
+Design (why a webhook outage never blocks unrelated pods):
+
+* **Pods** - mutating, CREATE only, `failurePolicy: Ignore`, and an `objectSelector`
+  on `weightsync.io/inject=true`. Users put that label on the pod templates of their
+  trainer StatefulSet and inference Deployments (the chart's docs say so). The API
+  server never calls the webhook for any other pod, so an outage (or a slow operator:
+  kopf sets the 30 s maximum timeout) can only delay labelled pods, never unrelated
+  ones; and `Ignore` admits even labelled pods unmodified. Such a pod is not lost: the
+  reconcile sees a selected pod without the sidecar and reports `Degraded=True`
+  (`SidecarMissing`), naming the pods to delete. Inside the webhook a labelled pod is
+  matched to a WeightSync by its controller owner chain (StatefulSet, or ReplicaSet ->
+  Deployment, one GET), never by labels alone; a labelled pod that no WeightSync
+  selects is admitted unchanged. The handler never raises: a mutating webhook's error
+  would *deny* the pod, which `Ignore` does not cover.
+* **WeightSyncs** - validating, CREATE and UPDATE, `failurePolicy: Fail`: only our own
+  resource is affected by an outage. It checks what the CRD cannot: that no older
+  WeightSync in the namespace already syncs one of the named workloads. It does not
+  require the workloads to exist (GitOps applies everything at once); the reconcile
+  reports missing ones as `Ready=False`. The same claim check runs at reconcile time as
+  the backstop for WeightSyncs admitted while the webhook was away.
+
+Both webhooks are non-persistent: kopf removes them from the configurations when the
+operator stops cleanly, so a stopped operator leaves no webhook behind to time out on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jsonpatch
+
+from weightsync.api import parse_weightsync
+from weightsync.api.v1alpha1 import WeightSync
+from weightsync.api.validation import WeightSyncInvalidError
+from weightsync.controller import metrics
+from weightsync.controller.injection import AgentTemplate, JsonPatch, injection_patch
+from weightsync.controller.kube import Kube
+from weightsync.controller.workloads import (
+    WorkloadRef,
+    claim_conflicts,
+    controller_ref,
+    select_target,
+)
+
+log = logging.getLogger(__name__)
+
+
+def parse_all(raws: Sequence[Mapping[str, Any]]) -> list[WeightSync]:
+    """The WeightSyncs that parse; an invalid one syncs nothing, so it selects nothing."""
+    result = []
+    for raw in raws:
+        try:
+            result.append(parse_weightsync(raw))
+        except WeightSyncInvalidError:
+            continue
+    return result
+
+
+def older_than(
+    raw: Mapping[str, Any], others: Sequence[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """The WeightSyncs created before `raw` (creationTimestamp, then name): older claims win."""
+
+    def key(obj: Mapping[str, Any]) -> tuple[str, str]:
+        meta = obj.get("metadata") or {}
+        # A WeightSync being created has no timestamp yet: it is the newest.
+        return (str(meta.get("creationTimestamp") or "9999"), str(meta.get("name") or ""))
+
+    mine = key(raw)
+    return [other for other in others if key(other) < mine]
+
+
+def workload_of(
+    pod: Mapping[str, Any], replicaset_owner: Callable[[str], str | None]
+) -> WorkloadRef | None:
+    owner = controller_ref(pod)
+    if owner is None:
+        return None
+    if owner.get("kind") == "StatefulSet":
+        return WorkloadRef("StatefulSet", str(owner["name"]))
+    if owner.get("kind") == "ReplicaSet":
+        deployment = replicaset_owner(str(owner["name"]))
+        return WorkloadRef("Deployment", deployment) if deployment else None
+    return None
+
+
+def pod_patch(
+    kube: Kube, pod: Mapping[str, Any], namespace: str, template: AgentTemplate
+) -> JsonPatch:
+    """The injection patch for a labelled pod being created (empty: leave it alone)."""
+    workload = workload_of(pod, lambda rs: kube.replicaset_owner(namespace, rs))
+    if workload is None:
+        return []
+    target = select_target(workload, pod, parse_all(kube.list_weightsyncs(namespace)))
+    if target is None:
+        return []
+    return injection_patch(
+        pod,
+        sync=target.sync,
+        role=target.role,
+        inference_index=target.inference_index,
+        namespace=namespace,
+        template=template,
+    )
+
+
+def apply_patch(ops: JsonPatch) -> Callable[[dict[str, Any]], None]:
+    """A kopf patch function: kopf re-derives the JSON patch from the body it produces."""
+
+    def apply(body: dict[str, Any]) -> None:
+        jsonpatch.JsonPatch(ops).apply(body, in_place=True)
+
+    return apply
+
+
+def inject(kube: Kube, template: AgentTemplate, body: Mapping[str, Any], patch: Any) -> None:
+    """The mutating handler's body. Never raises (an error would deny the pod)."""
+    meta = body.get("metadata") or {}
+    namespace = str(meta.get("namespace") or "")
+    try:
+        ops = pod_patch(kube, body, namespace, template)
+    except Exception:
+        log.exception(
+            "could not decide injection for a pod in %s; admitting it unchanged", namespace
+        )
+        metrics.ADMISSIONS.labels("inject-agent", "error").inc()
+        return
+    if not ops:
+        metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
+        return
+    patch.fns.append(apply_patch(ops))
+    metrics.ADMISSIONS.labels("inject-agent", "injected").inc()
+    log.info(
+        "injecting the agent into %s/%s", namespace, meta.get("name") or meta.get("generateName")
+    )
+
+
+def claim_errors(
+    body: Mapping[str, Any], old: Mapping[str, Any] | None, listing: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """Why a WeightSync create or update must be refused (empty: admit it)."""
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return []  # finalizer removal and the like: never block a deletion
+    if old is not None and old.get("spec") == body.get("spec"):
+        return []  # metadata or status only (the operator's own writes)
+    try:
+        candidate = parse_weightsync(body)
+    except WeightSyncInvalidError:
+        return []  # the schema and CEL rules answer for the spec itself
+    name = (body.get("metadata") or {}).get("name")
+    others = [o for o in listing if (o.get("metadata") or {}).get("name") != name]
+    return claim_conflicts(candidate, parse_all(older_than(body, others)))

@@ -1,0 +1,130 @@
+"""The operator's client of the agents' control API (`weightsync.api.control`).
+
+One aiohttp session for the whole operator; every request has a total timeout and a
+bearer token. Failures are values, not exceptions: a pass asks many agents at once
+and must carry on with the ones that answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from pydantic import ValidationError
+
+from weightsync.api.control import AgentStatus, ErrorResponse, MembershipPlan, PlanAccepted
+from weightsync.controller import metrics
+
+
+@dataclass(frozen=True, slots=True)
+class AgentAddress:
+    pod: str
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class AgentClient:
+    """Talks to agents; `close()` it when the operator stops."""
+
+    def __init__(self, timeout_seconds: float) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def status(self, agent: AgentAddress, token: str) -> AgentStatus | str:
+        """The agent's status, or why it could not be had."""
+        try:
+            async with self._client().get(f"{agent.url}/v1/status", headers=_auth(token)) as reply:
+                body = await reply.read()
+                if reply.status != 200:
+                    metrics.AGENT_REQUESTS.labels("status", "error").inc()
+                    return _describe_error(reply.status, body)
+            result = AgentStatus.model_validate_json(body)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            metrics.AGENT_REQUESTS.labels("status", "unreachable").inc()
+            return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        except ValidationError as error:
+            metrics.AGENT_REQUESTS.labels("status", "invalid").inc()
+            return f"unexpected status body: {error.error_count()} errors"
+        metrics.AGENT_REQUESTS.labels("status", "ok").inc()
+        return result
+
+    async def statuses(
+        self, agents: Iterable[AgentAddress], token: str
+    ) -> tuple[dict[str, AgentStatus], dict[str, str]]:
+        """Statuses of many agents at once: (answers by pod, errors by pod)."""
+        targets = list(agents)
+        results = await asyncio.gather(*(self.status(agent, token) for agent in targets))
+        answers: dict[str, AgentStatus] = {}
+        errors: dict[str, str] = {}
+        for agent, result in zip(targets, results, strict=True):
+            if isinstance(result, AgentStatus):
+                answers[agent.pod] = result
+            else:
+                errors[agent.pod] = result
+        return answers, errors
+
+    async def put_plan(self, agent: AgentAddress, plan: MembershipPlan, token: str) -> str | None:
+        """Deliver `plan`; None when accepted, else why not."""
+        try:
+            async with self._client().put(
+                f"{agent.url}/v1/plan",
+                data=plan.model_dump_json(),
+                headers={**_auth(token), "Content-Type": "application/json"},
+            ) as reply:
+                body = await reply.read()
+                if reply.status != 202:
+                    metrics.AGENT_REQUESTS.labels("plan", "rejected").inc()
+                    return _describe_error(reply.status, body)
+            accepted = PlanAccepted.model_validate_json(body)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            metrics.AGENT_REQUESTS.labels("plan", "unreachable").inc()
+            return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        except ValidationError:
+            metrics.AGENT_REQUESTS.labels("plan", "invalid").inc()
+            return "unexpected reply to PUT /v1/plan"
+        if (accepted.generation, accepted.rank) != (plan.generation, plan.rank):
+            metrics.AGENT_REQUESTS.labels("plan", "invalid").inc()
+            return f"accepted generation {accepted.generation} rank {accepted.rank} instead"
+        metrics.AGENT_REQUESTS.labels("plan", "ok").inc()
+        return None
+
+    async def deliver(
+        self, plans: Mapping[str, tuple[AgentAddress, MembershipPlan]], token: str
+    ) -> dict[str, str]:
+        """Deliver one plan per pod at once; the errors by pod (empty: all accepted)."""
+        items = list(plans.items())
+        results = await asyncio.gather(
+            *(self.put_plan(address, plan, token) for _, (address, plan) in items)
+        )
+        return {pod: error for (pod, _), error in zip(items, results, strict=True) if error}
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _describe_error(status: int, body: bytes) -> str:
+    try:
+        error = ErrorResponse.model_validate_json(body)
+    except ValidationError:
+        return f"HTTP {status}"
+    return (
+        f"HTTP {status} {error.error}: {error.detail}"
+        if error.detail
+        else f"HTTP {status} {error.error}"
+    )

@@ -1,0 +1,288 @@
+"""The agent sidecar as a JSON patch (RFC 6902) on a pod being created. Pure.
+
+What a selected pod gets:
+* a native sidecar `weightsync-agent` (an init container with `restartPolicy: Always`,
+  Kubernetes >= 1.29): it starts before the workload's containers, so the trainer's
+  Publisher finds its socket, and it stops after them. Command `weightsync-agent`,
+  settings as `WEIGHTSYNC_*` env (role, pod name and IP from the downward API, the
+  control API bound to the pod IP, the token as a file from the per-WeightSync
+  Secret, the Publisher socket, the device, and for sinks the engine and its URL
+  `http://$(WEIGHTSYNC_POD_IP):<port>`), its ports, resources, and a TCP readiness
+  probe on the control port (the control API has no unauthenticated route);
+* an emptyDir `weightsync-socket` at `/var/run/weightsync`, mounted into the sidecar and
+  every workload container (trainer containers also get `WEIGHTSYNC_SOCKET`);
+* the token Secret as a read-only volume (a file, so rotation needs no restart; the
+  kubelet waits for the Secret if the reconcile has not created it yet);
+* on inference pods with `spec.readinessGate.enabled`, the readiness gate
+  `weightsync.io/weights-current`;
+* labels `weightsync.io/sync` and `weightsync.io/role`, and annotations recording
+  what was injected (`weightsync.io/injected`, `agent-port`, `agent-device`,
+  `injected-into`).
+
+Colocated mode adds what cross-pod CUDA IPC needs: `hostIPC: true` on both pods
+(CUDA IPC handles are opened through the host's IPC namespace), a hostPath directory
+`/var/run/weightsync/colocated/<namespace>/<name>` mounted at
+`/var/run/weightsync-node` in both pods (a node-local rendezvous for sockets), and on
+the inference pod a required pod affinity to the WeightSync's source pod on the same
+node (`kubernetes.io/hostname`), so the engine lands on the trainer's GPUs.
+
+A pod that already has a `weightsync-agent` container gets an empty patch: the
+mutation is idempotent (the API server may call a webhook twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.api.control import Role
+from weightsync.api.v1alpha1 import SyncMode, WeightSync
+from weightsync.controller import names
+from weightsync.controller.workloads import has_agent
+
+JsonPatch = list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTemplate:
+    """The operator-wide parts of the sidecar (from `OperatorSettings`)."""
+
+    image: str
+    pull_policy: str = "IfNotPresent"
+    requests: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, str] = field(default_factory=dict)
+    http_port: int = 8470
+    metrics_port: int = 9470
+    log_level: str = "INFO"
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _add_to_map(
+    ops: JsonPatch, parent: Mapping[str, Any], path: str, items: dict[str, str]
+) -> None:
+    key = path.rsplit("/", 1)[1]
+    if key not in parent or parent[key] is None:
+        ops.append({"op": "add", "path": path, "value": dict(items)})
+        return
+    for name, value in items.items():
+        ops.append({"op": "add", "path": f"{path}/{_escape(name)}", "value": value})
+
+
+def _append(ops: JsonPatch, parent: Mapping[str, Any], path: str, values: Sequence[Any]) -> None:
+    if not values:
+        return
+    key = path.rsplit("/", 1)[1]
+    if not parent.get(key):
+        ops.append({"op": "add", "path": path, "value": list(values)})
+        return
+    ops.extend({"op": "add", "path": f"{path}/-", "value": value} for value in values)
+
+
+def agent_device(pod: Mapping[str, Any]) -> str:
+    """`cuda:0` if a workload container asks for a GPU, else `cpu`."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        for kind in ("limits", "requests"):
+            if str((resources.get(kind) or {}).get(names.GPU_RESOURCE, "0")) not in ("", "0"):
+                return "cuda:0"
+    return "cpu"
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def agent_container(
+    sync: WeightSync, role: Role, inference_index: int | None, device: str, template: AgentTemplate
+) -> dict[str, Any]:
+    """The sidecar container (a restartable init container)."""
+    env: list[dict[str, Any]] = [
+        {"name": "WEIGHTSYNC_ROLE", "value": role.value},
+        _field_env("WEIGHTSYNC_POD_NAME", "metadata.name"),
+        _field_env("WEIGHTSYNC_POD_IP", "status.podIP"),
+        {"name": "WEIGHTSYNC_HTTP_HOST", "value": "$(WEIGHTSYNC_POD_IP)"},
+        {"name": "WEIGHTSYNC_HTTP_PORT", "value": str(template.http_port)},
+        {"name": "WEIGHTSYNC_METRICS_PORT", "value": str(template.metrics_port)},
+        {"name": "WEIGHTSYNC_TOKEN_FILE", "value": f"{names.TOKEN_DIR}/{names.TOKEN_KEY}"},
+        {"name": "WEIGHTSYNC_SOCKET", "value": names.SOCKET_PATH},
+        {"name": "WEIGHTSYNC_DEVICE", "value": device},
+        {"name": "WEIGHTSYNC_LOG_LEVEL", "value": template.log_level},
+    ]
+    if role is Role.SINK and inference_index is not None:
+        entry = sync.spec.inference[inference_index]
+        env.append({"name": "WEIGHTSYNC_ENGINE", "value": entry.engine.value})
+        env.append(
+            {"name": "WEIGHTSYNC_ENGINE_URL", "value": f"http://$(WEIGHTSYNC_POD_IP):{entry.port}"}
+        )
+    mounts: list[dict[str, Any]] = [
+        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
+        {"name": names.TOKEN_VOLUME, "mountPath": names.TOKEN_DIR, "readOnly": True},
+    ]
+    if sync.spec.mode is SyncMode.COLOCATED:
+        mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
+    ports = [{"name": "ws-control", "containerPort": template.http_port, "protocol": "TCP"}]
+    if template.metrics_port:
+        ports.append(
+            {"name": "ws-metrics", "containerPort": template.metrics_port, "protocol": "TCP"}
+        )
+    resources: dict[str, Any] = {}
+    if template.requests:
+        resources["requests"] = dict(template.requests)
+    if template.limits:
+        resources["limits"] = dict(template.limits)
+    return {
+        "name": names.AGENT_CONTAINER,
+        "image": template.image,
+        "imagePullPolicy": template.pull_policy,
+        "command": list(names.AGENT_COMMAND),
+        "restartPolicy": "Always",
+        "env": env,
+        "ports": ports,
+        "volumeMounts": mounts,
+        "resources": resources,
+        "readinessProbe": {
+            "tcpSocket": {"port": template.http_port},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def _volumes(sync: WeightSync, namespace: str) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": names.SOCKET_VOLUME, "emptyDir": {}},
+        {
+            "name": names.TOKEN_VOLUME,
+            "secret": {
+                "secretName": names.token_secret_name(sync.metadata.name or ""),
+                "items": [{"key": names.TOKEN_KEY, "path": names.TOKEN_KEY}],
+                "defaultMode": 0o440,
+            },
+        },
+    ]
+    if sync.spec.mode is SyncMode.COLOCATED:
+        host_dir = names.node_host_dir(namespace, sync.metadata.name or "")
+        volumes.append(
+            {"name": names.NODE_VOLUME, "hostPath": {"path": host_dir, "type": "DirectoryOrCreate"}}
+        )
+    return volumes
+
+
+def _container_ops(
+    ops: JsonPatch, index: int, container: Mapping[str, Any], role: Role, colocated: bool
+) -> None:
+    base = f"/spec/containers/{index}"
+    mounted_paths = {m.get("mountPath") for m in container.get("volumeMounts") or []}
+    mounts = []
+    if names.SOCKET_DIR not in mounted_paths:
+        mounts.append({"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR})
+    if colocated and names.NODE_DIR not in mounted_paths:
+        mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
+    _append(ops, container, f"{base}/volumeMounts", mounts)
+    env_names = {e.get("name") for e in container.get("env") or []}
+    if role is Role.SOURCE and "WEIGHTSYNC_SOCKET" not in env_names:
+        _append(
+            ops,
+            container,
+            f"{base}/env",
+            [{"name": "WEIGHTSYNC_SOCKET", "value": names.SOCKET_PATH}],
+        )
+
+
+def _colocated_affinity(ops: JsonPatch, spec: Mapping[str, Any], sync_name: str) -> None:
+    term = {
+        "labelSelector": {
+            "matchLabels": {names.SYNC_LABEL: sync_name, names.ROLE_LABEL: Role.SOURCE.value}
+        },
+        "topologyKey": "kubernetes.io/hostname",
+    }
+    affinity = spec.get("affinity") or {}
+    pod_affinity = affinity.get("podAffinity") or {}
+    if not affinity:
+        ops.append(
+            {
+                "op": "add",
+                "path": "/spec/affinity",
+                "value": {
+                    "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+                },
+            }
+        )
+    elif not pod_affinity:
+        ops.append(
+            {
+                "op": "add",
+                "path": "/spec/affinity/podAffinity",
+                "value": {"requiredDuringSchedulingIgnoredDuringExecution": [term]},
+            }
+        )
+    else:
+        _append(
+            ops,
+            pod_affinity,
+            "/spec/affinity/podAffinity/requiredDuringSchedulingIgnoredDuringExecution",
+            [term],
+        )
+
+
+def injection_patch(
+    pod: Mapping[str, Any],
+    *,
+    sync: WeightSync,
+    role: Role,
+    inference_index: int | None,
+    namespace: str,
+    template: AgentTemplate,
+) -> JsonPatch:
+    """The JSON patch that injects the agent into `pod`; empty if it already has one."""
+    if has_agent(pod):
+        return []
+    sync_name = sync.metadata.name or ""
+    spec = pod.get("spec") or {}
+    meta = pod.get("metadata") or {}
+    device = agent_device(pod)
+    colocated = sync.spec.mode is SyncMode.COLOCATED
+    containers = spec.get("containers") or []
+    ops: JsonPatch = []
+    if "metadata" not in pod:
+        ops.append({"op": "add", "path": "/metadata", "value": {}})
+    _add_to_map(
+        ops, meta, "/metadata/labels", {names.SYNC_LABEL: sync_name, names.ROLE_LABEL: role.value}
+    )
+    _add_to_map(
+        ops,
+        meta,
+        "/metadata/annotations",
+        {
+            names.INJECTED_ANNOTATION: sync_name,
+            names.AGENT_PORT_ANNOTATION: str(template.http_port),
+            names.AGENT_DEVICE_ANNOTATION: device,
+            names.INJECTED_CONTAINERS_ANNOTATION: ",".join(c["name"] for c in containers),
+        },
+    )
+    _append(ops, spec, "/spec/volumes", _volumes(sync, namespace))
+    _append(
+        ops,
+        spec,
+        "/spec/initContainers",
+        [agent_container(sync, role, inference_index, device, template)],
+    )
+    for index, container in enumerate(containers):
+        _container_ops(ops, index, container, role, colocated)
+    if role is Role.SINK and sync.spec.readiness_gate.enabled:
+        gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
+        if names.WEIGHTS_CURRENT not in gates:
+            _append(ops, spec, "/spec/readinessGates", [{"conditionType": names.WEIGHTS_CURRENT}])
+    if colocated:
+        ops.append({"op": "add", "path": "/spec/hostIPC", "value": True})
+        if role is Role.SINK:
+            _colocated_affinity(ops, spec, sync_name)
+    return ops

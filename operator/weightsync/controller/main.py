@@ -1,0 +1,143 @@
+"""`weightsync-operator`: the operator's entry point.
+
+    weightsync-operator                     # every namespace (or WATCH_NAMESPACES)
+    weightsync-operator --namespace team-a  # only these (repeatable)
+
+Configuration comes from `WEIGHTSYNC_OPERATOR_*` (see `settings`); the Kubernetes
+credentials from the pod's ServiceAccount, or KUBECONFIG outside a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import kopf
+
+from weightsync.api import GROUP
+from weightsync.controller import handlers, metrics, names
+from weightsync.controller.agents import AgentClient
+from weightsync.controller.injection import AgentTemplate
+from weightsync.controller.kube import Kube, load_config
+from weightsync.controller.reconcile import Reconciler
+from weightsync.controller.settings import OperatorSettings, SettingsError
+from weightsync.controller.status import EventSpec
+from weightsync.controller.webhook import build_server
+
+log = logging.getLogger("weightsync.operator")
+
+
+def agent_template(settings: OperatorSettings) -> AgentTemplate:
+    def present(**values: str) -> dict[str, str]:
+        return {key: value for key, value in values.items() if value}
+
+    return AgentTemplate(
+        image=settings.agent_image,
+        pull_policy=settings.agent_image_pull_policy.value,
+        requests=present(cpu=settings.agent_cpu_request, memory=settings.agent_memory_request),
+        limits=present(cpu=settings.agent_cpu_limit, memory=settings.agent_memory_limit),
+        http_port=settings.agent_http_port,
+        metrics_port=settings.agent_metrics_port,
+        log_level=settings.agent_log_level,
+    )
+
+
+def post_event(obj: Any, event: EventSpec) -> None:
+    kopf.event(obj, type=event.type, reason=event.reason, message=event.message)
+
+
+def configure_kopf(
+    kopf_settings: kopf.OperatorSettings, settings: OperatorSettings, server: Any
+) -> None:
+    """kopf's settings: our names, server-side pod filtering, and every timeout explicit."""
+    persistence = kopf_settings.persistence
+    persistence.finalizer = names.FINALIZER
+    # Progress and the diff base in annotations under our prefix: the status schema is
+    # strict (no x-kubernetes-preserve-unknown-fields), so kopf must not write there.
+    persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    # Events: the reconcile posts its own (transitions, plans); kopf turns only warnings
+    # and errors from handler logs into Events, so routine logs do not spam `describe`.
+    kopf_settings.posting.enabled = True
+    kopf_settings.posting.level = logging.WARNING
+    kopf_settings.posting.reporting_component = "weightsync-operator"
+    kopf_settings.posting.event_name_prefix = "weightsync-"
+    # One replica with a Recreate strategy: no peering objects to coordinate replicas.
+    kopf_settings.peering.standalone = True
+    # Only labelled pods are watched; the API server filters, so unrelated pods cost nothing.
+    kopf_settings.watching.label_selectors["v1", "pods"] = (
+        f"{names.INJECT_LABEL}={names.INJECT_VALUE}"
+    )
+    # A watch is ended by the server after 5 min and re-listed; the client gives it 30 s
+    # more before it calls the connection dead; connecting takes 10 s at most.
+    kopf_settings.watching.server_timeout = 300
+    kopf_settings.watching.client_timeout = 330
+    kopf_settings.watching.connect_timeout = 10
+    # Plain API requests (patches, Events) fail after 30 s and are retried with backoff.
+    kopf_settings.networking.request_timeout = 30
+    kopf_settings.networking.connect_timeout = 10
+    # A handler that hangs is cancelled after this; a pass is bounded by agent timeouts
+    # well below it.
+    kopf_settings.execution.max_workers = 8  # sync admission handlers run in threads
+    # On SIGTERM, handlers get 20 s to finish before kopf cancels them (the chart's
+    # terminationGracePeriodSeconds is longer).
+    kopf_settings.process.ultimate_exiting_timeout = 20
+    kopf_settings.admission.server = server
+    kopf_settings.admission.managed = settings.webhook_configuration
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="weightsync-operator", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--namespace", action="append", default=[], help="serve only this namespace (repeatable)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        settings = OperatorSettings.from_env()
+    except SettingsError as error:
+        print(f"weightsync-operator: invalid configuration: {error}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    kube = Kube(load_config())
+    agents = AgentClient(settings.agent_timeout_seconds)
+    runtime = handlers.Runtime(
+        settings=settings,
+        kube=kube,
+        agents=agents,
+        reconciler=Reconciler(kube, agents, settings, post_event),
+        template=agent_template(settings),
+    )
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, runtime)
+    server = build_server(kube.core, settings)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings, runtime.settings, server)
+
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port)
+    namespaces = args.namespace or list(settings.watch_namespaces)
+    liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
+    log.info(
+        "starting: %s, webhook %s",
+        f"namespaces {namespaces}" if namespaces else "cluster-wide",
+        settings.webhook_url or f"service {settings.webhook_service_name}",
+    )
+    kopf.run(
+        registry=registry,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness,
+        standalone=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The operator's Prometheus metrics (`weightsync_operator_*`), served on their own port.
+
+Labels are low-cardinality: results and webhook names, plus namespace/name on the
+per-WeightSync gauges (one series per WeightSync).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+PREFIX = "weightsync_operator"
+
+RECONCILES = Counter(
+    f"{PREFIX}_reconciles_total",
+    "Reconcile passes over a WeightSync, by result (ok, waiting, invalid, error).",
+    ["result"],
+    registry=REGISTRY,
+)
+RECONCILE_DURATION = Histogram(
+    f"{PREFIX}_reconcile_duration_seconds",
+    "How long one reconcile pass took, agents' answers included.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
+)
+ADMISSIONS = Counter(
+    f"{PREFIX}_admission_requests_total",
+    "Admission reviews answered, by webhook and result (injected, skipped, allowed, denied).",
+    ["webhook", "result"],
+    registry=REGISTRY,
+)
+AGENT_REQUESTS = Counter(
+    f"{PREFIX}_agent_requests_total",
+    "Control-API requests to agents, by route (status, plan) and result.",
+    ["route", "result"],
+    registry=REGISTRY,
+)
+GENERATIONS_PLANNED = Counter(
+    f"{PREFIX}_generations_planned_total",
+    "Group generations planned and delivered.",
+    registry=REGISTRY,
+)
+GROUP_GENERATION = Gauge(
+    f"{PREFIX}_group_generation",
+    "The planned group generation of each WeightSync.",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+MEMBERS = Gauge(
+    f"{PREFIX}_members",
+    "Ranks in the planned group generation of each WeightSync.",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+CURRENT_VERSION = Gauge(
+    f"{PREFIX}_current_version",
+    "The current weight version of each WeightSync (-1 before the first).",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop a deleted WeightSync's series."""
+    for gauge in (GROUP_GENERATION, MEMBERS, CURRENT_VERSION):
+        try:
+            gauge.remove(namespace, name)
+        except KeyError:
+            continue
+
+
+def serve(port: int, host: str = "0.0.0.0") -> None:  # noqa: S104 - Prometheus scrapes the pod IP
+    """Serve `/metrics` from a background thread (prometheus-client's own server)."""
+    start_http_server(port, addr=host, registry=REGISTRY)

@@ -1,0 +1,73 @@
+"""Names the operator owns: labels, annotations, condition types, container and volume names.
+
+Everything the operator writes onto other objects lives under `weightsync.io/`, so a
+`kubectl get pod -o yaml` shows at a glance what weightsync added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+from weightsync.api import GROUP
+
+FINALIZER: Final = f"{GROUP}/finalizer"
+FIELD_MANAGER: Final = "weightsync-operator"
+
+# The label users put on the pod templates of their trainer StatefulSet and inference
+# Deployments. The pod webhook's objectSelector matches it, so the API server never
+# calls the webhook for any other pod (see `admission`).
+INJECT_LABEL: Final = f"{GROUP}/inject"
+INJECT_VALUE: Final = "true"
+
+# Labels the webhook adds to injected pods: which WeightSync, which role.
+SYNC_LABEL: Final = f"{GROUP}/sync"
+ROLE_LABEL: Final = f"{GROUP}/role"
+
+# Annotations recording what the webhook injected (read back by the reconcile).
+INJECTED_ANNOTATION: Final = f"{GROUP}/injected"  # "<weightsync name>"
+AGENT_PORT_ANNOTATION: Final = f"{GROUP}/agent-port"
+AGENT_DEVICE_ANNOTATION: Final = f"{GROUP}/agent-device"
+INJECTED_CONTAINERS_ANNOTATION: Final = f"{GROUP}/injected-into"  # workload containers touched
+
+# The pod readiness gate on inference pods: True only while the pod serves the
+# WeightSync's current version.
+WEIGHTS_CURRENT: Final = f"{GROUP}/weights-current"
+
+AGENT_CONTAINER: Final = "weightsync-agent"
+AGENT_COMMAND: Final = ("weightsync-agent",)
+SOCKET_VOLUME: Final = "weightsync-socket"
+SOCKET_DIR: Final = "/var/run/weightsync"
+SOCKET_PATH: Final = f"{SOCKET_DIR}/agent.sock"
+# Names of the token volume, its mount and its Secret key; not secrets themselves.
+TOKEN_VOLUME: Final = "weightsync-token"  # noqa: S105
+TOKEN_DIR: Final = "/var/run/secrets/weightsync.io"  # noqa: S105
+TOKEN_KEY: Final = "token"  # noqa: S105
+NODE_VOLUME: Final = "weightsync-node"
+NODE_DIR: Final = "/var/run/weightsync-node"
+NODE_HOST_ROOT: Final = "/var/run/weightsync/colocated"
+
+STATEFULSET_POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
+POD_TEMPLATE_HASH_LABEL: Final = "pod-template-hash"
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+_MAX_NAME = 253
+
+
+def token_secret_name(weightsync: str) -> str:
+    """The per-WeightSync Secret holding the agents' control-API bearer token.
+
+    Derived from the WeightSync's name, so the webhook can reference it before the
+    reconcile has created it (the kubelet waits for a missing Secret volume).
+    """
+    suffix = "-agent-token"
+    name = f"{weightsync}{suffix}"
+    if len(name) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha256(weightsync.encode()).hexdigest()[:10]
+    return f"{weightsync[: _MAX_NAME - len(suffix) - 11]}-{digest}{suffix}"
+
+
+def node_host_dir(namespace: str, weightsync: str) -> str:
+    """The hostPath directory that Colocated pods of one WeightSync share on a node."""
+    return f"{NODE_HOST_ROOT}/{namespace}/{weightsync}"

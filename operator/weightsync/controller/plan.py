@@ -1,0 +1,191 @@
+"""Group membership: who is in the next generation, with which rank, and when to bump it. Pure.
+
+A generation is a fixed list of members (rank 0 is the trainer's source agent, which
+hosts the rendezvous store; sinks follow). The operator plans a new generation when
+the list it wants differs from the planned one, or when some member's agent does not
+hold the planned generation any more (it restarted, or the generation broke). The
+number is one more than the largest the operator or any agent has seen, so a status
+write lost after a plan was delivered can never make the operator reuse a number.
+
+Ranks are kept stable across generations: continuing members keep their relative
+order and newcomers are appended, so a scale-up does not reshuffle the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from weightsync.api.control import (
+    AgentStatus,
+    Backend,
+    GenerationState,
+    MembershipPlan,
+    Mode,
+    PlanMember,
+    Rendezvous,
+    Role,
+    TransferOptions,
+)
+from weightsync.api.v1alpha1 import MemberRole, SyncMode, WeightSyncSpec
+from weightsync.controller.workloads import PodView
+
+HOLDING_STATES = frozenset({GenerationState.FORMING, GenerationState.WARM, GenerationState.ACTIVE})
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One rank of a planned generation, as the status records it (pod name and role)."""
+
+    rank: int
+    pod: str
+    role: Role
+
+
+@dataclass(frozen=True, slots=True)
+class Desired:
+    """The members the operator wants now, in rank order, or why there are none."""
+
+    members: tuple[PodView, ...]
+    waiting_for: str = ""  # non-empty: no group can be formed yet, and why
+
+    @property
+    def formable(self) -> bool:
+        return not self.waiting_for
+
+
+def member_role(role: Role) -> MemberRole:
+    return MemberRole.SOURCE if role is Role.SOURCE else MemberRole.SINK
+
+
+def control_role(role: MemberRole) -> Role:
+    return Role.SOURCE if role is MemberRole.SOURCE else Role.SINK
+
+
+def desired_members(
+    spec: WeightSyncSpec,
+    pods: Sequence[PodView],
+    answering: Collection[str],
+    previous: Sequence[Slot],
+    excluded: Collection[str] = (),
+) -> Desired:
+    """The next generation's members: the source-rank trainer pod, then every joinable sink.
+
+    `answering` names the pods whose agents answered `GET /v1/status` this pass;
+    `excluded` names pods held out for a while (a failed plan delivery or a member that
+    did not warm in time). Colocated groups have only the source member: the hand-off to
+    the engine on the same GPU is the source agent's own business.
+    """
+
+    def eligible(pod: PodView) -> bool:
+        return pod.joinable and pod.name in answering and pod.name not in excluded
+
+    source_rank = spec.trainer.source_ranks[0]
+    sources = [p for p in pods if p.role is Role.SOURCE and p.ordinal == source_rank]
+    if not sources or not eligible(sources[0]):
+        return Desired((), waiting_for=f"the source agent of trainer rank {source_rank}")
+    if spec.mode is SyncMode.COLOCATED:
+        return Desired((sources[0],))
+    sinks = [p for p in pods if p.role is Role.SINK and eligible(p)]
+    if not sinks:
+        return Desired((), waiting_for="a ready inference pod whose agent answers")
+    order = {slot.pod: slot.rank for slot in previous}
+    continuing = sorted((p for p in sinks if p.name in order), key=lambda p: order[p.name])
+    newcomers = sorted(
+        (p for p in sinks if p.name not in order), key=lambda p: (p.inference_index or 0, p.name)
+    )
+    return Desired((sources[0], *continuing, *newcomers))
+
+
+def slots(members: Sequence[PodView]) -> tuple[Slot, ...]:
+    return tuple(Slot(rank, pod.name, pod.role) for rank, pod in enumerate(members))
+
+
+def holds(status: AgentStatus | None, generation: int, rank: int) -> bool:
+    """Whether an agent holds `generation` at `rank` in a state that can still serve."""
+    if status is None:
+        return False
+    return any(
+        g.generation == generation and g.rank == rank and g.state in HOLDING_STATES
+        for g in status.generations
+    )
+
+
+def needs_new_generation(
+    desired: Desired,
+    planned: Sequence[Slot],
+    planned_generation: int | None,
+    statuses: Mapping[str, AgentStatus],
+) -> bool:
+    """Whether the planned generation no longer describes the group the operator wants."""
+    if not desired.formable:
+        return False
+    if planned_generation is None or slots(desired.members) != tuple(planned):
+        return True
+    return not all(holds(statuses.get(slot.pod), planned_generation, slot.rank) for slot in planned)
+
+
+def cold_members(
+    planned: Sequence[Slot], generation: int, statuses: Mapping[str, AgentStatus]
+) -> list[Slot]:
+    """Members whose agent does not report `generation` warm (or active) at their rank."""
+    warm = (GenerationState.WARM, GenerationState.ACTIVE)
+    return [
+        slot
+        for slot in planned
+        if not any(
+            g.generation == generation and g.rank == slot.rank and g.state in warm
+            for g in getattr(statuses.get(slot.pod), "generations", [])
+        )
+    ]
+
+
+def next_generation(planned_generation: int | None, statuses: Mapping[str, AgentStatus]) -> int:
+    """One more than any generation the operator or an agent has seen."""
+    seen = [planned_generation or 0]
+    seen.extend(g.generation for status in statuses.values() for g in status.generations)
+    return max(seen) + 1
+
+
+def backend_for(members: Sequence[PodView]) -> Backend:
+    """NCCL when every member's agent holds its buckets on a GPU, gloo otherwise."""
+    on_gpu = all(p.device.startswith("cuda") for p in members)
+    return Backend.NCCL if on_gpu else Backend.GLOO
+
+
+def build_plans(
+    *,
+    sync_name: str,
+    spec: WeightSyncSpec,
+    generation: int,
+    members: Sequence[PodView],
+    rendezvous_port: int,
+) -> list[MembershipPlan]:
+    """One `MembershipPlan` per member (each addressed to its own rank)."""
+    hosts = [p.ip for p in members]
+    if any(host is None for host in hosts):
+        raise ValueError("every member of a plan needs a pod IP")
+    plan_members = [
+        PlanMember(rank=rank, pod=pod.name, host=pod.ip or "", role=pod.role)
+        for rank, pod in enumerate(members)
+    ]
+    transfer = TransferOptions(
+        bucket_size_bytes=spec.transfer.bucket_size_bytes,
+        pipeline_depth=spec.transfer.pipeline_depth,
+        timeout_seconds=float(spec.transfer.timeout_seconds),
+        checksum=spec.transfer.checksum,
+    )
+    return [
+        MembershipPlan(
+            sync_name=sync_name,
+            generation=generation,
+            rank=rank,
+            backend=backend_for(members),
+            mode=Mode(spec.mode.value),
+            rendezvous=Rendezvous(host=members[0].ip or "", port=rendezvous_port),
+            members=plan_members,
+            transfer=transfer,
+            prewarm_timeout_seconds=float(spec.prewarm.timeout_seconds),
+        )
+        for rank in range(len(members))
+    ]

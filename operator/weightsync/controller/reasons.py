@@ -1,0 +1,60 @@
+"""Reasons and messages the controller needs beyond `weightsync.api.reasons`.
+
+Same conventions (CamelCase reason, `str.format` message). They sit here until the
+API package adopts them; the webhook, the reconcile and the docs use these names.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Ready=False: another WeightSync already syncs one of the named workloads.
+WORKLOAD_CLAIMED: Final = "WorkloadClaimed"
+
+# Ready=False: the agents' control API has exactly one source per group.
+SOURCE_RANKS_UNSUPPORTED: Final = "SourceRanksUnsupported"
+SOURCE_RANKS_UNSUPPORTED_MESSAGE: Final = (
+    "sourceRanks {ranks}: this agent version forms one group per WeightSync with a single"
+    " source rank; list one rank."
+)
+
+# Degraded=True: selected pods were created without the sidecar.
+SIDECAR_MISSING: Final = "SidecarMissing"
+SIDECAR_MISSING_MESSAGE: Final = (
+    "Pods without the weightsync-agent sidecar: {pods}. Label the pod template"
+    " weightsync.io/inject=true; pods created while the webhook was unreachable must be"
+    " deleted to be recreated with it."
+)
+
+# Syncing=True (the agent reports that a round is open, not which version).
+ROUND_OPEN_MESSAGE: Final = "A round is moving a new version to {count} sink ranks."
+
+# The readiness gate condition on inference pods.
+SERVES_CURRENT_VERSION: Final = "ServesCurrentVersion"
+# Version-free on purpose: the condition is rewritten only when status or reason
+# change, so a message naming a version would go stale after the next round.
+SERVES_CURRENT_VERSION_MESSAGE: Final = "The engine serves the WeightSync's current version."
+BEHIND_CURRENT_VERSION: Final = "BehindCurrentVersion"
+BEHIND_CURRENT_VERSION_MESSAGE: Final = (
+    "The engine serves {served}; the current version is {version}."
+)
+NO_VERSION_YET: Final = "NoVersionYet"
+NO_VERSION_YET_MESSAGE: Final = "No weight version has been synced yet."
+AGENT_UNREACHABLE: Final = "AgentUnreachable"
+AGENT_UNREACHABLE_MESSAGE: Final = "The weightsync agent did not answer: {error}"
+ENGINE_TORN: Final = "EngineTorn"
+ENGINE_TORN_MESSAGE: Final = "The engine reports a partially loaded version."
+WEIGHTSYNC_DELETED: Final = "WeightSyncDeleted"
+WEIGHTSYNC_DELETED_MESSAGE: Final = (
+    "WeightSync {name} was deleted; the gate no longer holds this pod."
+)
+
+# Events that are not condition transitions.
+GENERATION_PLANNED: Final = "GenerationPlanned"
+GENERATION_PLANNED_MESSAGE: Final = "Planned group generation {generation}: {count} ranks ({pods})."
+PLAN_REJECTED: Final = "PlanRejected"
+PLAN_REJECTED_MESSAGE: Final = "Pod {pod} did not accept generation {generation}: {error}"
+VERSION_SYNCED: Final = "VersionSynced"
+VERSION_SYNCED_MESSAGE: Final = (
+    "Version {version} reached every sink in {millis} ms ({bytes} bytes)."
+)

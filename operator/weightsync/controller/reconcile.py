@@ -1,0 +1,434 @@
+"""One level-based reconcile pass over a WeightSync, and the per-object bookkeeping around it.
+
+A pass reads everything it acts on from the API server and the agents (nothing it
+decides depends on an earlier pass having run in this process):
+
+1. the WeightSync (spec, stored status) and the other WeightSyncs of its namespace;
+2. the trainer StatefulSet, the inference Deployments, their ReplicaSets and pods;
+3. the agents' `GET /v1/status` (token from the WeightSync's Secret, created if absent);
+
+then decides with the pure modules (`plan`, `readiness`, `status`) and acts: delivers a
+new generation with `PUT /v1/plan` if membership changed, sets each inference pod's
+readiness gate, writes the status once and posts Events for what changed.
+
+The only in-memory state is soft: when a generation was planned (for the pre-warm
+timeout; a restarted operator starts that clock again) and which pods sit out a
+cooldown after a failed delivery or a pre-warm timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ValidationError
+
+from weightsync.api import parse_weightsync
+from weightsync.api import reasons as api_reasons
+from weightsync.api.base import format_timestamp, utc_now
+from weightsync.api.control import AgentStatus, Role
+from weightsync.api.v1alpha1 import WeightSync, WeightSyncStatus
+from weightsync.api.validation import WeightSyncInvalidError
+from weightsync.controller import metrics, names, reasons
+from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.kube import Kube
+from weightsync.controller.plan import (
+    Slot,
+    build_plans,
+    cold_members,
+    control_role,
+    desired_members,
+    needs_new_generation,
+    next_generation,
+    slots,
+)
+from weightsync.controller.readiness import current_version, gate_changes
+from weightsync.controller.settings import OperatorSettings
+from weightsync.controller.status import (
+    EventSpec,
+    Observation,
+    observed_status,
+    problem_status,
+    transition_events,
+)
+from weightsync.controller.workloads import PodView, claim_conflicts, sync_pods
+
+log = logging.getLogger(__name__)
+
+PLAN_FAILURE_COOLDOWN_SECONDS = 10.0  # a pod that refused a plan sits out this long
+
+EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
+Problem = tuple[str, str]  # (reason, message) for Ready=False
+
+
+class Outcome(StrEnum):
+    OK = "ok"
+    WAITING = "waiting"  # a referenced workload is missing: retry slowly
+    INVALID = "invalid"  # the spec is wrong: nothing to do until it changes
+    GONE = "gone"  # deleted, or being deleted
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    outcome: Outcome
+    message: str = ""
+
+
+@dataclass
+class Memory:
+    """Soft per-WeightSync state; losing it (a restart) costs at most a slower timeout."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    dirty: bool = False
+    planned_at: dict[int, float] = field(default_factory=dict)
+    cooldown: dict[str, float] = field(default_factory=dict)  # pod uid -> monotonic deadline
+
+
+def stored_status(raw: Mapping[str, Any]) -> WeightSyncStatus:
+    """The stored status, or an empty one if it does not parse (then it is rewritten whole)."""
+    try:
+        return WeightSyncStatus.model_validate(raw.get("status") or {})
+    except ValidationError:
+        log.warning("status of %s does not parse; rebuilding it", raw["metadata"]["name"])
+        return WeightSyncStatus()
+
+
+def _created(raw: Mapping[str, Any]) -> tuple[str, str]:
+    meta = raw["metadata"]
+    return (str(meta.get("creationTimestamp") or ""), str(meta.get("name") or ""))
+
+
+class Reconciler:
+    """Runs passes, one at a time per WeightSync, coalescing requests that arrive meanwhile."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        agents: AgentClient,
+        settings: OperatorSettings,
+        post_event: EventPoster,
+    ) -> None:
+        self.kube = kube
+        self.agents = agents
+        self.settings = settings
+        self.post_event = post_event
+        self._memory: dict[tuple[str, str], Memory] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._memory.pop((namespace, name), None)
+        metrics.forget(namespace, name)
+
+    async def run(self, namespace: str, name: str) -> Result | None:
+        """One pass (or more, if asked again meanwhile); None if another caller's pass runs."""
+        memory = self._memory.setdefault((namespace, name), Memory())
+        if memory.lock.locked():
+            memory.dirty = True
+            return None
+        async with memory.lock:
+            while True:
+                memory.dirty = False
+                started = time.perf_counter()
+                try:
+                    result = await self._pass(namespace, name, memory)
+                except Exception:
+                    metrics.RECONCILES.labels("error").inc()
+                    raise
+                finally:
+                    metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+                metrics.RECONCILES.labels(result.outcome.value).inc()
+                if not memory.dirty:
+                    return result
+
+    # -- the pass --------------------------------------------------------------------
+
+    async def _pass(self, namespace: str, name: str, memory: Memory) -> Result:
+        raw = await asyncio.to_thread(self.kube.get_weightsync, namespace, name)
+        if raw is None or raw["metadata"].get("deletionTimestamp"):
+            return Result(Outcome.GONE)
+        generation = int(raw["metadata"].get("generation") or 0)
+        old = stored_status(raw)
+        try:
+            sync = parse_weightsync(raw)
+        except WeightSyncInvalidError as error:
+            message = api_reasons.INVALID_SPEC_MESSAGE.format(errors=error)
+            await self._problem(raw, old, generation, (api_reasons.INVALID_SPEC, message))
+            return Result(Outcome.INVALID, message)
+        problem = await self._spec_problem(namespace, raw, sync)
+        if problem is not None:
+            await self._problem(raw, old, generation, problem)
+            return Result(Outcome.INVALID, problem[1])
+        spec = sync.spec
+        trainer = spec.trainer.stateful_set_ref.name
+        deployments = [entry.deployment_ref.name for entry in spec.inference]
+        world = await asyncio.to_thread(self.kube.observe, namespace, trainer, deployments)
+        missing = self._missing(world.statefulset, world.deployments, trainer)
+        if missing is not None:
+            await self._problem(raw, old, generation, missing)
+            return Result(Outcome.WAITING, missing[1])
+        token = await asyncio.to_thread(
+            self.kube.ensure_token, namespace, raw, self.settings.agent_token_bytes
+        )
+        pods = sync_pods(sync, world)
+        statuses, errors = await self.agents.statuses(self._addresses(pods), token)
+
+        now = time.monotonic()
+        memory.cooldown = {uid: t for uid, t in memory.cooldown.items() if t > now}
+        excluded = {p.name for p in pods if p.uid in memory.cooldown}
+        planned = [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members]
+        planned_generation = old.group_generation
+        desired = desired_members(spec, pods, statuses.keys(), planned, excluded)
+        plan_errors: dict[str, str] = {}
+        if needs_new_generation(desired, planned, planned_generation, statuses):
+            planned_generation = next_generation(planned_generation, statuses)
+            plan_errors = await self._deliver(
+                raw,
+                sync,
+                generation=planned_generation,
+                members=desired.members,
+                token=token,
+                memory=memory,
+            )
+            planned = list(slots(desired.members))
+            memory.planned_at[planned_generation] = now
+        timed_out = self._prewarm_timed_out(
+            sync, (planned, planned_generation), statuses, pods, memory
+        )
+
+        source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
+        version = current_version(source, old.current_version)
+        await self._set_gates(namespace, pods, statuses=statuses, errors=errors, version=version)
+        observation = Observation(
+            spec=spec,
+            metadata_generation=generation,
+            pods=pods,
+            statuses=statuses,
+            desired=desired,
+            planned=planned,
+            planned_generation=planned_generation,
+            current_version=version,
+            prewarm_timed_out=timed_out,
+            plan_errors=plan_errors,
+        )
+        new = observed_status(old, observation, utc_now())
+        await self._write(raw, old, new)
+        labels = (namespace, name)
+        metrics.GROUP_GENERATION.labels(*labels).set(new.group_generation or 0)
+        metrics.MEMBERS.labels(*labels).set(new.member_count or 0)
+        metrics.CURRENT_VERSION.labels(*labels).set(
+            -1 if new.current_version is None else new.current_version
+        )
+        return Result(Outcome.OK)
+
+    async def _spec_problem(
+        self, namespace: str, raw: Mapping[str, Any], sync: WeightSync
+    ) -> Problem | None:
+        """What the CRD cannot check: claims by older WeightSyncs, unsupported source ranks."""
+        ranks = sync.spec.trainer.source_ranks
+        if len(ranks) > 1:
+            return (
+                reasons.SOURCE_RANKS_UNSUPPORTED,
+                reasons.SOURCE_RANKS_UNSUPPORTED_MESSAGE.format(ranks=ranks),
+            )
+        listing = await asyncio.to_thread(self.kube.list_weightsyncs, namespace)
+        older = []
+        for other in listing:
+            if _created(other) >= _created(raw):
+                continue
+            try:
+                older.append(parse_weightsync(other))
+            except WeightSyncInvalidError:
+                continue  # an invalid WeightSync syncs nothing, so it claims nothing
+        conflicts = claim_conflicts(sync, older)
+        if conflicts:
+            return reasons.WORKLOAD_CLAIMED, "; ".join(conflicts) + "."
+        return None
+
+    @staticmethod
+    def _missing(
+        statefulset: Mapping[str, Any] | None,
+        deployments: Mapping[str, Mapping[str, Any] | None],
+        trainer: str,
+    ) -> Problem | None:
+        if statefulset is None:
+            return (
+                api_reasons.TRAINER_NOT_FOUND,
+                api_reasons.TRAINER_NOT_FOUND_MESSAGE.format(name=trainer),
+            )
+        for name, deployment in deployments.items():
+            if deployment is None:
+                return (
+                    api_reasons.DEPLOYMENT_NOT_FOUND,
+                    api_reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
+                )
+        return None
+
+    def _addresses(self, pods: list[PodView]) -> list[AgentAddress]:
+        return [
+            AgentAddress(p.name, p.ip, p.agent_port or self.settings.agent_http_port)
+            for p in pods
+            if p.has_agent and p.ip and p.running and not p.terminating
+        ]
+
+    async def _deliver(
+        self,
+        raw: Mapping[str, Any],
+        sync: WeightSync,
+        *,
+        generation: int,
+        members: tuple[PodView, ...],
+        token: str,
+        memory: Memory,
+    ) -> dict[str, str]:
+        meta = raw["metadata"]
+        plans = build_plans(
+            sync_name=f"{meta['namespace']}/{meta['name']}",
+            spec=sync.spec,
+            generation=generation,
+            members=members,
+            rendezvous_port=self.settings.rendezvous_port,
+        )
+        deliveries = {
+            pod.name: (
+                AgentAddress(
+                    pod.name, pod.ip or "", pod.agent_port or self.settings.agent_http_port
+                ),
+                plan,
+            )
+            for pod, plan in zip(members, plans, strict=True)
+        }
+        errors = await self.agents.deliver(deliveries, token)
+        metrics.GENERATIONS_PLANNED.inc()
+        log.info(
+            "%s/%s: planned generation %d with %d ranks (%d refused)",
+            meta["namespace"], meta["name"], generation, len(members), len(errors),
+        )  # fmt: skip
+        self.post_event(
+            raw,
+            EventSpec(
+                "Normal",
+                reasons.GENERATION_PLANNED,
+                reasons.GENERATION_PLANNED_MESSAGE.format(
+                    generation=generation,
+                    count=len(members),
+                    pods=", ".join(p.name for p in members),
+                ),
+            ),
+        )
+        deadline = time.monotonic() + PLAN_FAILURE_COOLDOWN_SECONDS
+        for pod in members:
+            if pod.name in errors:
+                memory.cooldown[pod.uid] = deadline
+                self.post_event(
+                    raw,
+                    EventSpec(
+                        "Warning",
+                        reasons.PLAN_REJECTED,
+                        reasons.PLAN_REJECTED_MESSAGE.format(
+                            pod=pod.name, generation=generation, error=errors[pod.name]
+                        ),
+                    ),
+                )
+        return errors
+
+    @staticmethod
+    def _prewarm_timed_out(
+        sync: WeightSync,
+        group: tuple[list[Slot], int | None],
+        statuses: Mapping[str, AgentStatus],
+        pods: list[PodView],
+        memory: Memory,
+    ) -> bool:
+        """Whether the planned generation is past its pre-warm timeout; cold pods cool down."""
+        planned, generation = group
+        if generation is None or not planned or not sync.spec.prewarm.enabled:
+            return False
+        now = time.monotonic()
+        since = memory.planned_at.setdefault(generation, now)
+        if now - since < sync.spec.prewarm.timeout_seconds:
+            return False
+        cold = cold_members(planned, generation, statuses)
+        uids = {p.name: p.uid for p in pods}
+        for slot in cold:
+            if slot.pod in uids:
+                memory.cooldown[uids[slot.pod]] = now + sync.spec.prewarm.timeout_seconds
+        return bool(cold)
+
+    async def _set_gates(
+        self,
+        namespace: str,
+        pods: list[PodView],
+        *,
+        statuses: Mapping[str, AgentStatus],
+        errors: Mapping[str, str],
+        version: int | None,
+    ) -> None:
+        now = format_timestamp(utc_now())
+        by_name = {p.name: p for p in pods}
+        for decision in gate_changes(pods, statuses, errors, version):
+            pod = by_name[decision.pod]
+            since = pod.gate_since if pod.gate_status == decision.status_text else None
+            await asyncio.to_thread(
+                self.kube.set_pod_condition,
+                namespace,
+                decision.pod,
+                kind=names.WEIGHTS_CURRENT,
+                status=decision.status_text,
+                reason=decision.reason,
+                message=decision.message,
+                since=since or now,
+            )
+
+    async def _problem(
+        self, raw: Mapping[str, Any], old: WeightSyncStatus, generation: int, problem: Problem
+    ) -> None:
+        reason, message = problem
+        await self._write(raw, old, problem_status(old, generation, reason, message, utc_now()))
+
+    async def _write(
+        self, raw: Mapping[str, Any], old: WeightSyncStatus, new: WeightSyncStatus
+    ) -> None:
+        """Write the status if it changed, then post Events for the transitions."""
+        if new == old and raw.get("status") == new.to_k8s():
+            return
+        meta = raw["metadata"]
+        await asyncio.to_thread(
+            self.kube.patch_status, meta["namespace"], meta["name"], new.to_k8s()
+        )
+        for event in transition_events(old, new):
+            self.post_event(raw, event)
+
+    # -- deletion ----------------------------------------------------------------------
+
+    async def release(self, namespace: str, raw: Mapping[str, Any]) -> None:
+        """On deletion: open the readiness gates the WeightSync held, so no pod stays stuck."""
+        try:
+            sync = parse_weightsync(raw)
+        except WeightSyncInvalidError:
+            return  # an invalid WeightSync never gated a pod
+        spec = sync.spec
+        world = await asyncio.to_thread(
+            self.kube.observe,
+            namespace,
+            spec.trainer.stateful_set_ref.name,
+            [entry.deployment_ref.name for entry in spec.inference],
+        )
+        now = format_timestamp(utc_now())
+        message = reasons.WEIGHTSYNC_DELETED_MESSAGE.format(name=raw["metadata"]["name"])
+        for pod in sync_pods(sync, world):
+            if pod.has_gate and not pod.terminating and pod.gate_status != "True":
+                await asyncio.to_thread(
+                    self.kube.set_pod_condition,
+                    namespace,
+                    pod.name,
+                    kind=names.WEIGHTS_CURRENT,
+                    status="True",
+                    reason=reasons.WEIGHTSYNC_DELETED,
+                    message=message,
+                    since=now,
+                )
+        self.forget(namespace, raw["metadata"]["name"])

@@ -1,0 +1,332 @@
+"""The WeightSync's status from one reconcile pass's observations, and its Events. Pure.
+
+A pass builds the whole status (conditions, members, versions), the caller compares it
+with the stored one and writes it once. Events are derived from the difference: a
+condition whose (status, reason) changed, a newly planned generation, a new version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from weightsync.api import reasons as api_reasons
+from weightsync.api.conditions import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    ConditionUpdate,
+    find_condition,
+    set_conditions,
+)
+from weightsync.api.control import AgentStatus, GenerationState, Role
+from weightsync.api.v1alpha1 import (
+    Member,
+    RoundSummary,
+    SyncMode,
+    WeightSyncSpec,
+    WeightSyncStatus,
+)
+from weightsync.controller import reasons
+from weightsync.controller.plan import Desired, Slot, member_role
+from weightsync.controller.readiness import served_version
+from weightsync.controller.workloads import PodView
+
+T, F = ConditionStatus.TRUE, ConditionStatus.FALSE
+CONDITION_ORDER = (
+    ConditionType.READY,
+    ConditionType.PREWARMED,
+    ConditionType.SYNCING,
+    ConditionType.DEGRADED,
+)
+# Ready=False for these is the user's to fix: the transition is a Warning Event.
+USER_ERRORS = frozenset(
+    {
+        api_reasons.INVALID_SPEC,
+        api_reasons.TRAINER_NOT_FOUND,
+        api_reasons.DEPLOYMENT_NOT_FOUND,
+        reasons.WORKLOAD_CLAIMED,
+        reasons.SOURCE_RANKS_UNSUPPORTED,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EventSpec:
+    """An Event to post on the WeightSync."""
+
+    type: str  # "Normal" | "Warning"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Everything one pass learned, the input of `observed_status`."""
+
+    spec: WeightSyncSpec
+    metadata_generation: int
+    pods: Sequence[PodView]
+    statuses: Mapping[str, AgentStatus]
+    desired: Desired
+    planned: Sequence[Slot]
+    planned_generation: int | None
+    current_version: int | None
+    prewarm_timed_out: bool = False
+    plan_errors: Mapping[str, str] = field(default_factory=dict)
+
+
+def _ordered(conditions: Sequence[Condition]) -> list[Condition]:
+    rank = {kind.value: index for index, kind in enumerate(CONDITION_ORDER)}
+    return sorted(conditions, key=lambda c: rank.get(c.type, len(rank)))
+
+
+def problem_status(
+    old: WeightSyncStatus, metadata_generation: int, reason: str, message: str, now: datetime
+) -> WeightSyncStatus:
+    """Ready=False for something the user must fix; the rest of the status is kept."""
+    updates = [ConditionUpdate(ConditionType.READY, F, reason, message)]
+    updates.extend(
+        ConditionUpdate(
+            kind, ConditionStatus.UNKNOWN, api_reasons.RECONCILING, api_reasons.RECONCILING_MESSAGE
+        )
+        for kind in CONDITION_ORDER[1:]
+        if find_condition(old.conditions, kind) is None
+    )
+    conditions = set_conditions(
+        old.conditions, updates, observed_generation=metadata_generation, now=now
+    )
+    return old.model_copy(
+        update={"conditions": _ordered(conditions), "observed_generation": metadata_generation}
+    )
+
+
+def _warm(status: AgentStatus | None, generation: int | None, rank: int) -> bool:
+    if status is None or generation is None:
+        return False
+    return any(
+        g.generation == generation
+        and g.rank == rank
+        and g.state in (GenerationState.WARM, GenerationState.ACTIVE)
+        for g in status.generations
+    )
+
+
+def members(
+    planned: Sequence[Slot],
+    generation: int | None,
+    pods: Mapping[str, PodView],
+    statuses: Mapping[str, AgentStatus],
+) -> list[Member]:
+    result = []
+    for slot in planned:
+        status = statuses.get(slot.pod)
+        pod = pods.get(slot.pod)
+        if slot.role is Role.SOURCE:
+            version = status.version if status is not None else None
+        else:
+            version = served_version(status)
+        result.append(
+            Member(
+                pod=slot.pod,
+                role=member_role(slot.role),
+                rank=slot.rank,
+                node=pod.node if pod is not None else None,
+                version=version,
+                warm=_warm(status, generation, slot.rank),
+            )
+        )
+    return result
+
+
+def last_round(source: AgentStatus | None, stored: RoundSummary | None) -> RoundSummary | None:
+    """The source's last round if it succeeded, else the last one the status recorded."""
+    report = source.last_round if source is not None else None
+    if report is None or not report.ok:
+        return stored
+    finished = datetime.fromtimestamp(report.finished_at_unix_millis / 1000, UTC)
+    return RoundSummary(
+        version=report.version,
+        completion_time=finished.replace(microsecond=0),
+        duration_millis=report.duration_millis,
+        bytes=report.bytes,
+        bandwidth_bytes_per_second=report.bandwidth_bytes_per_second,
+    )
+
+
+def _ready(obs: Observation, sinks: Sequence[Member]) -> ConditionUpdate:
+    live_sinks = [p for p in obs.pods if p.role is Role.SINK and not p.terminating]
+    expected = 1 + (0 if obs.spec.mode is SyncMode.COLOCATED else len(live_sinks))
+    joined = len(obs.planned) if obs.desired.formable else 0
+    if not obs.desired.formable or joined < expected:
+        return ConditionUpdate(
+            ConditionType.READY, F, api_reasons.WAITING_FOR_MEMBERS,
+            api_reasons.WAITING_FOR_MEMBERS_MESSAGE.format(joined=joined, expected=expected)
+            + (f" Waiting for {obs.desired.waiting_for}." if obs.desired.waiting_for else ""),
+        )  # fmt: skip
+    if obs.current_version is None:
+        return ConditionUpdate(
+            ConditionType.READY, T, api_reasons.AWAITING_FIRST_VERSION,
+            api_reasons.AWAITING_FIRST_VERSION_MESSAGE.format(count=joined),
+        )  # fmt: skip
+    behind = [m for m in sinks if m.version != obs.current_version]
+    if behind:
+        return ConditionUpdate(
+            ConditionType.READY, F, api_reasons.MEMBERS_BEHIND,
+            api_reasons.MEMBERS_BEHIND_MESSAGE.format(
+                behind=len(behind), count=len(sinks), version=obs.current_version
+            ),
+        )  # fmt: skip
+    return ConditionUpdate(
+        ConditionType.READY, T, api_reasons.ALL_MEMBERS_CURRENT,
+        api_reasons.ALL_MEMBERS_CURRENT_MESSAGE.format(
+            count=len(sinks), version=obs.current_version
+        ),
+    )  # fmt: skip
+
+
+def _prewarmed(obs: Observation, group: Sequence[Member]) -> ConditionUpdate:
+    kind = ConditionType.PREWARMED
+    if not obs.spec.prewarm.enabled:
+        return ConditionUpdate(
+            kind, F, api_reasons.PREWARM_DISABLED, api_reasons.PREWARM_DISABLED_MESSAGE
+        )
+    generation = obs.planned_generation
+    if generation is None or not group:
+        return ConditionUpdate(
+            kind, F, api_reasons.WAITING_FOR_MEMBERS, "No group generation is planned yet."
+        )
+    cold = [m.rank for m in group if not m.warm]
+    if not cold:
+        return ConditionUpdate(
+            kind, T, api_reasons.GROUP_WARM,
+            api_reasons.GROUP_WARM_MESSAGE.format(generation=generation, count=len(group)),
+        )  # fmt: skip
+    if obs.prewarm_timed_out:
+        return ConditionUpdate(
+            kind, F, api_reasons.PREWARM_TIMED_OUT,
+            api_reasons.PREWARM_TIMED_OUT_MESSAGE.format(
+                generation=generation, seconds=obs.spec.prewarm.timeout_seconds,
+                ranks=", ".join(str(rank) for rank in cold),
+            ),
+        )  # fmt: skip
+    return ConditionUpdate(
+        kind, F, api_reasons.WARMING,
+        api_reasons.WARMING_MESSAGE.format(
+            generation=generation, warm=len(group) - len(cold), count=len(group)
+        ),
+    )  # fmt: skip
+
+
+def _syncing(source: AgentStatus | None, sink_count: int) -> ConditionUpdate:
+    if source is not None and source.round_in_progress:
+        return ConditionUpdate(
+            ConditionType.SYNCING, T, api_reasons.ROUND_IN_PROGRESS,
+            reasons.ROUND_OPEN_MESSAGE.format(count=sink_count),
+        )  # fmt: skip
+    return ConditionUpdate(ConditionType.SYNCING, F, api_reasons.IDLE, api_reasons.IDLE_MESSAGE)
+
+
+def _degraded(obs: Observation, source: AgentStatus | None) -> ConditionUpdate:
+    kind = ConditionType.DEGRADED
+    bare = sorted(p.name for p in obs.pods if not p.has_agent and not p.terminating)
+    if bare:
+        return ConditionUpdate(
+            kind, T, reasons.SIDECAR_MISSING,
+            reasons.SIDECAR_MISSING_MESSAGE.format(pods=", ".join(bare)),
+        )  # fmt: skip
+    for slot in obs.planned:
+        status = obs.statuses.get(slot.pod)
+        broken = [
+            g
+            for g in (status.generations if status is not None else [])
+            if g.generation == obs.planned_generation and g.state is GenerationState.BROKEN
+        ]
+        error = obs.plan_errors.get(slot.pod) or (broken[0].error if broken else None)
+        if broken or slot.pod in obs.plan_errors:
+            return ConditionUpdate(
+                kind, T, api_reasons.MEMBER_FAILED,
+                api_reasons.MEMBER_FAILED_MESSAGE.format(
+                    pod=slot.pod, rank=slot.rank, error=error or "generation broken"
+                ),
+            )  # fmt: skip
+    report = source.last_round if source is not None else None
+    if report is not None and not report.ok:
+        return ConditionUpdate(
+            kind, T, api_reasons.ROUND_FAILED,
+            api_reasons.ROUND_FAILED_MESSAGE.format(
+                version=report.version, error=report.message or report.reason
+            ),
+        )  # fmt: skip
+    return ConditionUpdate(kind, F, api_reasons.AS_EXPECTED, api_reasons.AS_EXPECTED_MESSAGE)
+
+
+def source_status(obs: Observation) -> AgentStatus | None:
+    for slot in obs.planned:
+        if slot.role is Role.SOURCE:
+            return obs.statuses.get(slot.pod)
+    return None
+
+
+def observed_status(old: WeightSyncStatus, obs: Observation, now: datetime) -> WeightSyncStatus:
+    pods = {p.name: p for p in obs.pods}
+    group = members(obs.planned, obs.planned_generation, pods, obs.statuses)
+    sinks = [m for m in group if m.role.value == "Sink"]
+    source = source_status(obs)
+    updates = [
+        _ready(obs, sinks),
+        _prewarmed(obs, group),
+        _syncing(source, len(sinks)),
+        _degraded(obs, source),
+    ]
+    conditions = set_conditions(
+        old.conditions, updates, observed_generation=obs.metadata_generation, now=now
+    )
+    return WeightSyncStatus(
+        conditions=_ordered(conditions),
+        observed_generation=obs.metadata_generation,
+        current_version=obs.current_version,
+        group_generation=obs.planned_generation,
+        member_count=len(group),
+        members=group,
+        last_round=last_round(source, old.last_round),
+    )
+
+
+def transition_events(old: WeightSyncStatus, new: WeightSyncStatus) -> list[EventSpec]:
+    """Events for conditions whose (status, reason) changed and for a newly synced version."""
+    events = []
+    for condition in new.conditions:
+        before = find_condition(old.conditions, condition.type)
+        if before is not None and (before.status, before.reason) == (
+            condition.status,
+            condition.reason,
+        ):
+            continue
+        if condition.status is ConditionStatus.UNKNOWN:
+            continue
+        warning = (
+            (condition.type == ConditionType.READY and condition.reason in USER_ERRORS)
+            or (condition.type == ConditionType.DEGRADED and condition.status is T)
+            or condition.reason == api_reasons.PREWARM_TIMED_OUT
+        )
+        events.append(
+            EventSpec(
+                "Warning" if warning else "Normal",
+                condition.reason,
+                f"{condition.type}={condition.status.value}: {condition.message}",
+            )
+        )
+    round_ = new.last_round
+    if round_ is not None and (old.last_round is None or old.last_round.version != round_.version):
+        events.append(
+            EventSpec(
+                "Normal",
+                reasons.VERSION_SYNCED,
+                reasons.VERSION_SYNCED_MESSAGE.format(
+                    version=round_.version, millis=round_.duration_millis, bytes=round_.bytes
+                ),
+            )
+        )
+    return events

@@ -1,0 +1,230 @@
+"""Which pods belong to a WeightSync, and what the operator needs to know about each.
+
+A pod belongs to a WeightSync through its *controller owner chain*, not through
+labels: a trainer pod is controlled by the named StatefulSet; an inference pod by a
+ReplicaSet that is controlled by the named Deployment. Label selectors overlap
+(two Deployments may both select `app: engine`), and a pod's labels can be edited
+by anyone; controller references are set by the workload controllers themselves and
+cannot point at two owners. The reconcile matches by owner UID; the webhook, which
+sees a pod before it has a name, matches by owner name (`admission`).
+
+Everything here is pure: dicts in (as the API server sends them), dataclasses out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.api.control import Role
+from weightsync.api.v1alpha1 import WeightSync
+from weightsync.controller import names
+
+Obj = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRef:
+    """The workload that controls a pod: a StatefulSet or (through a ReplicaSet) a Deployment."""
+
+    kind: str  # "StatefulSet" | "Deployment"
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """What the reconcile reads from one pod of a WeightSync."""
+
+    name: str
+    uid: str
+    role: Role
+    workload: str  # the StatefulSet or Deployment name
+    inference_index: int | None  # index into spec.inference for sinks
+    ordinal: int | None  # StatefulSet ordinal for trainer pods
+    ip: str | None
+    node: str | None
+    running: bool
+    terminating: bool
+    containers_ready: bool
+    has_agent: bool
+    agent_port: int | None
+    device: str  # where the agent holds its buckets: "cpu" or "cuda:N"
+    has_gate: bool
+    gate_status: str | None  # the weights-current condition's status, if any
+    gate_reason: str | None
+    gate_since: str | None  # its lastTransitionTime, kept while the status does not flip
+
+    @property
+    def joinable(self) -> bool:
+        """Ready to be planned into a group: running, addressable, containers ready, agent in."""
+        return (
+            self.running
+            and not self.terminating
+            and self.ip is not None
+            and self.containers_ready
+            and self.has_agent
+        )
+
+
+def controller_ref(obj: Obj) -> Obj | None:
+    """The ownerReference with `controller: true`, if any."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref  # type: ignore[no-any-return]
+    return None
+
+
+def statefulset_ordinal(pod: Obj, statefulset: str) -> int | None:
+    """A StatefulSet pod's ordinal: its `apps.kubernetes.io/pod-index` label, else its name."""
+    meta = pod.get("metadata") or {}
+    label = (meta.get("labels") or {}).get(names.STATEFULSET_POD_INDEX_LABEL)
+    if label is not None and str(label).isdigit():
+        return int(label)
+    found = re.fullmatch(rf"{re.escape(statefulset)}-(\d+)", str(meta.get("name") or ""))
+    return int(found.group(1)) if found else None
+
+
+def claims(sync: WeightSync) -> set[WorkloadRef]:
+    """The workloads a WeightSync names."""
+    refs = {WorkloadRef("StatefulSet", sync.spec.trainer.stateful_set_ref.name)}
+    refs.update(
+        WorkloadRef("Deployment", entry.deployment_ref.name) for entry in sync.spec.inference
+    )
+    return refs
+
+
+def claim_conflicts(candidate: WeightSync, others: Iterable[WeightSync]) -> list[str]:
+    """Messages for every workload `candidate` names that another WeightSync already names."""
+    mine = claims(candidate)
+    conflicts: list[str] = []
+    for other in sorted(others, key=lambda s: s.metadata.name or ""):
+        if other.metadata.name == candidate.metadata.name:
+            continue
+        shared = sorted(mine & claims(other), key=lambda r: (r.kind, r.name))
+        conflicts.extend(
+            f"{ref.kind} {ref.name} is already synced by WeightSync {other.metadata.name}"
+            for ref in shared
+        )
+    return conflicts
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Why a pod gets a sidecar: which WeightSync selects it, and as what."""
+
+    sync: WeightSync
+    role: Role
+    inference_index: int | None
+    ordinal: int | None
+
+
+def select_target(workload: WorkloadRef, pod: Obj, syncs: Sequence[WeightSync]) -> Target | None:
+    """The WeightSync (first by name if several claim it) that selects this pod, or None.
+
+    Trainer pods are selected only if their ordinal is one of the source ranks: the
+    other trainer ranks never talk to an agent, so they get no sidecar.
+    """
+    for sync in sorted(syncs, key=lambda s: s.metadata.name or ""):
+        if (
+            workload.kind == "StatefulSet"
+            and workload.name == sync.spec.trainer.stateful_set_ref.name
+        ):
+            ordinal = statefulset_ordinal(pod, workload.name)
+            if ordinal is not None and ordinal in sync.spec.trainer.source_ranks:
+                return Target(sync, Role.SOURCE, None, ordinal)
+            return None
+        if workload.kind == "Deployment":
+            for index, entry in enumerate(sync.spec.inference):
+                if entry.deployment_ref.name == workload.name:
+                    return Target(sync, Role.SINK, index, None)
+    return None
+
+
+def _condition(pod: Obj, kind: str) -> Obj | None:
+    for item in (pod.get("status") or {}).get("conditions") or []:
+        if item.get("type") == kind:
+            return item  # type: ignore[no-any-return]
+    return None
+
+
+def has_agent(pod: Obj) -> bool:
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    return any(c.get("name") == names.AGENT_CONTAINER for c in containers)
+
+
+def pod_view(
+    pod: Obj, role: Role, workload: str, inference_index: int | None, ordinal: int | None
+) -> PodView:
+    meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    port = annotations.get(names.AGENT_PORT_ANNOTATION)
+    gate = _condition(pod, names.WEIGHTS_CURRENT)
+    ready = _condition(pod, "ContainersReady")
+    return PodView(
+        name=meta["name"],
+        uid=meta["uid"],
+        role=role,
+        workload=workload,
+        inference_index=inference_index,
+        ordinal=ordinal,
+        ip=status.get("podIP") or None,
+        node=spec.get("nodeName") or None,
+        running=status.get("phase") == "Running",
+        terminating=bool(meta.get("deletionTimestamp")),
+        containers_ready=ready is not None and ready.get("status") == "True",
+        has_agent=has_agent(pod),
+        agent_port=int(port) if port and str(port).isdigit() else None,
+        device=str(annotations.get(names.AGENT_DEVICE_ANNOTATION) or "cpu"),
+        has_gate=any(
+            gate_spec.get("conditionType") == names.WEIGHTS_CURRENT
+            for gate_spec in spec.get("readinessGates") or []
+        ),
+        gate_status=gate.get("status") if gate else None,
+        gate_reason=gate.get("reason") if gate else None,
+        gate_since=gate.get("lastTransitionTime") if gate else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """The API server's view of one WeightSync's workloads, read in one pass."""
+
+    statefulset: Obj | None
+    deployments: Mapping[str, Obj | None]  # by name; None: not found
+    replicasets: Sequence[Obj]
+    pods: Sequence[Obj]
+
+
+def sync_pods(sync: WeightSync, world: World) -> list[PodView]:
+    """Every live pod of the WeightSync's trainer source ranks and inference Deployments.
+
+    Matching is by controller UID: pods of an older StatefulSet or Deployment of the
+    same name (deleted and recreated) never count.
+    """
+    views: list[PodView] = []
+    trainer = sync.spec.trainer.stateful_set_ref.name
+    sts_uid = (world.statefulset or {}).get("metadata", {}).get("uid")
+    deployment_by_uid = {
+        obj["metadata"]["uid"]: name for name, obj in world.deployments.items() if obj is not None
+    }
+    inference_index = {entry.deployment_ref.name: i for i, entry in enumerate(sync.spec.inference)}
+    rs_to_deployment: dict[str, str] = {}
+    for rs in world.replicasets:
+        owner = controller_ref(rs)
+        if owner and owner.get("kind") == "Deployment" and owner.get("uid") in deployment_by_uid:
+            rs_to_deployment[rs["metadata"]["uid"]] = deployment_by_uid[owner["uid"]]
+    for pod in world.pods:
+        owner = controller_ref(pod)
+        if owner is None:
+            continue
+        if owner.get("kind") == "StatefulSet" and sts_uid and owner.get("uid") == sts_uid:
+            ordinal = statefulset_ordinal(pod, trainer)
+            if ordinal is not None and ordinal in sync.spec.trainer.source_ranks:
+                views.append(pod_view(pod, Role.SOURCE, trainer, None, ordinal))
+        elif owner.get("kind") == "ReplicaSet" and owner.get("uid") in rs_to_deployment:
+            deployment = rs_to_deployment[owner["uid"]]
+            views.append(pod_view(pod, Role.SINK, deployment, inference_index[deployment], None))
+    return sorted(views, key=lambda v: (v.role != Role.SOURCE, v.inference_index or 0, v.name))

@@ -1,0 +1,182 @@
+"""The injection patch, applied by a real RFC 6902 library to pods as controllers send them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonpatch
+import pytest
+from tests.unit.controller.builders import pod, sync
+
+from weightsync.api.control import Role
+from weightsync.controller import names
+from weightsync.controller.injection import AgentTemplate, injection_patch
+
+TEMPLATE = AgentTemplate(
+    image="agent:1", requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}
+)
+
+
+def inject(
+    raw: dict[str, Any], role: Role, **sync_paths: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    ops = injection_patch(
+        raw,
+        sync=sync(**sync_paths),
+        role=role,
+        inference_index=0 if role is Role.SINK else None,
+        namespace="ns",
+        template=TEMPLATE,
+    )
+    patched: dict[str, Any] = jsonpatch.JsonPatch(ops).apply(raw)
+    return ops, patched
+
+
+def agent_of(patched: dict[str, Any]) -> dict[str, Any]:
+    agents = [c for c in patched["spec"]["initContainers"] if c["name"] == names.AGENT_CONTAINER]
+    assert len(agents) == 1
+    agent: dict[str, Any] = agents[0]
+    return agent
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_sink_gets_a_native_sidecar_with_engine_settings_and_the_readiness_gate() -> None:
+    _, patched = inject(pod("engine-a-abc-x1").build(), Role.SINK)
+    agent = agent_of(patched)
+    assert agent["command"] == ["weightsync-agent"]
+    assert agent["restartPolicy"] == "Always"
+    assert agent["image"] == "agent:1"
+    assert agent["resources"] == {
+        "requests": {"cpu": "500m", "memory": "1Gi"},
+        "limits": {"memory": "4Gi"},
+    }
+    assert agent["readinessProbe"]["tcpSocket"] == {"port": 8470}
+    env = env_of(agent)
+    assert env["WEIGHTSYNC_ROLE"] == "sink"
+    assert env["WEIGHTSYNC_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["WEIGHTSYNC_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["WEIGHTSYNC_HTTP_HOST"] == "$(WEIGHTSYNC_POD_IP)"
+    assert env["WEIGHTSYNC_ENGINE"] == "Reference"
+    assert env["WEIGHTSYNC_ENGINE_URL"] == "http://$(WEIGHTSYNC_POD_IP):8000"
+    assert env["WEIGHTSYNC_TOKEN_FILE"] == f"{names.TOKEN_DIR}/token"
+    assert env["WEIGHTSYNC_DEVICE"] == "cpu"
+    # $(VAR) expansion only sees variables defined earlier in the list.
+    order = [e["name"] for e in agent["env"]]
+    assert order.index("WEIGHTSYNC_POD_IP") < order.index("WEIGHTSYNC_HTTP_HOST")
+    assert patched["spec"]["readinessGates"] == [{"conditionType": names.WEIGHTS_CURRENT}]
+    volumes = {v["name"]: v for v in patched["spec"]["volumes"]}
+    assert volumes[names.SOCKET_VOLUME] == {"name": names.SOCKET_VOLUME, "emptyDir": {}}
+    assert volumes[names.TOKEN_VOLUME]["secret"]["secretName"] == "sync-agent-token"
+    assert patched["spec"]["containers"][0]["volumeMounts"] == [
+        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR}
+    ]
+    assert "env" not in patched["spec"]["containers"][0]  # sinks need no Publisher socket env
+    assert patched["metadata"]["labels"] == {names.SYNC_LABEL: "sync", names.ROLE_LABEL: "sink"}
+    annotations = patched["metadata"]["annotations"]
+    assert annotations[names.INJECTED_ANNOTATION] == "sync"
+    assert annotations[names.AGENT_PORT_ANNOTATION] == "8470"
+    assert annotations[names.INJECTED_CONTAINERS_ANNOTATION] == "main"
+
+
+def test_source_shares_the_socket_with_every_trainer_container_and_gets_no_gate() -> None:
+    raw = (
+        pod("trainer-0")
+        .set("spec.containers", [
+            {"name": "trainer", "env": [{"name": "A", "value": "1"}],
+             "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+            {"name": "logger"},
+        ])
+        .build()
+    )  # fmt: skip
+    _, patched = inject(raw, Role.SOURCE)
+    trainer, logger = patched["spec"]["containers"]
+    assert trainer["volumeMounts"][-1] == {
+        "name": names.SOCKET_VOLUME,
+        "mountPath": names.SOCKET_DIR,
+    }
+    assert trainer["volumeMounts"][0] == {"name": "data", "mountPath": "/data"}
+    assert env_of(trainer) == {"A": "1", "WEIGHTSYNC_SOCKET": names.SOCKET_PATH}
+    assert env_of(logger) == {"WEIGHTSYNC_SOCKET": names.SOCKET_PATH}
+    assert "readinessGates" not in patched["spec"]
+    env = env_of(agent_of(patched))
+    assert env["WEIGHTSYNC_ROLE"] == "source"
+    assert "WEIGHTSYNC_ENGINE" not in env
+
+
+def test_existing_lists_and_maps_are_appended_to_not_replaced() -> None:
+    raw = (
+        pod("engine-a-abc-x1")
+        .label("app", "engine")
+        .set("metadata.annotations", {"team/owner": "rl"})
+        .set("spec.initContainers", [{"name": "fetch-model"}])
+        .set("spec.volumes", [{"name": "cache", "emptyDir": {}}])
+        .set("spec.readinessGates", [{"conditionType": "example.com/warm"}])
+        .build()
+    )
+    _, patched = inject(raw, Role.SINK)
+    assert [c["name"] for c in patched["spec"]["initContainers"]] == [
+        "fetch-model",
+        names.AGENT_CONTAINER,
+    ]
+    assert [v["name"] for v in patched["spec"]["volumes"]] == [
+        "cache",
+        names.SOCKET_VOLUME,
+        names.TOKEN_VOLUME,
+    ]
+    assert patched["metadata"]["labels"]["app"] == "engine"
+    assert patched["metadata"]["annotations"]["team/owner"] == "rl"
+    assert [g["conditionType"] for g in patched["spec"]["readinessGates"]] == [
+        "example.com/warm",
+        names.WEIGHTS_CURRENT,
+    ]
+
+
+def test_the_patch_is_idempotent() -> None:
+    ops, patched = inject(pod("engine-a-abc-x1").build(), Role.SINK)
+    assert ops
+    again = injection_patch(
+        patched, sync=sync(), role=Role.SINK, inference_index=0, namespace="ns", template=TEMPLATE
+    )
+    assert again == []
+
+
+def test_gpu_workloads_get_a_cuda_agent_and_disabled_gates_are_left_out() -> None:
+    raw = (
+        pod("engine-a-abc-x1")
+        .set(
+            "spec.containers", [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]
+        )
+        .build()
+    )
+    _, patched = inject(raw, Role.SINK, spec__readinessGate={"enabled": False})
+    assert env_of(agent_of(patched))["WEIGHTSYNC_DEVICE"] == "cuda:0"
+    assert patched["metadata"]["annotations"][names.AGENT_DEVICE_ANNOTATION] == "cuda:0"
+    assert "readinessGates" not in patched["spec"]
+
+
+@pytest.mark.parametrize("role", [Role.SOURCE, Role.SINK])
+def test_colocated_pods_get_host_ipc_and_a_node_local_directory(role: Role) -> None:
+    raw = pod("p").set("spec.affinity", {"nodeAffinity": {"x": 1}}).build()
+    _, patched = inject(raw, role, spec__mode="Colocated")
+    assert patched["spec"]["hostIPC"] is True
+    volumes = {v["name"]: v for v in patched["spec"]["volumes"]}
+    assert volumes[names.NODE_VOLUME]["hostPath"] == {
+        "path": "/var/run/weightsync/colocated/ns/sync",
+        "type": "DirectoryOrCreate",
+    }
+    mounts = [m["mountPath"] for m in patched["spec"]["containers"][0]["volumeMounts"]]
+    assert names.NODE_DIR in mounts
+    assert patched["spec"]["affinity"]["nodeAffinity"] == {"x": 1}
+    affinity = patched["spec"]["affinity"].get("podAffinity")
+    if role is Role.SOURCE:
+        assert affinity is None
+    else:
+        (term,) = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"] == {
+            names.SYNC_LABEL: "sync",
+            names.ROLE_LABEL: "source",
+        }

@@ -1,0 +1,192 @@
+"""Membership planning: who joins, in which rank order, and when the generation bumps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from tests.unit.controller.builders import agent, sink_view, source_view, sync
+
+from weightsync.api.control import AgentStatus, Backend, GenerationState, Mode, Role
+from weightsync.controller.plan import (
+    Desired,
+    Slot,
+    build_plans,
+    cold_members,
+    desired_members,
+    needs_new_generation,
+    next_generation,
+    slots,
+)
+from weightsync.controller.workloads import PodView
+
+W, A, B, F = (
+    GenerationState.WARM,
+    GenerationState.ACTIVE,
+    GenerationState.BROKEN,
+    GenerationState.FORMING,
+)
+
+
+def names_of(members: tuple[PodView, ...]) -> list[str]:
+    return [m.name for m in members]
+
+
+def test_source_first_then_joinable_sinks_whose_agents_answer() -> None:
+    pods = [
+        sink_view("engine-a-2"),
+        source_view(),
+        sink_view("engine-a-1"),
+        sink_view("engine-a-3", containers_ready=False),  # not ready yet
+        sink_view("engine-a-4", has_agent=False),  # created while the webhook was away
+        sink_view("engine-a-5", terminating=True),
+        sink_view("engine-a-6"),  # its agent did not answer
+    ]
+    answering = {"trainer-0", "engine-a-1", "engine-a-2", "engine-a-3", "engine-a-5"}
+    desired = desired_members(sync().spec, pods, answering, previous=[])
+    assert names_of(desired.members) == ["trainer-0", "engine-a-1", "engine-a-2"]
+
+
+def test_continuing_members_keep_their_order_and_newcomers_append() -> None:
+    pods = [source_view(), *(sink_view(f"engine-a-{i}") for i in range(1, 5))]
+    previous = [
+        Slot(0, "trainer-0", Role.SOURCE),
+        Slot(1, "engine-a-3", Role.SINK),
+        Slot(2, "engine-a-1", Role.SINK),
+    ]
+    desired = desired_members(sync().spec, pods, {p.name for p in pods}, previous)
+    assert names_of(desired.members) == [
+        "trainer-0",
+        "engine-a-3",
+        "engine-a-1",
+        "engine-a-2",
+        "engine-a-4",
+    ]
+
+
+def test_sinks_of_earlier_inference_entries_come_first_among_newcomers() -> None:
+    pods = [source_view(), sink_view("a-1", index=1), sink_view("z-1", index=0)]
+    desired = desired_members(sync().spec, pods, {p.name for p in pods}, [])
+    assert names_of(desired.members) == ["trainer-0", "z-1", "a-1"]
+
+
+@pytest.mark.parametrize(
+    ("pods", "answering", "waiting_for"),
+    [
+        ([sink_view("e-1")], {"e-1"}, "source agent of trainer rank 0"),
+        ([source_view(), sink_view("e-1")], {"e-1"}, "source agent of trainer rank 0"),
+        ([source_view()], {"trainer-0"}, "ready inference pod"),
+        ([source_view(ordinal=1), sink_view("e-1")], {"trainer-0", "e-1"}, "trainer rank 0"),
+    ],
+)
+def test_no_group_without_a_source_or_a_sink(
+    pods: list[PodView], answering: set[str], waiting_for: str
+) -> None:
+    desired = desired_members(sync().spec, pods, answering, [])
+    assert not desired.formable
+    assert waiting_for in desired.waiting_for
+    assert not needs_new_generation(desired, [], None, {})
+
+
+def test_colocated_groups_hold_only_the_source() -> None:
+    pods = [source_view(), sink_view("e-1")]
+    desired = desired_members(sync(spec__mode="Colocated").spec, pods, {"trainer-0", "e-1"}, [])
+    assert names_of(desired.members) == ["trainer-0"]
+
+
+def test_excluded_pods_sit_out() -> None:
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2")]
+    desired = desired_members(sync().spec, pods, {p.name for p in pods}, [], excluded={"e-2"})
+    assert names_of(desired.members) == ["trainer-0", "e-1"]
+
+
+def group_of_three() -> tuple[Desired, list[Slot], dict[str, AgentStatus]]:
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2")]
+    desired = desired_members(sync().spec, pods, {p.name for p in pods}, [])
+    planned = list(slots(desired.members))
+    statuses = {
+        "trainer-0": agent("trainer-0", Role.SOURCE, generations={4: (A, 0)}),
+        "e-1": agent("e-1", generations={4: (A, 1)}),
+        "e-2": agent("e-2", generations={3: (GenerationState.RETIRED, 1), 4: (W, 2)}),
+    }
+    return desired, planned, statuses
+
+
+def test_a_held_generation_with_the_same_members_is_kept() -> None:
+    desired, planned, statuses = group_of_three()
+    assert not needs_new_generation(desired, planned, 4, statuses)
+
+
+def test_membership_change_or_an_agent_that_lost_the_generation_bumps_it() -> None:
+    desired, planned, statuses = group_of_three()
+    assert needs_new_generation(desired, planned[:2], 4, statuses)
+    assert needs_new_generation(desired, planned, None, statuses)
+    restarted = {**statuses, "e-1": agent("e-1")}  # a restarted sidecar holds nothing
+    assert needs_new_generation(desired, planned, 4, restarted)
+    broken = {**statuses, "e-2": agent("e-2", generations={4: (B, 2)})}
+    assert needs_new_generation(desired, planned, 4, broken)
+    moved = {**statuses, "e-2": agent("e-2", generations={4: (W, 1)})}  # wrong rank
+    assert needs_new_generation(desired, planned, 4, moved)
+
+
+def test_the_next_generation_is_past_anything_any_agent_has_seen() -> None:
+    _, _, statuses = group_of_three()
+    assert next_generation(4, statuses) == 5
+    assert next_generation(2, statuses) == 5  # a lost status write
+    assert next_generation(None, {}) == 1
+
+
+def test_cold_members_are_those_not_warm_in_the_generation() -> None:
+    _, planned, statuses = group_of_three()
+    statuses["e-1"] = agent("e-1", generations={4: (F, 1)})
+    assert [s.pod for s in cold_members(planned, 4, statuses)] == ["e-1"]
+    assert [s.pod for s in cold_members(planned, 5, statuses)] == ["trainer-0", "e-1", "e-2"]
+
+
+def test_plans_are_valid_control_messages_addressed_to_each_rank() -> None:
+    spec = sync(
+        spec__transfer={
+            "bucketSizeBytes": 1 << 20,
+            "pipelineDepth": 3,
+            "timeoutSeconds": 9,
+            "checksum": True,
+        }
+    ).spec
+    members = [
+        source_view(ip="10.0.0.9"),
+        sink_view("e-1", ip="10.0.1.1"),
+        sink_view("e-2", ip="10.0.1.2"),
+    ]
+    plans = build_plans(
+        sync_name="ns/sync", spec=spec, generation=7, members=members, rendezvous_port=29470
+    )
+    assert [p.rank for p in plans] == [0, 1, 2]
+    first = plans[0]
+    assert all(p.members == first.members for p in plans)
+    assert [(m.pod, m.host, m.role) for m in first.members] == [
+        ("trainer-0", "10.0.0.9", Role.SOURCE),
+        ("e-1", "10.0.1.1", Role.SINK),
+        ("e-2", "10.0.1.2", Role.SINK),
+    ]
+    assert (first.rendezvous.host, first.rendezvous.port) == ("10.0.0.9", 29470)
+    assert first.generation == 7
+    assert first.backend is Backend.GLOO
+    assert first.mode is Mode.DISAGGREGATED
+    assert first.transfer.bucket_size_bytes == 1 << 20
+    assert first.transfer.pipeline_depth == 3
+    assert first.transfer.timeout_seconds == 9.0
+    assert first.transfer.checksum
+    assert first.prewarm_timeout_seconds == 120.0
+
+
+def test_nccl_only_when_every_member_is_on_a_gpu() -> None:
+    gpu = [replace(source_view(), device="cuda:0"), replace(sink_view("e-1"), device="cuda:0")]
+    plans = build_plans(
+        sync_name="s", spec=sync().spec, generation=1, members=gpu, rendezvous_port=1
+    )
+    assert plans[0].backend is Backend.NCCL
+    mixed = [gpu[0], sink_view("e-2")]
+    plans = build_plans(
+        sync_name="s", spec=sync().spec, generation=1, members=mixed, rendezvous_port=1
+    )
+    assert plans[0].backend is Backend.GLOO

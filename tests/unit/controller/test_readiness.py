@@ -1,0 +1,64 @@
+"""The weights-current gate: True only while the engine serves the current version."""
+
+from __future__ import annotations
+
+import pytest
+from tests.unit.controller.builders import agent, pod, sink_view
+
+from weightsync.api.control import AgentStatus, Role
+from weightsync.controller import reasons
+from weightsync.controller.readiness import current_version, decide, gate_changes
+from weightsync.controller.workloads import pod_view
+
+
+@pytest.mark.parametrize(
+    ("status", "version", "expected"),
+    [
+        (agent("e", engine_version=5), 5, (True, reasons.SERVES_CURRENT_VERSION)),
+        (agent("e", engine_version=4), 5, (False, reasons.BEHIND_CURRENT_VERSION)),
+        (agent("e", engine_version=None), 5, (False, reasons.BEHIND_CURRENT_VERSION)),
+        (agent("e", engine_version=None), None, (False, reasons.NO_VERSION_YET)),
+        (agent("e", engine_version=5, torn=True), 5, (False, reasons.ENGINE_TORN)),
+        (None, 5, (False, reasons.AGENT_UNREACHABLE)),
+    ],
+)
+def test_gate_decisions(
+    status: AgentStatus | None, version: int | None, expected: tuple[bool, str]
+) -> None:
+    decision = decide(sink_view("e"), status, "connection refused", version)
+    assert (decision.status, decision.reason) == expected
+
+
+def test_unreachable_names_the_error() -> None:
+    decision = decide(sink_view("e"), None, "ClientConnectorError: refused", 3)
+    assert "ClientConnectorError: refused" in decision.message
+
+
+def test_current_version_follows_the_source_and_survives_its_restart() -> None:
+    assert current_version(agent("t", Role.SOURCE, version=7), 5) == 7
+    assert current_version(agent("t", Role.SOURCE, version=None), 5) == 5  # restarted trainer
+    assert current_version(None, None) is None
+
+
+def test_only_gated_live_pods_whose_condition_differs_are_changed() -> None:
+    def view(name: str, *, gate: bool = True, condition: tuple[str, str] | None = None,
+             terminating: bool = False) -> object:  # fmt: skip
+        builder = pod(name).owned_by("ReplicaSet", "rs").running().injected(gate=gate)
+        if condition:
+            builder.gate(*condition)
+        if terminating:
+            builder.set("metadata.deletionTimestamp", "2026-01-01T00:00:00Z")
+        return pod_view(builder.build(), Role.SINK, "engine-a", 0, None)
+
+    pods = [
+        view("current", condition=("True", reasons.SERVES_CURRENT_VERSION)),
+        view("behind", condition=("True", reasons.SERVES_CURRENT_VERSION)),
+        view("new"),
+        view("ungated", gate=False),
+        view("leaving", terminating=True),
+    ]
+    statuses = {p: agent(p, engine_version=5) for p in ("current", "ungated", "leaving")}
+    statuses["behind"] = agent("behind", engine_version=4)
+    statuses["new"] = agent("new", engine_version=None)
+    changes = gate_changes(pods, statuses, {}, 5)  # type: ignore[arg-type]
+    assert [(c.pod, c.status) for c in changes] == [("behind", False), ("new", False)]

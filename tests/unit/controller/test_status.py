@@ -1,0 +1,203 @@
+"""Status and Events from one pass's observations."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from tests.unit.controller.builders import agent, round_report, sink_view, source_view, sync
+
+from weightsync.api import find_condition
+from weightsync.api import reasons as api_reasons
+from weightsync.api.control import AgentStatus, GenerationState, Role
+from weightsync.api.v1alpha1 import WeightSyncStatus
+from weightsync.controller import reasons
+from weightsync.controller.plan import desired_members, slots
+from weightsync.controller.status import (
+    Observation,
+    observed_status,
+    problem_status,
+    transition_events,
+)
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+W, A = GenerationState.WARM, GenerationState.ACTIVE
+
+
+def observe(
+    statuses: dict[str, AgentStatus],
+    *,
+    current: int | None,
+    pods: list | None = None,  # type: ignore[type-arg]
+    **changes: object,
+) -> Observation:
+    pods = pods or [source_view(), sink_view("e-1"), sink_view("e-2")]
+    spec = sync().spec
+    desired = desired_members(spec, pods, statuses.keys(), [])
+    fields: dict[str, object] = {
+        "spec": spec,
+        "metadata_generation": 3,
+        "pods": pods,
+        "statuses": statuses,
+        "desired": desired,
+        "planned": list(slots(desired.members)),
+        "planned_generation": 2,
+        "current_version": current,
+    }
+    fields.update(changes)
+    return Observation(**fields)  # type: ignore[arg-type]
+
+
+def warm_group(version: int | None = None, served: int | None = None) -> dict[str, AgentStatus]:
+    return {
+        "trainer-0": agent("trainer-0", Role.SOURCE, generations={2: (A, 0)}, version=version,
+                           last_round=round_report(version) if version else None),
+        "e-1": agent("e-1", generations={2: (A, 1)}, engine_version=served),
+        "e-2": agent("e-2", generations={2: (W, 2)}, engine_version=served),
+    }  # fmt: skip
+
+
+def conditions(status: WeightSyncStatus) -> dict[str, tuple[str, str]]:
+    return {c.type: (c.status.value, c.reason) for c in status.conditions}
+
+
+def test_a_warm_group_before_the_first_version() -> None:
+    status = observed_status(WeightSyncStatus(), observe(warm_group(), current=None), NOW)
+    assert conditions(status) == {
+        "Ready": ("True", api_reasons.AWAITING_FIRST_VERSION),
+        "Prewarmed": ("True", api_reasons.GROUP_WARM),
+        "Syncing": ("False", api_reasons.IDLE),
+        "Degraded": ("False", api_reasons.AS_EXPECTED),
+    }
+    assert [c.type for c in status.conditions] == ["Ready", "Prewarmed", "Syncing", "Degraded"]
+    assert status.group_generation == 2
+    assert status.member_count == 3
+    assert [(m.pod, m.rank, m.role.value, m.warm) for m in status.members] == [
+        ("trainer-0", 0, "Source", True),
+        ("e-1", 1, "Sink", True),
+        ("e-2", 2, "Sink", True),
+    ]
+    assert status.observed_generation == 3
+    assert all(c.observed_generation == 3 for c in status.conditions)
+
+
+def test_after_a_round_every_sink_current() -> None:
+    status = observed_status(WeightSyncStatus(), observe(warm_group(4, 4), current=4), NOW)
+    assert conditions(status)["Ready"] == ("True", api_reasons.ALL_MEMBERS_CURRENT)
+    assert status.current_version == 4
+    assert [m.version for m in status.members] == [4, 4, 4]
+    assert status.last_round is not None
+    assert status.last_round.version == 4
+    assert status.last_round.duration_millis == 120
+    assert status.last_round.completion_time == datetime(2026, 1, 1, 0, 0, tzinfo=UTC)
+
+
+def test_a_sink_behind_and_a_cold_member() -> None:
+    statuses = warm_group(4, 4)
+    statuses["e-2"] = agent("e-2", generations={2: (GenerationState.FORMING, 2)}, engine_version=3)
+    status = observed_status(WeightSyncStatus(), observe(statuses, current=4), NOW)
+    assert conditions(status)["Ready"] == ("False", api_reasons.MEMBERS_BEHIND)
+    assert conditions(status)["Prewarmed"] == ("False", api_reasons.WARMING)
+    timed_out = observed_status(
+        WeightSyncStatus(), observe(statuses, current=4, prewarm_timed_out=True), NOW
+    )
+    prewarmed = find_condition(timed_out.conditions, "Prewarmed")
+    assert prewarmed is not None
+    assert prewarmed.reason == api_reasons.PREWARM_TIMED_OUT
+    assert "cold ranks: 2" in prewarmed.message
+
+
+def test_waiting_for_members_counts_every_live_inference_pod() -> None:
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2", containers_ready=False)]
+    statuses = warm_group()
+    del statuses["e-2"]
+    status = observed_status(WeightSyncStatus(), observe(statuses, current=None, pods=pods), NOW)
+    ready = find_condition(status.conditions, "Ready")
+    assert ready is not None
+    assert (ready.status.value, ready.reason) == ("False", api_reasons.WAITING_FOR_MEMBERS)
+    assert ready.message.startswith("2 of 3 ranks")
+
+
+def test_degraded_for_missing_sidecars_failed_rounds_and_refused_plans() -> None:
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2"), sink_view("bare", has_agent=False)]
+    status = observed_status(
+        WeightSyncStatus(), observe(warm_group(), current=None, pods=pods), NOW
+    )
+    degraded = find_condition(status.conditions, "Degraded")
+    assert degraded is not None
+    assert degraded.reason == reasons.SIDECAR_MISSING
+    assert "bare" in degraded.message
+
+    statuses = warm_group(4, 4)
+    statuses["trainer-0"] = agent(
+        "trainer-0", Role.SOURCE, generations={2: (A, 0)}, version=4,
+        last_round=round_report(5, ok=False, reason="peer_failed"),
+    )  # fmt: skip
+    status = observed_status(WeightSyncStatus(), observe(statuses, current=4), NOW)
+    assert conditions(status)["Degraded"] == ("True", api_reasons.ROUND_FAILED)
+    assert status.last_round is None  # a failed round is not a completed one
+
+    refused = observe(warm_group(), current=None, plan_errors={"e-1": "HTTP 409 plan_rejected"})
+    status = observed_status(WeightSyncStatus(), refused, NOW)
+    degraded = find_condition(status.conditions, "Degraded")
+    assert degraded is not None
+    assert degraded.reason == api_reasons.MEMBER_FAILED
+    assert "HTTP 409" in degraded.message
+
+
+def test_syncing_while_the_source_reports_a_round() -> None:
+    statuses = warm_group(4, 4)
+    statuses["trainer-0"] = statuses["trainer-0"].model_copy(update={"round_in_progress": True})
+    status = observed_status(WeightSyncStatus(), observe(statuses, current=4), NOW)
+    assert conditions(status)["Syncing"] == ("True", api_reasons.ROUND_IN_PROGRESS)
+
+
+def test_transition_times_move_only_on_flips_and_events_follow_changes() -> None:
+    first = observed_status(WeightSyncStatus(), observe(warm_group(), current=None), NOW)
+    events = transition_events(WeightSyncStatus(), first)
+    assert {(e.type, e.reason) for e in events} == {
+        ("Normal", api_reasons.AWAITING_FIRST_VERSION),
+        ("Normal", api_reasons.GROUP_WARM),
+        ("Normal", api_reasons.IDLE),
+        ("Normal", api_reasons.AS_EXPECTED),
+    }
+    later = NOW + timedelta(minutes=1)
+    second = observed_status(first, observe(warm_group(4, 4), current=4), later)
+    ready_before = find_condition(first.conditions, "Ready")
+    ready_after = find_condition(second.conditions, "Ready")
+    assert ready_before is not None
+    assert ready_after is not None
+    assert ready_after.last_transition_time == ready_before.last_transition_time  # still True
+    events = transition_events(first, second)
+    assert [(e.type, e.reason) for e in events] == [
+        ("Normal", api_reasons.ALL_MEMBERS_CURRENT),
+        ("Normal", reasons.VERSION_SYNCED),
+    ]
+    assert (
+        transition_events(
+            second, observed_status(second, observe(warm_group(4, 4), current=4), later)
+        )
+        == []
+    )
+
+
+def test_a_problem_sets_ready_false_keeps_the_rest_and_warns() -> None:
+    first = observed_status(WeightSyncStatus(), observe(warm_group(4, 4), current=4), NOW)
+    message = api_reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name="engine-b")
+    broken = problem_status(first, 4, api_reasons.DEPLOYMENT_NOT_FOUND, message, NOW)
+    assert conditions(broken)["Ready"] == ("False", api_reasons.DEPLOYMENT_NOT_FOUND)
+    assert conditions(broken)["Prewarmed"] == conditions(first)["Prewarmed"]
+    assert broken.members == first.members
+    assert broken.observed_generation == 4
+    (event,) = transition_events(first, broken)
+    assert (event.type, event.reason) == ("Warning", api_reasons.DEPLOYMENT_NOT_FOUND)
+    assert "engine-b" in event.message
+
+    fresh = problem_status(WeightSyncStatus(), 1, api_reasons.TRAINER_NOT_FOUND, "gone", NOW)
+    assert conditions(fresh) == {
+        "Ready": ("False", api_reasons.TRAINER_NOT_FOUND),
+        "Prewarmed": ("Unknown", api_reasons.RECONCILING),
+        "Syncing": ("Unknown", api_reasons.RECONCILING),
+        "Degraded": ("Unknown", api_reasons.RECONCILING),
+    }
+    (event,) = transition_events(WeightSyncStatus(), fresh)
+    assert event.type == "Warning"

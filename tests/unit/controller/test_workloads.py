@@ -1,0 +1,128 @@
+"""Which pods belong to which WeightSync: owner chains, claims, and the webhook's choices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.unit.api.builders import weightsync
+from tests.unit.controller.builders import pod, sync
+
+from weightsync.api.control import Role
+from weightsync.controller.admission import claim_errors, older_than, workload_of
+from weightsync.controller.workloads import (
+    WorkloadRef,
+    World,
+    claim_conflicts,
+    select_target,
+    statefulset_ordinal,
+    sync_pods,
+)
+
+
+def owned(
+    kind: str, name: str, uid: str, owner: tuple[str, str, str] | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "uid": uid}
+    if owner:
+        meta["ownerReferences"] = [
+            {"kind": owner[0], "name": owner[1], "uid": owner[2], "controller": True}
+        ]
+    return {"kind": kind, "metadata": meta}
+
+
+def test_pods_are_matched_by_controller_uid_not_by_name_or_labels() -> None:
+    world = World(
+        statefulset=owned("StatefulSet", "trainer", "sts-new"),
+        deployments={"engine-a": owned("Deployment", "engine-a", "dep-a")},
+        replicasets=[
+            owned("ReplicaSet", "engine-a-1", "rs-1", ("Deployment", "engine-a", "dep-a")),
+            owned("ReplicaSet", "engine-a-0", "rs-0", ("Deployment", "engine-a", "dep-old")),
+        ],
+        pods=[
+            pod("trainer-0").owned_by("StatefulSet", "trainer", "sts-new").build(),
+            pod("trainer-1").owned_by("StatefulSet", "trainer", "sts-new").build(),  # not a source
+            pod("trainer-2").owned_by("StatefulSet", "trainer", "sts-old").build(),
+            pod("engine-a-1-x").owned_by("ReplicaSet", "engine-a-1", "rs-1").build(),
+            pod("engine-a-0-y").owned_by("ReplicaSet", "engine-a-0", "rs-0").build(),
+            pod("stray").label("app", "engine-a").build(),
+        ],
+    )
+    views = sync_pods(sync(), world)
+    assert [(v.name, v.role, v.workload) for v in views] == [
+        ("trainer-0", Role.SOURCE, "trainer"),
+        ("engine-a-1-x", Role.SINK, "engine-a"),
+    ]
+
+
+def test_statefulset_ordinals_prefer_the_pod_index_label() -> None:
+    assert statefulset_ordinal(pod("trainer-3").build(), "trainer") == 3
+    labelled = pod("odd-name").label("apps.kubernetes.io/pod-index", "5").build()
+    assert statefulset_ordinal(labelled, "trainer") == 5
+    assert statefulset_ordinal(pod("other-3").build(), "trainer") is None
+
+
+def test_webhook_targets_source_ranks_and_inference_pods_only() -> None:
+    syncs = [sync("b"), sync("a", spec__trainer__sourceRanks=[1])]
+    trainer_1 = pod("trainer-1").build()
+    target = select_target(WorkloadRef("StatefulSet", "trainer"), trainer_1, syncs)
+    assert target is not None
+    assert (target.sync.metadata.name, target.role, target.ordinal) == ("a", Role.SOURCE, 1)
+    assert (
+        select_target(WorkloadRef("StatefulSet", "trainer"), pod("trainer-0").build(), syncs)
+        is None
+    )
+    target = select_target(WorkloadRef("Deployment", "engine-a"), pod("x").build(), syncs)
+    assert target is not None
+    assert (target.sync.metadata.name, target.role, target.inference_index) == ("a", Role.SINK, 0)
+    assert select_target(WorkloadRef("Deployment", "other"), pod("x").build(), syncs) is None
+
+
+def test_a_deployment_pod_is_traced_through_its_replicaset() -> None:
+    lookups: list[str] = []
+
+    def owner(rs: str) -> str | None:
+        lookups.append(rs)
+        return "engine-a" if rs == "engine-a-7d9" else None
+
+    rs_pod = pod("").owned_by("ReplicaSet", "engine-a-7d9").build()
+    assert workload_of(rs_pod, owner) == WorkloadRef("Deployment", "engine-a")
+    assert workload_of(pod("").owned_by("ReplicaSet", "bare-rs").build(), owner) is None
+    assert workload_of(pod("t-0").owned_by("StatefulSet", "t").build(), owner) == WorkloadRef(
+        "StatefulSet", "t"
+    )
+    assert workload_of(pod("naked").build(), owner) is None
+    assert lookups == ["engine-a-7d9", "bare-rs"]
+
+
+def test_claims_conflict_on_shared_workloads_and_the_older_wins() -> None:
+    first = sync("first")
+    second = sync("second", spec__trainer__statefulSetRef={"name": "other"})
+    assert claim_conflicts(second, [first]) == [
+        "Deployment engine-a is already synced by WeightSync first"
+    ]
+    assert claim_conflicts(first, [first]) == []
+    raws = [
+        {"metadata": {"name": "a", "creationTimestamp": "2026-01-01T00:00:00Z"}},
+        {"metadata": {"name": "b", "creationTimestamp": "2026-01-02T00:00:00Z"}},
+    ]
+    assert [o["metadata"]["name"] for o in older_than(raws[1], raws)] == ["a"]
+    assert older_than(raws[0], raws) == []
+    being_created = {"metadata": {"name": "c"}}
+    assert len(older_than(being_created, raws)) == 2
+
+
+def test_validating_webhook_refuses_only_new_claims_on_taken_workloads() -> None:
+    older = weightsync("first").namespace("ns").build()
+    older["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    newcomer = weightsync("second").namespace("ns").build()
+    assert claim_errors(newcomer, None, [older]) == [
+        "Deployment engine-a is already synced by WeightSync first",
+        "StatefulSet trainer is already synced by WeightSync first",
+    ]
+    separate = weightsync("third").namespace("ns").set("spec.trainer.statefulSetRef.name", "t2")
+    separate.set("spec.inference.0.deploymentRef.name", "engine-b")
+    assert claim_errors(separate.build(), None, [older]) == []
+    # The operator's own metadata writes and deletions are never refused.
+    assert claim_errors(newcomer, newcomer, [older]) == []
+    deleting = {**newcomer, "metadata": {**newcomer["metadata"], "deletionTimestamp": "x"}}
+    assert claim_errors(deleting, None, [older]) == []

@@ -134,6 +134,7 @@ class Stack:
     workdir: Path
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     procs: list[Proc] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=list)  # extra reference-engine flags
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
         log = self.workdir / f"{name}.log"
@@ -150,6 +151,7 @@ class Stack:
         argv = [
             sys.executable, "-m", "weightsync.engines.reference.server",
             "--port", str(port), "--preset", preset, "--seed", str(seed), "--device", device,
+            *self.engine_args,
         ]  # fmt: skip
         return Engine(self._spawn(name, argv, {}), port)
 

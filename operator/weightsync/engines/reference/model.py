@@ -199,7 +199,7 @@ def build_model(
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # no float32 copy on the device
     if seed is not None:
         randomize(model, seed)
     model.requires_grad_(False)

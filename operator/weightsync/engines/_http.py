@@ -28,7 +28,6 @@ REASON_VERSION_MISMATCH = "version_mismatch"  # the engine serves another versio
 REASON_BAD_BUCKET = "bad_bucket"  # a TensorSlice that does not fit the slot or the engine
 REASON_SEQUENCE = "sequence"  # calls out of order (load before begin, finish of another version)
 
-HTTP_CLIENT_ERROR = 400
 HTTP_SERVER_ERROR = 500
 
 

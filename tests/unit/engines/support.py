@@ -12,8 +12,6 @@ from weightsync.engines.base import TensorSlice
 
 T = TypeVar("T")
 
-ALIGN = 64
-
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)

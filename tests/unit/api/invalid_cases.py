@@ -16,6 +16,7 @@ from weightsync.api.v1alpha1.spec import (
     COLOCATED_ONE_INFERENCE,
     INFERENCE_UNIQUE,
     MODE_IMMUTABLE,
+    SGLANG_CANNOT_WAIT,
     STAGING_LIMIT,
     TRAINER_IMMUTABLE,
 )
@@ -220,6 +221,16 @@ CREATE_CASES = [
         weightsync().set("spec.trainer.sourceRanks", []).build(),
         "spec.trainer.sourceRanks",
         "should have at least 1 items",
+    ),
+    Invalid(
+        "sglang-cannot-wait",
+        weightsync()
+        .set("spec.inference.0.engine", "SGLang")
+        .set("spec.inference.0.pauseMode", "Wait")
+        .build(),
+        "spec.inference[0].pauseMode",
+        SGLANG_CANNOT_WAIT.message,
+        rule=SGLANG_CANNOT_WAIT,
     ),
     Invalid(
         "colocated-with-two-engines",

@@ -73,6 +73,14 @@ COLOCATED_ONE_INFERENCE = CelRule(
     ),
     field_path=".inference",
 )
+# SGLang's pause modes are abort, retract and in_place: none stops admission and lets
+# running requests finish first, which is what Wait promises.
+SGLANG_CANNOT_WAIT = CelRule(
+    rule="self.engine != 'SGLang' || !has(self.pauseMode) || self.pauseMode != 'Wait'",
+    message="pauseMode Wait is not supported by SGLang, which cannot drain running requests"
+    " while refusing new ones; use Abort or Keep",
+    field_path=".pauseMode",
+)
 # Both fields are defaulted, so a stored object always has them; the has() guards are
 # for the API server's own check of `transfer: {}` (the default), which it runs
 # against the rule before any nested defaulting.
@@ -156,6 +164,14 @@ class InferenceSpec(ApiModel):
     """flushCache clears the engine's prefix (KV) cache after a new version is loaded.
     Cached prefixes were computed with the old weights; turn this off only if stale cache
     entries are acceptable for your rollouts."""
+
+    @model_validator(mode="after")
+    def _engine_supports_pause_mode(self) -> Self:
+        if self.engine == Engine.SGLANG and self.pause_mode == PauseMode.WAIT:
+            raise SGLANG_CANNOT_WAIT.violation()
+        return self
+
+    model_config = ConfigDict(json_schema_extra=validations(SGLANG_CANNOT_WAIT))
 
 
 class TransferSpec(ApiModel):

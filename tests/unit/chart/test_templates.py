@@ -1,0 +1,394 @@
+"""What the chart renders for each toggle, and the secure defaults of what it runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.unit.chart.helm import (
+    CHART,
+    MONITORING_API,
+    NAMESPACE,
+    find,
+    is_hook,
+    kinds,
+    one,
+    render,
+)
+
+MONITORS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+WITH_MONITORING = (MONITORING_API,)
+
+
+def operator_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objects, "Deployment")
+
+
+def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = operator_deployment(objects)["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["operator"]
+    return dict(containers[0])
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
+
+
+def test_defaults_render_the_operator_and_nothing_optional() -> None:
+    objects = render()
+    assert kinds(objects) == {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+        "Service", "Deployment", "ConfigMap", "Pod",
+    }  # fmt: skip
+    assert not kinds(objects) & {"Certificate", "Issuer", "NetworkPolicy", *MONITORS}
+    for obj in objects:
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
+
+
+def test_operator_runs_once_with_recreate_and_a_liveness_probe_only() -> None:
+    objects = render()
+    spec = operator_deployment(objects)["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    container = operator_container(objects)
+    assert container["command"] == ["weightsync-operator"]
+    assert "readinessProbe" not in container
+    assert "startupProbe" not in container
+    probe = container["livenessProbe"]["httpGet"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert probe == {"path": "/healthz", "port": "health"}
+    assert ports["health"] == 8080
+
+
+def test_operator_pod_has_secure_defaults() -> None:
+    objects = render()
+    pod = operator_deployment(objects)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = operator_container(objects)
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert set(container["resources"]["requests"]) == {"cpu", "memory"}
+    assert "memory" in container["resources"]["limits"]
+    # A read-only root still needs a scratch /tmp: the managed webhook key is written there.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/tmp"]]["emptyDir"]["medium"] == "Memory"
+
+
+def test_the_helm_test_pod_is_as_locked_down_as_the_operator() -> None:
+    pod = one(render(), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    security = pod["spec"]["containers"][0]["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_pod_annotations_and_labels_reach_every_pod_but_no_selector() -> None:
+    values = {
+        "podAnnotations": json.dumps({"weightsync.io/run-local": "true"}),
+        "podLabels": json.dumps({"team": "rl"}),
+    }
+    objects = render(values)
+    deployment = operator_deployment(objects)
+    template = deployment["spec"]["template"]["metadata"]
+    test_pod = one(objects, "Pod")["metadata"]
+    for meta in (template, test_pod):
+        assert meta["annotations"]["weightsync.io/run-local"] == "true"
+        assert meta["labels"]["team"] == "rl"
+    assert "team" not in deployment["spec"]["selector"]["matchLabels"]
+    for service in find(objects, "Service"):
+        assert "team" not in service["spec"]["selector"]
+
+
+def test_operator_and_agent_images_default_to_app_version_and_accept_digests() -> None:
+    digest = "sha256:" + "ab" * 32
+    container = operator_container(render())
+    assert container["image"] == "weightsync/operator:0.1.0"
+    assert env_of(container)["WEIGHTSYNC_OPERATOR_AGENT_IMAGE"] == "weightsync/agent:0.1.0"
+    pinned = operator_container(
+        render({"image.digest": json.dumps(digest), "agent.image.digest": json.dumps(digest)})
+    )
+    assert pinned["image"] == f"weightsync/operator@{digest}"
+    assert env_of(pinned)["WEIGHTSYNC_OPERATOR_AGENT_IMAGE"] == f"weightsync/agent@{digest}"
+
+
+# -- webhook certificates -------------------------------------------------------------
+
+
+def test_operator_managed_certificates_by_default() -> None:
+    objects = render()
+    env = env_of(operator_container(objects))
+    assert env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERTS"] == "managed"
+    secret = env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_SECRET"]
+    role = one(objects, "Role")
+    named = [rule for rule in role["rules"] if rule.get("resourceNames")]
+    assert named == [
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret],
+         "verbs": ["get", "update"]}
+    ]  # fmt: skip
+    assert not find(objects, "Certificate")
+
+
+def test_cert_manager_issues_a_certificate_for_the_webhook_service_and_mounts_it() -> None:
+    objects = render({"certManager.enabled": "true"})
+    certificate = one(objects, "Certificate")
+    issuer = one(objects, "Issuer")
+    assert issuer["spec"] == {"selfSigned": {}}
+    assert certificate["spec"]["issuerRef"] == {
+        "name": issuer["metadata"]["name"], "kind": "Issuer", "group": "cert-manager.io",
+    }  # fmt: skip
+    webhook = one(objects, "Service", "ws-weightsync-webhook")
+    assert f"ws-weightsync-webhook.{NAMESPACE}.svc" in certificate["spec"]["dnsNames"]
+    assert webhook["metadata"]["name"] == "ws-weightsync-webhook"
+
+    container = operator_container(objects)
+    env = env_of(container)
+    assert env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERTS"] == "directory"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = operator_deployment(objects)["spec"]["template"]["spec"]["volumes"]
+    secret_volume = next(v for v in volumes if "secret" in v)
+    assert secret_volume["secret"]["secretName"] == certificate["spec"]["secretName"]
+    assert mounts[secret_volume["name"]] == env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_DIR"]
+    # The operator no longer keeps a Secret of its own.
+    assert not find(objects, "Role")
+
+
+def test_cert_manager_uses_a_given_issuer_instead_of_its_own() -> None:
+    ref = {"name": "corp-ca", "kind": "ClusterIssuer"}
+    objects = render({"certManager.enabled": "true", "certManager.issuerRef": json.dumps(ref)})
+    assert not find(objects, "Issuer")
+    assert one(objects, "Certificate")["spec"]["issuerRef"] == {
+        "name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io",
+    }  # fmt: skip
+
+
+def test_url_mode_has_no_webhook_service() -> None:
+    objects = render({"webhook.url": '"https://$(POD_IP):9443"'})
+    assert [s["metadata"]["name"] for s in find(objects, "Service")] == ["ws-weightsync-metrics"]
+    env = env_of(operator_container(objects))
+    assert env["WEIGHTSYNC_OPERATOR_WEBHOOK_URL"] == "https://$(POD_IP):9443"
+    assert "WEIGHTSYNC_OPERATOR_WEBHOOK_SERVICE_NAME" not in env
+
+
+# -- monitoring -----------------------------------------------------------------------
+
+
+def test_monitors_need_the_prometheus_operator_api() -> None:
+    assert not kinds(render()) & MONITORS
+    assert kinds(render(api_versions=WITH_MONITORING)) >= MONITORS
+
+
+@pytest.mark.parametrize(
+    ("toggle", "kind"),
+    [
+        ("metrics.serviceMonitor.enabled", "ServiceMonitor"),
+        ("metrics.podMonitor.enabled", "PodMonitor"),
+        ("prometheusRule.enabled", "PrometheusRule"),
+    ],
+)
+def test_each_monitor_can_be_turned_off(toggle: str, kind: str) -> None:
+    objects = render({toggle: "false"}, api_versions=WITH_MONITORING)
+    assert kind not in kinds(objects)
+    assert kinds(objects) & MONITORS == MONITORS - {kind}
+
+
+def test_service_monitor_selects_the_metrics_service_only() -> None:
+    objects = render(api_versions=WITH_MONITORING)
+    monitor = one(objects, "ServiceMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    selected = [
+        s for s in find(objects, "Service") if selector.items() <= s["metadata"]["labels"].items()
+    ]
+    assert [s["metadata"]["name"] for s in selected] == ["ws-weightsync-metrics"]
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert endpoint["honorLabels"] is True  # keeps per-WeightSync `namespace` labels
+    target = selected[0]["spec"]["ports"][0]["targetPort"]
+    assert target in {p["name"] for p in operator_container(objects)["ports"]}
+
+
+def test_monitor_selector_labels_come_from_values() -> None:
+    labels = json.dumps({"release": "kube-prometheus-stack"})
+    objects = render(
+        {
+            "metrics.serviceMonitor.labels": labels,
+            "metrics.podMonitor.labels": labels,
+            "prometheusRule.labels": labels,
+        },
+        api_versions=WITH_MONITORING,
+    )
+    for kind in MONITORS:
+        assert one(objects, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+# -- dashboards -----------------------------------------------------------------------
+
+
+def test_dashboards_configmap_carries_every_dashboard_file_for_grafana() -> None:
+    objects = render()
+    configmap = one(objects, "ConfigMap", "ws-weightsync-dashboards")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted((CHART / "dashboards").glob("*.json"))
+    assert files
+    assert sorted(configmap["data"]) == [path.name for path in files]
+    for path in files:
+        assert json.loads(configmap["data"][path.name]) == json.loads(path.read_text())
+
+
+def test_dashboards_can_go_elsewhere_or_be_left_out() -> None:
+    elsewhere = render({"dashboards.namespace": '"monitoring"'})
+    assert one(elsewhere, "ConfigMap", "ws-weightsync-dashboards")["metadata"]["namespace"] == (
+        "monitoring"
+    )
+    assert not find(
+        render({"dashboards.enabled": "false"}), "ConfigMap", "ws-weightsync-dashboards"
+    )
+
+
+# -- network policy -------------------------------------------------------------------
+
+
+def test_network_policy_is_optional_and_allows_what_the_operator_needs() -> None:
+    assert not find(render(), "NetworkPolicy")
+    objects = render({"networkPolicy.enabled": "true", "agent.httpPort": "8471"})
+    policy = one(objects, "NetworkPolicy")["spec"]
+    deployment = operator_deployment(objects)
+    assert policy["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    named_ports = {p["name"] for p in operator_container(objects)["ports"]}
+    ingress_ports = {port["port"] for rule in policy["ingress"] for port in rule["ports"]}
+    assert ingress_ports == {"webhook", "metrics"} <= named_ports
+    egress_ports = {port["port"] for rule in policy["egress"] for port in rule["ports"]}
+    assert egress_ports == {443, 6443, 8471, 53}
+
+
+def test_network_policy_restricts_scrapers_when_asked() -> None:
+    peers = [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    objects = render(
+        {"networkPolicy.enabled": "true", "networkPolicy.metricsFrom": json.dumps(peers)}
+    )
+    rules = one(objects, "NetworkPolicy")["spec"]["ingress"]
+    metrics_rule = next(r for r in rules if r["ports"][0]["port"] == "metrics")
+    webhook_rule = next(r for r in rules if r["ports"][0]["port"] == "webhook")
+    assert metrics_rule["from"] == peers
+    assert "from" not in webhook_rule  # the API server is not a pod
+
+
+# -- RBAC -----------------------------------------------------------------------------
+
+
+def _rules(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        rule
+        for obj in objects
+        if obj["kind"] in ("ClusterRole", "Role") and not is_hook(obj)
+        for rule in obj["rules"]
+    ]
+
+
+def test_rbac_has_no_wildcards_and_cannot_enumerate_secrets() -> None:
+    rules = _rules(render())
+    assert rules
+    for rule in rules:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+        if "secrets" in rule["resources"]:
+            assert not {"list", "watch"} & set(rule["verbs"])
+
+
+def test_rbac_covers_what_the_operator_does() -> None:
+    granted = {
+        (group, resource, verb)
+        for rule in _rules(render())
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    needed = {
+        ("weightsync.io", "weightsyncs", "watch"),
+        ("weightsync.io", "weightsyncs", "patch"),
+        ("weightsync.io", "weightsyncs/status", "patch"),
+        ("weightsync.io", "weightsyncs/finalizers", "update"),
+        ("", "pods", "watch"),
+        ("", "pods/status", "patch"),
+        ("apps", "statefulsets", "get"),
+        ("apps", "deployments", "get"),
+        ("apps", "replicasets", "list"),
+        ("", "secrets", "create"),
+        ("", "secrets", "get"),
+        ("", "events", "create"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "create"),
+        ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch"),
+    }
+    assert needed <= granted, sorted(needed - granted)
+
+
+def test_rbac_is_cluster_wide_by_default_and_per_namespace_when_scoped() -> None:
+    cluster = render()
+    bindings = {b["roleRef"]["name"] for b in find(cluster, "ClusterRoleBinding")}
+    assert "ws-weightsync-workloads" in bindings
+
+    scoped = render({"operator.watchNamespaces": '["team-a", "team-b"]'})
+    bindings = {b["roleRef"]["name"] for b in find(scoped, "ClusterRoleBinding")}
+    assert "ws-weightsync-workloads" not in bindings
+    workload_bindings = [
+        b for b in find(scoped, "RoleBinding") if b["roleRef"]["name"] == "ws-weightsync-workloads"
+    ]
+    assert sorted(b["metadata"]["namespace"] for b in workload_bindings) == ["team-a", "team-b"]
+    cluster_rules = one(scoped, "ClusterRole", "ws-weightsync")["rules"]
+    assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in (
+        cluster_rules
+    )
+    env = env_of(operator_container(scoped))
+    assert env["WEIGHTSYNC_OPERATOR_WATCH_NAMESPACES"] == "team-a,team-b"
+
+
+def test_webhook_configuration_rights_are_limited_to_the_operators_own() -> None:
+    objects = render()
+    name = env_of(operator_container(objects))["WEIGHTSYNC_OPERATOR_WEBHOOK_CONFIGURATION"]
+    rules = one(objects, "ClusterRole", "ws-weightsync")["rules"]
+    webhook_rules = [r for r in rules if r["apiGroups"] == ["admissionregistration.k8s.io"]]
+    assert {tuple(r["verbs"]): r.get("resourceNames") for r in webhook_rules} == {
+        ("create",): None,
+        ("get", "patch"): [name],
+    }
+    # The helm test reads exactly those, and nothing else.
+    test_role = next(r for r in find(objects, "ClusterRole") if is_hook(r))
+    assert test_role["rules"] == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["mutatingwebhookconfigurations", "validatingwebhookconfigurations"],
+            "resourceNames": [name],
+            "verbs": ["get"],
+        }
+    ]
+    assert name in one(objects, "Pod")["spec"]["containers"][0]["command"]
+
+
+def test_rbac_and_service_account_can_be_brought_by_the_user() -> None:
+    objects = render(
+        {"rbac.create": "false", "serviceAccount.create": "false", "serviceAccount.name": '"ops"'}
+    )
+    operator_objects = [o for o in objects if not is_hook(o)]
+    rbac = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    assert not kinds(operator_objects) & rbac
+    assert not find(operator_objects, "ServiceAccount")
+    assert operator_deployment(objects)["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+
+
+def test_the_helm_test_script_is_the_charts_file() -> None:
+    objects = render()
+    configmap = next(c for c in find(objects, "ConfigMap") if is_hook(c))
+    script = (CHART / "files" / "check_webhooks.py").read_text()
+    assert configmap["data"]["check_webhooks.py"] == script.rstrip("\n")
+    assert not find(render({"tests.enabled": "false"}), "Pod")

@@ -64,6 +64,12 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
     reconciler = runtime.reconciler
     resource = (GROUP, VERSION, PLURAL)
 
+    # kopf's default login handlers live on its default registry; ours needs its own.
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
+        return info
+
     @kopf.on.create(*resource, registry=registry, id="reconcile")
     @kopf.on.update(*resource, registry=registry, id="reconcile")
     @kopf.on.resume(*resource, registry=registry, id="reconcile")

@@ -173,6 +173,18 @@ class Kube:
 
     # -- pods ----------------------------------------------------------------------
 
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete exactly this pod (a UID precondition spares a same-named replacement)."""
+        try:
+            self.core.delete_namespaced_pod(
+                name,
+                namespace,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )
+        except ApiException as error:
+            if error.status not in (NOT_FOUND, CONFLICT):
+                raise
+
     def set_pod_condition(
         self,
         namespace: str,

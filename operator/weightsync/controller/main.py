@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # kopf logs every successful handler, timer tick and webhook call at INFO; its
+    # warnings and errors (failed handlers, retries) still come through.
+    for noisy in ("kopf.objects", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     kube = Kube(load_config())
     agents = AgentClient(settings.agent_timeout_seconds)
     runtime = handlers.Runtime(

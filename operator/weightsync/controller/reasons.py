@@ -50,6 +50,11 @@ WEIGHTSYNC_DELETED_MESSAGE: Final = (
 )
 
 # Events that are not condition transitions.
+POD_RECREATED: Final = "PodRecreated"
+POD_RECREATED_MESSAGE: Final = (
+    "Deleted pod {pod}: it was created before this WeightSync, without the agent sidecar;"
+    " its {kind} creates it again with the sidecar."
+)
 GENERATION_PLANNED: Final = "GenerationPlanned"
 GENERATION_PLANNED_MESSAGE: Final = "Planned group generation {generation}: {count} ranks ({pods})."
 PLAN_REJECTED: Final = "PlanRejected"

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -56,11 +57,19 @@ from weightsync.controller.status import (
     problem_status,
     transition_events,
 )
-from weightsync.controller.workloads import PodView, claim_conflicts, sync_pods
+from weightsync.controller.workloads import (
+    PodView,
+    claim_conflicts,
+    parse_time,
+    pods_to_recreate,
+    sync_pods,
+)
 
 log = logging.getLogger(__name__)
 
 PLAN_FAILURE_COOLDOWN_SECONDS = 10.0  # a pod that refused a plan sits out this long
+# Pods created this long before their WeightSync were applied together with it.
+APPLIED_TOGETHER_SECONDS = 300
 
 EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
 Problem = tuple[str, str]  # (reason, message) for Ready=False
@@ -174,6 +183,7 @@ class Reconciler:
             self.kube.ensure_token, namespace, raw, self.settings.agent_token_bytes
         )
         pods = sync_pods(sync, world)
+        await self._recreate_uninjected(raw, pods)
         statuses, errors = await self.agents.statuses(self._addresses(pods), token)
 
         now = time.monotonic()
@@ -266,6 +276,17 @@ class Reconciler:
                     api_reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
                 )
         return None
+
+    async def _recreate_uninjected(self, raw: Mapping[str, Any], pods: list[PodView]) -> None:
+        created = parse_time(raw["metadata"].get("creationTimestamp"))
+        window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
+        for pod in pods_to_recreate(pods, created, window):
+            await asyncio.to_thread(
+                self.kube.delete_pod, raw["metadata"]["namespace"], pod.name, pod.uid
+            )
+            kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
+            message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.name, kind=kind)
+            self.post_event(raw, EventSpec("Normal", reasons.POD_RECREATED, message))
 
     def _addresses(self, pods: list[PodView]) -> list[AgentAddress]:
         return [

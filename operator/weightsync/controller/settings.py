@@ -25,8 +25,9 @@ Admission webhook
 * `WEBHOOK_SERVICE_NAMESPACE` its namespace. Default: `NAMESPACE`.
 * `WEBHOOK_SERVICE_PORT`      its port. Default 443.
 * `WEBHOOK_CONFIGURATION`     name of the Mutating/ValidatingWebhookConfiguration objects the
-                              operator manages (kopf's `settings.admission.managed`).
-                              Default `weightsync.io`.
+                              operator manages (kopf's `settings.admission.managed`); also the
+                              suffix of each webhook's name, so it needs a dot. Default
+                              `weightsync.io`.
 * `WEBHOOK_CERTS`             `managed` (default): the operator generates a CA and a serving
                               certificate and keeps them in a Secret it owns, reusing them on
                               restart; `directory`: read `tls.crt`, `tls.key` and `ca.crt`
@@ -132,6 +133,9 @@ class OperatorSettings(BaseModel):
             parts = urlsplit(self.webhook_url)
             if parts.scheme != "https" or not parts.hostname:
                 raise ValueError(f"WEBHOOK_URL must be https://<host>[:<port>], not {parts!r}")
+        if "." not in self.webhook_configuration.strip("."):
+            # Webhook names are "<handler>.<configuration>" and need three dotted segments.
+            raise ValueError("WEBHOOK_CONFIGURATION needs a dot, e.g. weightsync.io")
         if self.webhook_certs is CertMode.DIRECTORY and self.webhook_cert_dir is None:
             raise ValueError("WEBHOOK_CERTS=directory needs WEBHOOK_CERT_DIR")
         if self.agent_http_port == self.agent_metrics_port:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weightsync.api.control import Role
@@ -55,6 +56,8 @@ class PodView:
     gate_status: str | None  # the weights-current condition's status, if any
     gate_reason: str | None
     gate_since: str | None  # its lastTransitionTime, kept while the status does not flip
+    created: datetime | None
+    labelled: bool  # carries weightsync.io/inject=true, i.e. opted in to injection
 
     @property
     def joinable(self) -> bool:
@@ -149,6 +152,41 @@ def _condition(pod: Obj, kind: str) -> Obj | None:
     return None
 
 
+def parse_time(value: object) -> datetime | None:
+    """A timestamp as the API server (`...Z`) or the client's serializer (`+00:00`) writes it."""
+    if not value:
+        return None
+    parsed = datetime.fromisoformat(str(value))
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def pods_to_recreate(
+    pods: Sequence[PodView], sync_created: datetime | None, window: timedelta
+) -> list[PodView]:
+    """Opted-in pods the webhook could not inject because they predate the WeightSync.
+
+    When a WeightSync and its workloads are applied together (GitOps, `kubectl apply -f
+    dir/`), the controllers may create pods before the WeightSync exists; the webhook
+    then finds nothing selecting them. Deleting those pods lets their controller create
+    them again, injected. Only pods created at most `window` before the WeightSync are
+    deleted: an older, serving workload is never restarted behind its owner's back (the
+    reconcile reports it as Degraded instead), and a pod created after the WeightSync
+    missed the sidecar for another reason (the webhook was down) that deleting would not
+    fix by itself.
+    """
+    if sync_created is None:
+        return []
+    return [
+        pod
+        for pod in pods
+        if pod.labelled
+        and not pod.has_agent
+        and not pod.terminating
+        and pod.created is not None
+        and sync_created - window <= pod.created <= sync_created
+    ]
+
+
 def has_agent(pod: Obj) -> bool:
     spec = pod.get("spec") or {}
     containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
@@ -185,6 +223,8 @@ def pod_view(
         gate_status=gate.get("status") if gate else None,
         gate_reason=gate.get("reason") if gate else None,
         gate_since=gate.get("lastTransitionTime") if gate else None,
+        created=parse_time(meta.get("creationTimestamp")),
+        labelled=(meta.get("labels") or {}).get(names.INJECT_LABEL) == names.INJECT_VALUE,
     )
 
 

@@ -7,7 +7,6 @@ import uuid
 from typing import Any, Self
 
 from tests.unit.api.builders import weightsync
-
 from weightsync.api import parse_weightsync
 from weightsync.api.control import (
     AgentStatus,

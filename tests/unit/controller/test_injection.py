@@ -6,8 +6,8 @@ from typing import Any
 
 import jsonpatch
 import pytest
-from tests.unit.controller.builders import pod, sync
 
+from tests.unit.controller.builders import pod, sync
 from weightsync.api.control import Role
 from weightsync.controller import names
 from weightsync.controller.injection import AgentTemplate, injection_patch

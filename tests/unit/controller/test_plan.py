@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from tests.unit.controller.builders import agent, sink_view, source_view, sync
 
+from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api.control import AgentStatus, Backend, GenerationState, Mode, Role
 from weightsync.controller.plan import (
     Desired,

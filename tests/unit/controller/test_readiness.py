@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from tests.unit.controller.builders import agent, pod, sink_view
 
+from tests.unit.controller.builders import agent, pod, sink_view
 from weightsync.api.control import AgentStatus, Role
 from weightsync.controller import reasons
 from weightsync.controller.readiness import current_version, decide, gate_changes

@@ -52,6 +52,7 @@ def test_service_mode() -> None:
         ({**URL_MODE, "WEIGHTSYNC_OPERATOR_RESYNC_SECOND": "1"}, "RESYNC_SECOND is not"),
         ({**URL_MODE, "WEIGHTSYNC_OPERATOR_AGENT_HTTP_PORT": "0"}, "AGENT_HTTP_PORT"),
         ({**URL_MODE, "WEIGHTSYNC_OPERATOR_WEBHOOK_CERTS": "directory"}, "WEBHOOK_CERT_DIR"),
+        ({**URL_MODE, "WEIGHTSYNC_OPERATOR_WEBHOOK_CONFIGURATION": "weightsync"}, "needs a dot"),
     ],
 )
 def test_bad_environments_fail_naming_the_variable(env: dict[str, str], complaint: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from tests.unit.controller.builders import agent, round_report, sink_view, source_view, sync
-
 from weightsync.api import find_condition
 from weightsync.api import reasons as api_reasons
 from weightsync.api.control import AgentStatus, GenerationState, Role

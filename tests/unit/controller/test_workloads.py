@@ -6,7 +6,6 @@ from typing import Any
 
 from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import pod, sync
-
 from weightsync.api.control import Role
 from weightsync.controller.admission import claim_errors, older_than, workload_of
 from weightsync.controller.workloads import (

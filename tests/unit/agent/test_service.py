@@ -1,0 +1,108 @@
+"""The agent's control API in-process: auth, plan validation, background pre-warm, status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from tests.integration.stack import free_port
+from weightsync.agent.service import Agent, make_control_app, make_metrics_app
+from weightsync.agent.settings import AgentSettings
+from weightsync.api.control import AgentStatus, GenerationState, MembershipPlan
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def plan(generation: int, port: int, *, rank: int = 0, sinks: int = 0) -> str:
+    members = [{"rank": 0, "pod": "trainer-0", "host": "127.0.0.1", "role": "source"}]
+    members += [
+        {"rank": i, "pod": f"infer-{i}", "host": "127.0.0.1", "role": "sink"}
+        for i in range(1, sinks + 1)
+    ]
+    return MembershipPlan.model_validate(
+        {
+            "sync_name": "unit",
+            "generation": generation,
+            "rank": rank,
+            "backend": "gloo",
+            "rendezvous": {"host": "127.0.0.1", "port": port},
+            "members": members,
+        }
+    ).model_dump_json()
+
+
+def with_agent(tmp_path: Path, body: Callable[[Agent, TestClient], Awaitable[None]]) -> None:
+    settings = AgentSettings(
+        role="source", token=TOKEN, socket=tmp_path / "agent.sock", shm_dir=tmp_path
+    )
+
+    async def run() -> None:
+        agent = Agent(settings)
+        client = TestClient(TestServer(make_control_app(agent)))
+        await client.start_server()
+        try:
+            await body(agent, client)
+        finally:
+            await client.close()
+            await agent.close()
+
+    asyncio.run(run())
+
+
+def test_every_route_needs_the_token(tmp_path: Path) -> None:
+    async def body(agent: Agent, client: TestClient) -> None:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            response = await client.get("/v1/status", headers=headers)
+            assert response.status == 401
+            assert (await response.json())["error"] == "unauthorized"
+            response = await client.put("/v1/plan", data=plan(1, 1), headers=headers)
+            assert response.status == 401
+        assert agent.generations.all() == []
+
+    with_agent(tmp_path, body)
+
+
+def test_plans_are_validated_and_formed_in_the_background(tmp_path: Path) -> None:
+    port = free_port()
+
+    async def body(agent: Agent, client: TestClient) -> None:
+        response = await client.put("/v1/plan", data="{}", headers=AUTH)
+        assert response.status == 400
+        response = await client.put("/v1/plan", data=plan(1, port, rank=1, sinks=1), headers=AUTH)
+        assert response.status == 409, "a sink's rank sent to a source agent"
+
+        response = await client.put("/v1/plan", data=plan(2, port), headers=AUTH)
+        assert response.status == 202
+        assert json.loads(await response.text()) == {"generation": 2, "rank": 0, "world_size": 1}
+        again = await client.put("/v1/plan", data=plan(2, port), headers=AUTH)
+        assert again.status == 202, "the same plan twice is idempotent"
+        stale = await client.put("/v1/plan", data=plan(1, port), headers=AUTH)
+        assert stale.status == 409
+
+        generation = agent.generations.get(2)
+        assert generation is not None
+        await asyncio.wait_for(generation.formed.wait(), 30)
+        status = AgentStatus.model_validate_json(
+            await (await client.get("/v1/status", headers=AUTH)).text()
+        )
+        assert status.warm
+        assert status.generation == 2
+        assert status.version is None
+        assert [g.state for g in status.generations] == [GenerationState.WARM]
+        assert status.generations[0].prewarm_millis is not None
+
+        metrics = TestClient(TestServer(make_metrics_app(agent)))
+        await metrics.start_server()
+        try:
+            text = await (await metrics.get("/metrics")).text()
+        finally:
+            await metrics.close()
+        assert 'weightsync_prewarm_duration_seconds_count{role="source"} 1.0' in text
+        assert 'weightsync_current_version{role="source"} -1.0' in text
+
+    with_agent(tmp_path, body)

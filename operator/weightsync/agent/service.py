@@ -38,7 +38,7 @@ from weightsync.api.control import (
     RoundReport,
 )
 from weightsync.engines import create_adapter
-from weightsync.engines.base import EngineAdapter
+from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.handoff import Attached, Publish, RoundResult
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
 
@@ -235,6 +235,11 @@ class Agent:
                 outcome = await self._run_source_round(request, channel)
             except RoundFailed as exc:
                 outcome = RoundOutcome.failed(request.version, None, started, exc.reason, str(exc))
+            except Exception as exc:  # the Publisher gets a result whatever went wrong here
+                log.exception("round for version %d failed unexpectedly", request.version)
+                outcome = RoundOutcome.failed(
+                    request.version, None, started, "internal_error", repr(exc)
+                )
             self._round_finished(outcome, committed=False)
         return RoundResult(
             version=outcome.version,
@@ -258,9 +263,12 @@ class Agent:
         if self.pool.epoch != self._publisher_epoch:
             raise RoundFailed("layout_mismatch", "the bucket slots changed: attach again")
         if self.adapter is not None and self._local_epoch != self.pool.epoch:
-            await asyncio.wait_for(
-                self.adapter.attach_buffers(slots.slots), self.settings.engine_timeout_seconds
-            )
+            try:
+                await asyncio.wait_for(
+                    self.adapter.attach_buffers(slots.slots), self.settings.engine_timeout_seconds
+                )
+            except (EngineError, TimeoutError) as exc:
+                raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
             self._local_epoch = self.pool.epoch
         self.round_in_progress = True
         runner = SourceRound(

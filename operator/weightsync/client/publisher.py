@@ -46,6 +46,9 @@ SOCKET_ENV = "WEIGHTSYNC_SOCKET"
 DEFAULT_SOCKET = "/var/run/weightsync/agent.sock"
 
 
+_NOT_YET = frozenset({"no_plan"})
+
+
 class PublisherError(RuntimeError):
     """The publish could not even start or complete its exchange with the agent."""
 
@@ -103,7 +106,13 @@ class Publisher:
         ]
         for attempt in range(2):
             if self._layout is None or metas != self._metas:
-                self._attach(metas)
+                try:
+                    self._attach(metas)
+                except PublisherError as exc:
+                    if exc.reason not in _NOT_YET:
+                        raise
+                    # The operator has not planned the group yet: a failed round, not a bug.
+                    return PublishResult(version, False, 0.0, 0, exc.reason, str(exc))
             result = self._round(tensors, version)
             if result.reason != "layout_mismatch":
                 return result

@@ -155,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("configuration", help="name of the webhook configurations")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--service-account-dir", type=Path, default=SERVICE_ACCOUNT_DIR)
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.timeout
     try:
-        found = wait_for_endpoints(ApiReader(), args.configuration, deadline)
+        found = wait_for_endpoints(
+            ApiReader(args.service_account_dir), args.configuration, deadline
+        )
     except CheckFailedError as error:
         print(f"FAIL {error}", file=sys.stderr)
         return 1

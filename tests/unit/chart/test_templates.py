@@ -319,6 +319,7 @@ def test_rbac_covers_what_the_operator_does() -> None:
         ("weightsync.io", "weightsyncs/status", "patch"),
         ("weightsync.io", "weightsyncs/finalizers", "update"),
         ("", "pods", "watch"),
+        ("", "pods", "delete"),
         ("", "pods/status", "patch"),
         ("apps", "statefulsets", "get"),
         ("apps", "deployments", "get"),

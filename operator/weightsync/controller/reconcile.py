@@ -21,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -31,11 +30,12 @@ from pydantic import ValidationError
 
 from weightsync.api import parse_weightsync
 from weightsync.api import reasons as api_reasons
-from weightsync.api.base import format_timestamp, utc_now
+from weightsync.api.base import utc_now
 from weightsync.api.control import AgentStatus, Role
 from weightsync.api.v1alpha1 import WeightSync, WeightSyncStatus
 from weightsync.api.validation import WeightSyncInvalidError
-from weightsync.controller import metrics, names, reasons
+from weightsync.controller import metrics, reasons
+from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.kube import Kube
 from weightsync.controller.plan import (
@@ -48,7 +48,8 @@ from weightsync.controller.plan import (
     next_generation,
     slots,
 )
-from weightsync.controller.readiness import current_version, gate_changes
+from weightsync.controller.pods import EventPoster
+from weightsync.controller.readiness import current_version
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.status import (
     EventSpec,
@@ -60,18 +61,13 @@ from weightsync.controller.status import (
 from weightsync.controller.workloads import (
     PodView,
     claim_conflicts,
-    parse_time,
-    pods_to_recreate,
     sync_pods,
 )
 
 log = logging.getLogger(__name__)
 
 PLAN_FAILURE_COOLDOWN_SECONDS = 10.0  # a pod that refused a plan sits out this long
-# Pods created this long before their WeightSync were applied together with it.
-APPLIED_TOGETHER_SECONDS = 300
 
-EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
 Problem = tuple[str, str]  # (reason, message) for Ready=False
 
 
@@ -183,7 +179,7 @@ class Reconciler:
             self.kube.ensure_token, namespace, raw, self.settings.agent_token_bytes
         )
         pods = sync_pods(sync, world)
-        await self._recreate_uninjected(raw, pods)
+        await pod_actions.recreate_uninjected(self.kube, self.post_event, raw, pods)
         statuses, errors = await self.agents.statuses(self._addresses(pods), token)
 
         now = time.monotonic()
@@ -211,7 +207,9 @@ class Reconciler:
 
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
         version = current_version(source, old.current_version)
-        await self._set_gates(namespace, pods, statuses=statuses, errors=errors, version=version)
+        await pod_actions.set_gates(
+            self.kube, namespace, pods, statuses=statuses, errors=errors, version=version
+        )
         observation = Observation(
             spec=spec,
             metadata_generation=generation,
@@ -276,17 +274,6 @@ class Reconciler:
                     api_reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
                 )
         return None
-
-    async def _recreate_uninjected(self, raw: Mapping[str, Any], pods: list[PodView]) -> None:
-        created = parse_time(raw["metadata"].get("creationTimestamp"))
-        window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
-        for pod in pods_to_recreate(pods, created, window):
-            await asyncio.to_thread(
-                self.kube.delete_pod, raw["metadata"]["namespace"], pod.name, pod.uid
-            )
-            kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
-            message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.name, kind=kind)
-            self.post_event(raw, EventSpec("Normal", reasons.POD_RECREATED, message))
 
     def _addresses(self, pods: list[PodView]) -> list[AgentAddress]:
         return [
@@ -379,31 +366,6 @@ class Reconciler:
                 memory.cooldown[uids[slot.pod]] = now + sync.spec.prewarm.timeout_seconds
         return bool(cold)
 
-    async def _set_gates(
-        self,
-        namespace: str,
-        pods: list[PodView],
-        *,
-        statuses: Mapping[str, AgentStatus],
-        errors: Mapping[str, str],
-        version: int | None,
-    ) -> None:
-        now = format_timestamp(utc_now())
-        by_name = {p.name: p for p in pods}
-        for decision in gate_changes(pods, statuses, errors, version):
-            pod = by_name[decision.pod]
-            since = pod.gate_since if pod.gate_status == decision.status_text else None
-            await asyncio.to_thread(
-                self.kube.set_pod_condition,
-                namespace,
-                decision.pod,
-                kind=names.WEIGHTS_CURRENT,
-                status=decision.status_text,
-                reason=decision.reason,
-                message=decision.message,
-                since=since or now,
-            )
-
     async def _problem(
         self, raw: Mapping[str, Any], old: WeightSyncStatus, generation: int, problem: Problem
     ) -> None:
@@ -427,29 +389,5 @@ class Reconciler:
 
     async def release(self, namespace: str, raw: Mapping[str, Any]) -> None:
         """On deletion: open the readiness gates the WeightSync held, so no pod stays stuck."""
-        try:
-            sync = parse_weightsync(raw)
-        except WeightSyncInvalidError:
-            return  # an invalid WeightSync never gated a pod
-        spec = sync.spec
-        world = await asyncio.to_thread(
-            self.kube.observe,
-            namespace,
-            spec.trainer.stateful_set_ref.name,
-            [entry.deployment_ref.name for entry in spec.inference],
-        )
-        now = format_timestamp(utc_now())
-        message = reasons.WEIGHTSYNC_DELETED_MESSAGE.format(name=raw["metadata"]["name"])
-        for pod in sync_pods(sync, world):
-            if pod.has_gate and not pod.terminating and pod.gate_status != "True":
-                await asyncio.to_thread(
-                    self.kube.set_pod_condition,
-                    namespace,
-                    pod.name,
-                    kind=names.WEIGHTS_CURRENT,
-                    status="True",
-                    reason=reasons.WEIGHTSYNC_DELETED,
-                    message=message,
-                    since=now,
-                )
+        await pod_actions.release(self.kube, namespace, raw)
         self.forget(namespace, raw["metadata"]["name"])

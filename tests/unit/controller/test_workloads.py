@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from tests.unit.api.builders import weightsync
-from tests.unit.controller.builders import pod, sync
+from tests.unit.controller.builders import pod, sink_view, sync
 from weightsync.api.control import Role
 from weightsync.controller.admission import claim_errors, older_than, workload_of
+from weightsync.controller.kube import selector_string
 from weightsync.controller.workloads import (
+    PodView,
     WorkloadRef,
     World,
     claim_conflicts,
+    parse_time,
+    pods_to_recreate,
     select_target,
     statefulset_ordinal,
     sync_pods,
@@ -125,3 +131,46 @@ def test_validating_webhook_refuses_only_new_claims_on_taken_workloads() -> None
     assert claim_errors(newcomer, newcomer, [older]) == []
     deleting = {**newcomer, "metadata": {**newcomer["metadata"], "deletionTimestamp": "x"}}
     assert claim_errors(deleting, None, [older]) == []
+
+
+def test_only_opted_in_pods_applied_together_with_the_weightsync_are_recreated() -> None:
+    made = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+    def view(name: str, created: datetime, **changes: Any) -> PodView:
+        return replace(sink_view(name, has_agent=False, labelled=True, created=created), **changes)
+
+    pods = [
+        view("together", made - timedelta(seconds=3)),
+        view("same-second", made),
+        view("long-running", made - timedelta(hours=2)),  # a serving pod: never restarted
+        view("after", made + timedelta(seconds=5)),  # webhook outage: reported, not deleted
+        view("not-opted-in", made - timedelta(seconds=3), labelled=False),
+        view("injected", made - timedelta(seconds=3), has_agent=True),
+        view("leaving", made - timedelta(seconds=3), terminating=True),
+    ]
+    chosen = pods_to_recreate(pods, made, timedelta(minutes=5))
+    assert [p.name for p in chosen] == ["together", "same-second"]
+    assert pods_to_recreate(pods, None, timedelta(minutes=5)) == []
+
+
+def test_timestamps_in_both_spellings() -> None:
+    expected = datetime(2026, 1, 1, 12, 0, 5, tzinfo=UTC)
+    assert parse_time("2026-01-01T12:00:05Z") == expected
+    assert parse_time("2026-01-01T12:00:05+00:00") == expected
+    assert parse_time(None) is None
+
+
+def test_label_selectors_as_query_strings() -> None:
+    selector = {
+        "matchLabels": {"app": "engine", "tier": "gpu"},
+        "matchExpressions": [
+            {"key": "zone", "operator": "In", "values": ["a", "b"]},
+            {"key": "canary", "operator": "DoesNotExist"},
+            {"key": "team", "operator": "Exists"},
+            {"key": "stage", "operator": "NotIn", "values": ["dev"]},
+        ],
+    }
+    assert selector_string(selector) == (
+        "app=engine,tier=gpu,zone in (a,b),!canary,team,stage notin (dev)"
+    )
+    assert selector_string(None) == ""

@@ -1,0 +1,97 @@
+"""What the reconcile does to pods: recreate uninjected ones, set and release readiness gates.
+
+The decisions are the pure functions of `workloads` and `readiness`; these functions
+carry them out through the (blocking) API client, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from weightsync.api import parse_weightsync
+from weightsync.api.base import format_timestamp, utc_now
+from weightsync.api.control import AgentStatus, Role
+from weightsync.api.validation import WeightSyncInvalidError
+from weightsync.controller import names, reasons
+from weightsync.controller.kube import Kube
+from weightsync.controller.readiness import gate_changes
+from weightsync.controller.status import EventSpec
+from weightsync.controller.workloads import PodView, parse_time, pods_to_recreate, sync_pods
+
+# Pods created this long before their WeightSync were applied together with it.
+APPLIED_TOGETHER_SECONDS = 300
+
+EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
+
+
+async def recreate_uninjected(
+    kube: Kube, post_event: EventPoster, raw: Mapping[str, Any], pods: list[PodView]
+) -> None:
+    """Delete opted-in pods that predate the WeightSync; their controller recreates them."""
+    created = parse_time(raw["metadata"].get("creationTimestamp"))
+    window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
+    for pod in pods_to_recreate(pods, created, window):
+        await asyncio.to_thread(kube.delete_pod, raw["metadata"]["namespace"], pod.name, pod.uid)
+        kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
+        message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.name, kind=kind)
+        post_event(raw, EventSpec("Normal", reasons.POD_RECREATED, message))
+
+
+async def set_gates(
+    kube: Kube,
+    namespace: str,
+    pods: list[PodView],
+    *,
+    statuses: Mapping[str, AgentStatus],
+    errors: Mapping[str, str],
+    version: int | None,
+) -> None:
+    """Write the weights-current condition on every gated pod whose condition must change."""
+    now = format_timestamp(utc_now())
+    by_name = {p.name: p for p in pods}
+    for decision in gate_changes(pods, statuses, errors, version):
+        pod = by_name[decision.pod]
+        # lastTransitionTime moves only when the status flips, as for any condition.
+        since = pod.gate_since if pod.gate_status == decision.status_text else None
+        await asyncio.to_thread(
+            kube.set_pod_condition,
+            namespace,
+            decision.pod,
+            kind=names.WEIGHTS_CURRENT,
+            status=decision.status_text,
+            reason=decision.reason,
+            message=decision.message,
+            since=since or now,
+        )
+
+
+async def release(kube: Kube, namespace: str, raw: Mapping[str, Any]) -> None:
+    """Open every gate the WeightSync held, so a deleted WeightSync strands no pod NotReady."""
+    try:
+        sync = parse_weightsync(raw)
+    except WeightSyncInvalidError:
+        return  # an invalid WeightSync never gated a pod
+    spec = sync.spec
+    world = await asyncio.to_thread(
+        kube.observe,
+        namespace,
+        spec.trainer.stateful_set_ref.name,
+        [entry.deployment_ref.name for entry in spec.inference],
+    )
+    now = format_timestamp(utc_now())
+    message = reasons.WEIGHTSYNC_DELETED_MESSAGE.format(name=raw["metadata"]["name"])
+    for pod in sync_pods(sync, world):
+        if pod.has_gate and not pod.terminating and pod.gate_status != "True":
+            await asyncio.to_thread(
+                kube.set_pod_condition,
+                namespace,
+                pod.name,
+                kind=names.WEIGHTS_CURRENT,
+                status="True",
+                reason=reasons.WEIGHTSYNC_DELETED,
+                message=message,
+                since=now,
+            )

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from tests.support.eventually import Timeouts, eventually
 from tests.support.kube import condition
 from weightsync.api import reasons
 from weightsync.controller import names
+from weightsync.controller.workloads import parse_time
 
 pytestmark = pytest.mark.cluster
 
@@ -420,10 +422,34 @@ def test_unrelated_pods_are_never_mutated_and_schedule_while_the_operator_is_dow
     assert "readinessGates" not in plain["spec"]
     assert has_sidecar(pods(cluster, namespace, "trainer")[0])
 
+    # Pods from the WeightSync's own second count as applied together with it (and would
+    # be recreated); the pods below must be clearly newer.
+    created = parse_time(
+        get(cluster, namespace, "weightsync", "sync")["metadata"]["creationTimestamp"]
+    )
+    assert created is not None
+    eventually(
+        lambda: datetime.now(UTC) >= created + timedelta(seconds=1.2),
+        timeout=Timeouts.API, message="a second past the WeightSync",
+    )  # fmt: skip
+
     # A hard kill leaves the webhooks registered, pointing at nothing.
     operator.stop(signal.SIGKILL)
-    registered = get(cluster, "default", "mutatingwebhookconfiguration", operator.configuration)
-    assert registered["webhooks"][0]["failurePolicy"] == "Ignore"
+    (pod_hook,) = get(cluster, "default", "mutatingwebhookconfiguration", operator.configuration)[
+        "webhooks"
+    ]
+    assert pod_hook["failurePolicy"] == "Ignore"
+    assert pod_hook["objectSelector"] == {
+        "matchExpressions": [
+            {"key": names.INJECT_LABEL, "operator": "In", "values": [names.INJECT_VALUE]}
+        ]
+    }
+    assert pod_hook["rules"][0]["operations"] == ["CREATE"]
+    (claims_hook,) = get(
+        cluster, "default", "validatingwebhookconfiguration", operator.configuration
+    )["webhooks"]
+    assert claims_hook["failurePolicy"] == "Fail"
+    assert claims_hook["rules"][0]["resources"] == ["weightsyncs"]
     started = time.monotonic()
     apply(
         cluster,

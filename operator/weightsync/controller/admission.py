@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jsonpatch
+import kopf
 
 from weightsync.api import parse_weightsync
 from weightsync.api.v1alpha1 import WeightSync
@@ -108,10 +109,10 @@ def pod_patch(
     )
 
 
-def apply_patch(ops: JsonPatch) -> Callable[[dict[str, Any]], None]:
+def apply_patch(ops: JsonPatch) -> Callable[[kopf.RawBody], None]:
     """A kopf patch function: kopf re-derives the JSON patch from the body it produces."""
 
-    def apply(body: dict[str, Any]) -> None:
+    def apply(body: kopf.RawBody) -> None:
         jsonpatch.JsonPatch(ops).apply(body, in_place=True)
 
     return apply

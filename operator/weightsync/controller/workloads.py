@@ -172,7 +172,8 @@ def pods_to_recreate(
     deleted: an older, serving workload is never restarted behind its owner's back (the
     reconcile reports it as Degraded instead), and a pod created after the WeightSync
     missed the sidecar for another reason (the webhook was down) that deleting would not
-    fix by itself.
+    fix by itself. Timestamps have whole seconds, so a pod created in the WeightSync's
+    second counts as applied together with it.
     """
     if sync_created is None:
         return []

@@ -1,0 +1,62 @@
+"""The pod webhook's handler body: it patches through kopf's Patch and never denies a pod."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+import pytest
+from kubernetes import client
+
+from tests.unit.controller.builders import pod
+from weightsync.controller.admission import apply_patch, inject
+from weightsync.controller.injection import AgentTemplate
+from weightsync.controller.kube import Kube
+
+TEMPLATE = AgentTemplate(image="agent:1")
+
+
+def unreachable_api() -> Kube:
+    configuration = client.Configuration(host="https://127.0.0.1:1")
+    configuration.retries = 0
+    return Kube(client.ApiClient(configuration))
+
+
+def test_an_api_failure_admits_the_pod_unchanged(caplog: pytest.LogCaptureFixture) -> None:
+    body = pod("").owned_by("ReplicaSet", "engine-a-7d9").build()
+    patch = kopf.Patch(body=kopf.Body(body))
+    inject(unreachable_api(), TEMPLATE, body, patch)  # must not raise
+    assert "admitting it unchanged" in caplog.text  # the ReplicaSet lookup did fail
+    assert not patch
+    assert patch.as_json_patch() == []
+
+
+def test_pods_without_a_controller_are_left_alone_without_asking_the_api(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    body = pod("naked").build()
+    patch = kopf.Patch(body=kopf.Body(body))
+    inject(unreachable_api(), TEMPLATE, body, patch)
+    assert not patch
+    assert "admitting it unchanged" not in caplog.text
+
+
+def test_kopf_turns_the_applied_patch_back_into_the_same_change() -> None:
+    body = pod("p").build()
+    ops: list[dict[str, Any]] = [
+        {"op": "add", "path": "/spec/initContainers", "value": [{"name": "weightsync-agent"}]},
+        {"op": "add", "path": "/metadata/labels/weightsync.io~1role", "value": "sink"},
+    ]
+    patch = kopf.Patch(body=kopf.Body(body), fns=[apply_patch(ops)])
+    rederived = patch.as_json_patch()
+    assert {
+        "op": "add",
+        "path": "/spec/initContainers",
+        "value": [{"name": "weightsync-agent"}],
+    } in rederived
+    assert {
+        "op": "add",
+        "path": "/metadata/labels/weightsync.io~1role",
+        "value": "sink",
+    } in rederived
+    assert len(rederived) == 2

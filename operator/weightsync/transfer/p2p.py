@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_IDLE_POLL_SECONDS = 0.005  # how often an idle reader looks for a chunk another one gave back
+
 
 class P2PProtocol(StrEnum):
     TCP = "tcp"
@@ -66,24 +68,32 @@ class TransferEngineEndpoint:
             raise P2PError("init_failed", f"transfer engine init on {host} ({protocol}) -> {code}")
         self.protocol = protocol
         self.segment = f"{host}:{self._engine.get_rpc_port()}"
-        self._registered: set[int] = set()
+        self._registered: dict[int, int] = {}  # address -> registered bytes
         log.info("P2P transport: Mooncake %s, segment %s", protocol.value, self.segment)
 
     def register(self, tensor: torch.Tensor) -> None:
-        """Make `tensor`'s memory readable by peers (holder) or writable by reads (puller)."""
+        """Make `tensor`'s memory readable by peers (holder) or writable by reads (puller).
+
+        Registering a view of memory already registered at the same address is free; a
+        larger region at that address replaces the smaller registration.
+        """
         address = tensor.data_ptr()
-        if address in self._registered:
+        nbytes = tensor.numel() * tensor.element_size()
+        known = self._registered.get(address)
+        if known is not None and known >= nbytes:
             return
-        code = self._engine.register_memory(address, tensor.numel() * tensor.element_size())
+        if known is not None:
+            self._engine.unregister_memory(address)
+            del self._registered[address]
+        code = self._engine.register_memory(address, nbytes)
         if code != 0:
             raise P2PError("register_failed", f"register_memory({address:#x}) -> {code}")
-        self._registered.add(address)
+        self._registered[address] = nbytes
 
     def unregister(self, tensor: torch.Tensor) -> None:
         address = tensor.data_ptr()
-        if address in self._registered:
+        if self._registered.pop(address, None) is not None:
             self._engine.unregister_memory(address)
-            self._registered.discard(address)
 
     def read(self, segment: str, local_address: int, remote_address: int, nbytes: int) -> None:
         """Copy `nbytes` from a peer's registered memory into ours; raises on failure."""
@@ -152,6 +162,82 @@ def _read_chunk(
     return None
 
 
+def _check_pull(
+    holders: Sequence[HeldRegion], chunks: Sequence[Chunk], destination: torch.Tensor
+) -> None:
+    if not holders:
+        raise P2PError("no_holder", "no holder to pull from")
+    end = max((c.offset + c.nbytes for c in chunks), default=0)
+    for holder in holders:
+        if holder.nbytes < end:
+            raise P2PError("holder_too_small", f"{holder.name} holds {holder.nbytes} B, need {end}")
+    if destination.dim() != 1 or destination.element_size() != 1 or not destination.is_contiguous():
+        raise P2PError("bad_destination", "the destination must be a contiguous 1-D byte tensor")
+    if destination.numel() < end:
+        raise P2PError(
+            "destination_too_small", f"destination holds {destination.numel()} B, need {end}"
+        )
+
+
+class _Readers:
+    """The shared state of one pull: a queue of chunks and one reader thread per holder.
+
+    A reader stays until every chunk is done, not just until the queue is empty: a chunk
+    that another holder failed on comes back to the queue and must find a taker.
+    """
+
+    def __init__(
+        self,
+        endpoint: TransferEngineEndpoint,
+        chunks: Sequence[Chunk],
+        holders: Sequence[HeldRegion],
+        destination: torch.Tensor,
+        *,
+        checksum: Callable[[torch.Tensor], int] | None,
+        deadline: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self.destination = destination
+        self.checksum = checksum
+        self.deadline = deadline
+        self.pending: queue.Queue[Chunk] = queue.Queue()
+        for chunk in chunks:
+            self.pending.put(chunk)
+        self.report = PullReport(bytes=sum(c.nbytes for c in chunks), seconds=0.0)
+        self.lock = threading.Lock()
+        self.remaining = len(chunks)  # chunks not yet read
+        self.live = len(holders)  # readers neither finished nor dropped
+        self.all_done = threading.Event()
+        if not chunks:
+            self.all_done.set()
+
+    def serve(self, holder: HeldRegion) -> None:
+        moved = 0
+        while not self.all_done.is_set() and time.monotonic() < self.deadline:
+            try:
+                chunk = self.pending.get(timeout=_IDLE_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            target = self.destination[chunk.offset : chunk.offset + chunk.nbytes]
+            failure = _read_chunk(self.endpoint, holder, chunk, target, self.checksum)
+            if failure is not None:
+                self.pending.put(chunk)  # another holder reads it again
+                with self.lock:
+                    self.report.failed_holders[holder.name] = f"{failure.reason}: {failure}"
+                log.warning("holder %s dropped from the pull: %s", holder.name, failure)
+                break
+            moved += chunk.nbytes
+            with self.lock:
+                self.remaining -= 1
+                if self.remaining == 0:
+                    self.all_done.set()
+        with self.lock:
+            self.report.bytes_by_holder[holder.name] = moved
+            self.live -= 1
+            if self.live == 0:
+                self.all_done.set()  # nobody is left to read what is still queued
+
+
 def pull(
     endpoint: TransferEngineEndpoint,
     holders: Sequence[HeldRegion],
@@ -167,57 +253,54 @@ def pull(
     the chunk is read again from another holder. Raises `P2PError` when no holder is
     left or the pull outlives `timeout_seconds`.
     """
-    if not holders:
-        raise P2PError("no_holder", "no holder to pull from")
-    total = sum(c.nbytes for c in chunks)
-    end = max((c.offset + c.nbytes for c in chunks), default=0)
-    for holder in holders:
-        if holder.nbytes < end:
-            raise P2PError("holder_too_small", f"{holder.name} holds {holder.nbytes} B, need {end}")
-    if destination.dim() != 1 or destination.element_size() != 1 or not destination.is_contiguous():
-        raise P2PError("bad_destination", "the destination must be a contiguous 1-D byte tensor")
-    if destination.numel() < end:
-        raise P2PError(
-            "destination_too_small", f"destination holds {destination.numel()} B, need {end}"
-        )
+    _check_pull(holders, chunks, destination)
     endpoint.register(destination)
-
-    pending: queue.Queue[Chunk] = queue.Queue()
-    for chunk in chunks:
-        pending.put(chunk)
-    report = PullReport(bytes=total, seconds=0.0)
-    lock = threading.Lock()
     deadline = time.monotonic() + timeout_seconds
-
-    def serve(holder: HeldRegion) -> None:
-        moved = 0
-        while time.monotonic() < deadline:
-            try:
-                chunk = pending.get_nowait()
-            except queue.Empty:
-                break
-            target = destination[chunk.offset : chunk.offset + chunk.nbytes]
-            failure = _read_chunk(endpoint, holder, chunk, target, checksum)
-            if failure is not None:
-                pending.put(chunk)  # another holder reads it again
-                with lock:
-                    report.failed_holders[holder.name] = f"{failure.reason}: {failure}"
-                log.warning("holder %s dropped from the pull: %s", holder.name, failure)
-                break
-            moved += chunk.nbytes
-        with lock:
-            report.bytes_by_holder[holder.name] = moved
-
+    readers = _Readers(endpoint, chunks, holders, destination, checksum=checksum, deadline=deadline)
     started = time.monotonic()
-    threads = [threading.Thread(target=serve, args=(h,), name=f"pull-{h.name}") for h in holders]
+    # Daemon threads: a read stuck inside the transfer engine must not keep the agent alive.
+    threads = [
+        threading.Thread(target=readers.serve, args=(h,), name=f"pull-{h.name}", daemon=True)
+        for h in holders
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    report = readers.report
     report.seconds = time.monotonic() - started
-    finished = sum(report.bytes_by_holder.values())
-    if finished != total:
+    pulled = sum(report.bytes_by_holder.values())
+    if pulled != report.bytes:
         why = "; ".join(f"{k}: {v}" for k, v in report.failed_holders.items()) or "timed out"
         reason = "timeout" if time.monotonic() >= deadline else "no_live_holder"
-        raise P2PError(reason, f"pulled {finished} of {total} B ({why})")
+        raise P2PError(reason, f"pulled {pulled} of {report.bytes} B ({why})")
     return report
+
+
+class Endpoints:
+    """This process's transfer engines, one per protocol, made on first use.
+
+    A holder and a recovery in the same agent share them, so memory is registered with
+    one engine per protocol and peers find one segment per protocol.
+    """
+
+    def __init__(self, host: str, device_names: str = "") -> None:
+        self.host = host
+        self.device_names = device_names
+        self._by_protocol: dict[P2PProtocol, TransferEngineEndpoint] = {}
+        self._lock = threading.Lock()
+
+    def get(self, protocol: P2PProtocol) -> TransferEngineEndpoint:
+        """The endpoint for `protocol`; blocks while the engine starts (call off the loop)."""
+        with self._lock:
+            endpoint = self._by_protocol.get(protocol)
+            if endpoint is None:
+                endpoint = TransferEngineEndpoint(self.host, protocol, self.device_names)
+                self._by_protocol[protocol] = endpoint
+            return endpoint
+
+    def close(self) -> None:
+        with self._lock:
+            for endpoint in self._by_protocol.values():
+                endpoint.close()
+            self._by_protocol.clear()

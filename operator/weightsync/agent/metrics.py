@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # Rounds of a 16 GB model take tens of milliseconds on NVLink and seconds over TCP.
 _ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _PREWARM_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# A recovery pulls a whole model: about a second over RDMA, minutes over TCP.
+_RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class AgentMetrics:
@@ -61,6 +63,40 @@ class AgentMetrics:
             registry=self.registry,
         ).labels(role)
 
+        self.recovery_duration = Histogram(
+            "weightsync_recovery_duration_seconds",
+            "Duration of a successful P2P recovery, request to engine commit. Failed ones"
+            " count only in weightsync_recovery_failures_total (the alert relies on it).",
+            ["role"],
+            buckets=_RECOVERY_BUCKETS,
+            registry=self.registry,
+        ).labels(role)
+        self.recovery_bytes = Counter(
+            "weightsync_recovery_bytes_total",
+            "Bytes pulled from holders by successful recoveries.",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
+        self.recovery_bandwidth = Gauge(
+            "weightsync_recovery_bandwidth_bytes_per_second",
+            "Bandwidth of the last successful recovery (bytes over its whole duration).",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
+        self.recovery_failures = Counter(
+            "weightsync_recovery_failures_total",
+            "Failed recoveries by reason.",
+            ["role", "reason"],
+            registry=self.registry,
+        )
+        self.held_version = Gauge(
+            "weightsync_held_version",
+            "The version this agent holds in host memory for P2P pulls (-1: none).",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
+        self.held_version.set(-1)
+
     def round_succeeded(self, duration_seconds: float, nbytes: int, version: int) -> None:
         self.round_duration.observe(duration_seconds)
         self.round_bytes.inc(nbytes)
@@ -71,3 +107,13 @@ class AgentMetrics:
     def round_failed(self, duration_seconds: float, reason: str) -> None:
         self.round_duration.observe(duration_seconds)
         self.round_failures.labels(self.role, reason).inc()
+
+    def recovery_succeeded(self, duration_seconds: float, nbytes: int, version: int) -> None:
+        self.recovery_duration.observe(duration_seconds)
+        self.recovery_bytes.inc(nbytes)
+        if duration_seconds > 0:
+            self.recovery_bandwidth.set(nbytes / duration_seconds)
+        self.current_version.set(version)
+
+    def recovery_failed(self, reason: str) -> None:
+        self.recovery_failures.labels(self.role, reason).inc()

@@ -7,9 +7,10 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from weightsync.api.control import Role
+from weightsync.transfer.p2p import P2PProtocol
 
 ENV_PREFIX = "WEIGHTSYNC_"
 DEFAULT_SOCKET = "/var/run/weightsync/agent.sock"
@@ -38,9 +39,20 @@ class AgentSettings(BaseModel):
     engine_url: str = "http://127.0.0.1:30000"
     engine_timeout_seconds: float = Field(default=60.0, gt=0)
     log_level: str = "INFO"
+    # P2P recovery. `holder`: keep the latest committed version in host memory for pulls;
+    # unset, the source holds and sinks hold only when their plan says so.
+    holder: bool | None = None
+    p2p_host: str | None = None  # the Mooncake segment's host; defaults to `http_host`
+    p2p_protocol: P2PProtocol = P2PProtocol.TCP  # what holders serve and pulls use
+    p2p_devices: str = ""  # RDMA NIC names, comma-separated; empty: Mooncake picks
     # Test hook: sleep this long before handing each bucket to the engine, so a test
     # can kill a member mid-round. Never set in production.
     debug_bucket_delay_seconds: float = Field(default=0.0, ge=0)
+
+    @field_validator("p2p_protocol", mode="before")
+    @classmethod
+    def _lower_protocol(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> AgentSettings:
@@ -49,6 +61,18 @@ class AgentSettings(BaseModel):
         if self.role == Role.SINK and self.engine is None:
             raise ValueError("a sink agent needs WEIGHTSYNC_ENGINE")
         return self
+
+    @property
+    def holds_by_default(self) -> bool:
+        """Whether this agent holds without a plan asking it to (the source does)."""
+        return self.role == Role.SOURCE if self.holder is None else self.holder
+
+    def p2p_address(self) -> str:
+        """The host peers reach this agent's transfer engine on (its pod IP)."""
+        host = self.p2p_host or self.http_host
+        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a wildcard is no address for peers
+            return socket.gethostbyname(socket.gethostname())
+        return host
 
     def bearer_token(self) -> str:
         """The control API token; a token file is re-read so rotation needs no restart."""

@@ -5,6 +5,12 @@ Routes (bearer-token auth on every route):
   pre-warms that generation in the background. 409 `ErrorResponse` for a plan older
   than the newest the agent holds; 400 for an invalid plan.
 * `GET /v1/status` -> 200 `AgentStatus`.
+* `GET /v1/holding` -> 200 `Holding` (the committed version this agent holds in host
+  memory for P2P pulls), or 404 `ErrorResponse` when it holds none.
+* `POST /v1/recover` body `RecoverRequest` -> 202 `RecoveryStatus` (pending); the agent
+  pulls the version from the holders in the background and reports in
+  `AgentStatus.recovery`. 409 while a round or another recovery runs, or while the agent
+  is a member of a warm group generation; 400 for an invalid request.
 
 Durations are integers with their unit in the name, like the WeightSync status.
 """
@@ -14,7 +20,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
 MiB = 1 << 20
 
@@ -71,6 +79,10 @@ class MembershipPlan(_Message):
     members: list[PlanMember] = Field(min_length=1)
     transfer: TransferOptions = TransferOptions()
     prewarm_timeout_seconds: float = Field(default=120.0, gt=0)
+    # This member keeps the latest committed version in host memory for P2P recovery.
+    # The trainer's source agent holds by default (`WEIGHTSYNC_HOLDER`); the operator
+    # names further holders here.
+    holder: bool = False
 
     @model_validator(mode="after")
     def _check_members(self) -> Self:
@@ -143,6 +155,28 @@ class RoundReport(_Message):
     finished_at_unix_millis: int
 
 
+class RecoveryState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class RecoveryStatus(_Message):
+    """The agent's latest recovery; `bytes` counts up while it runs."""
+
+    state: RecoveryState
+    version: int
+    bytes: int = 0
+    duration_millis: int = 0
+    bandwidth_bytes_per_second: int = 0  # bytes over the whole recovery, engine load included
+    reason: str = ""  # a short label (also the failure metric's label); empty unless failed
+    message: str = ""
+    holders_used: list[str] = Field(default_factory=list)  # control URLs that served bytes
+    holders_failed: dict[str, str] = Field(default_factory=dict)  # control URL -> why dropped
+    started_at_unix_millis: int = 0
+
+
 class AgentStatus(_Message):
     pod: str
     role: Role
@@ -153,6 +187,45 @@ class AgentStatus(_Message):
     generations: list[GenerationStatus]
     engine: EngineStatus | None
     last_round: RoundReport | None
+    recovery: RecoveryStatus | None = None
+    holding: int | None = None  # the version held for P2P pulls; None when none
+
+
+class Holding(_Message):
+    """A holder's committed version as a puller addresses it (`GET /v1/holding`).
+
+    The version is one contiguous host buffer laid out like the rounds' buckets: bucket
+    b at the sum of the sizes (`Bucket.nbytes`) of the buckets before it.
+    """
+
+    version: int
+    layout: str  # `BucketLayout.to_json()`: re-planned and hash-checked by the puller
+    layout_hash: str
+    segment: str  # the holder's Mooncake segment, `<host>:<rpc port>`
+    address: int  # where bucket 0 starts in the holder's registered memory
+    nbytes: int
+    protocol: RecoveryProtocol
+    # `bucket_checksum` (CRC-32) of each bucket's bytes as held in host memory.
+    checksums: list[int]
+
+
+class RecoverRequest(_Message):
+    """Pull `version` from the agents at `holders` and load it into the local engine."""
+
+    version: int = Field(ge=0)
+    holders: list[str] = Field(min_length=1, max_length=16)  # agent control URLs
+    protocol: RecoveryProtocol  # the holders' protocol (`WEIGHTSYNC_P2P_PROTOCOL`)
+    timeout_seconds: float = Field(default=600.0, gt=0)
+
+    @field_validator("holders")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"a holder is an agent control URL (http[s]://host:port): {url}")
+        if len(set(urls)) != len(urls):
+            raise ValueError("holders are named once each")
+        return [url.rstrip("/") for url in urls]
 
 
 class ErrorResponse(_Message):

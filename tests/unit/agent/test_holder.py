@@ -1,0 +1,199 @@
+"""The holder's staging and commit rules on CPU, with a real Mooncake endpoint (TCP)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from weightsync.agent.holder import Holder, held_offsets
+from weightsync.agent.metrics import AgentMetrics
+from weightsync.api.control import Holding
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.transfer.broadcast import bucket_checksum
+from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
+from weightsync.transfer.p2p import Endpoints, P2PProtocol
+
+DEPTH = 2
+
+
+@pytest.fixture(scope="module")
+def endpoints() -> Iterator[Endpoints]:
+    shared = Endpoints("127.0.0.31")
+    yield shared
+    shared.close()
+
+
+def make_layout(sizes: list[int], bucket_size: int = 4096) -> BucketLayout:
+    return plan_layout(
+        [TensorMeta(f"t{i}", (n,), "float32") for i, n in enumerate(sizes)], bucket_size
+    )
+
+
+LAYOUT = make_layout([300, 700, 1000, 50, 900])  # several buckets, tensors padded to 256 B
+
+
+def version_bytes(layout: BucketLayout, seed: int) -> list[torch.Tensor]:
+    """One random byte string per bucket, as the round's slots would carry them."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, generator=generator)
+        for b in layout.buckets
+    ]
+
+
+def new_holder(endpoints: Endpoints, *, enabled: bool = True) -> tuple[Holder, AgentMetrics]:
+    metrics = AgentMetrics("sink", CollectorRegistry())
+    holder = Holder(torch.device("cpu"), endpoints, P2PProtocol.TCP, metrics, enabled=enabled)
+    return holder, metrics
+
+
+async def stage_round(
+    holder: Holder, layout: BucketLayout, version: int, buckets: list[torch.Tensor], upto: int
+) -> None:
+    """Stage buckets 0..upto-1 the way a round does: through `DEPTH` reused slots."""
+    slots = [torch.zeros(layout.capacity_bytes, dtype=torch.uint8) for _ in range(DEPTH)]
+    for bucket in layout.buckets[:upto]:
+        slot = slots[bucket.index % DEPTH]
+        slot[: bucket.nbytes].copy_(buckets[bucket.index])
+        await holder.stage(version, layout, bucket, slot, DEPTH)
+
+
+def held_gauge(metrics: AgentMetrics) -> float | None:
+    return metrics.registry.get_sample_value("weightsync_held_version", {"role": "sink"})
+
+
+def expect_held(
+    holder: Holder, layout: BucketLayout, version: int, buckets: list[torch.Tensor]
+) -> Holding:
+    held = holder.held_bytes()
+    assert held is not None
+    assert holder.held_version == version
+    for bucket, offset in zip(layout.buckets, held_offsets(layout), strict=True):
+        assert torch.equal(held[offset : offset + bucket.nbytes], buckets[bucket.index])
+    holding = asyncio.run(holder.holding())
+    assert holding is not None
+    assert holding.version == version
+    assert holding.layout_hash == layout.layout_hash
+    assert BucketLayout.from_json(holding.layout) == layout
+    assert holding.nbytes == layout.total_bytes
+    assert holding.protocol == RecoveryProtocol.TCP
+    assert holding.checksums == [bucket_checksum(b) for b in buckets]
+    assert holding.address == held.data_ptr()
+    return holding
+
+
+def test_offsets_put_the_buckets_back_to_back() -> None:
+    assert len(LAYOUT.buckets) >= 3
+    offsets = held_offsets(LAYOUT)
+    assert offsets[0] == 0
+    for previous, offset in zip(LAYOUT.buckets, offsets[1:], strict=False):
+        assert offset == offsets[previous.index] + previous.nbytes
+    assert offsets[-1] + LAYOUT.buckets[-1].nbytes == LAYOUT.total_bytes
+
+
+def test_a_committed_round_becomes_the_held_version(endpoints: Endpoints) -> None:
+    holder, metrics = new_holder(endpoints)
+    buckets = version_bytes(LAYOUT, seed=1)
+    assert asyncio.run(holder.holding()) is None
+    asyncio.run(stage_round(holder, LAYOUT, 1, buckets, len(LAYOUT.buckets)))
+    assert holder.held_version is None, "staged is not held before the commit"
+    assert holder.commit(1)
+    expect_held(holder, LAYOUT, 1, buckets)
+    assert held_gauge(metrics) == 1
+    assert holding_segment(holder) == endpoints.get(P2PProtocol.TCP).segment
+    holder.close()
+
+
+def holding_segment(holder: Holder) -> str:
+    holding = asyncio.run(holder.holding())
+    assert holding is not None
+    return holding.segment
+
+
+def test_a_failed_round_never_replaces_the_held_version(endpoints: Endpoints) -> None:
+    holder, _ = new_holder(endpoints)
+    first, second = version_bytes(LAYOUT, seed=1), version_bytes(LAYOUT, seed=2)
+    asyncio.run(stage_round(holder, LAYOUT, 1, first, len(LAYOUT.buckets)))
+    assert holder.commit(1)
+
+    # Fully staged, then the round fails: abandoned.
+    asyncio.run(stage_round(holder, LAYOUT, 2, second, len(LAYOUT.buckets)))
+    holder.abandon()
+    assert not holder.commit(2)
+    expect_held(holder, LAYOUT, 1, first)
+
+    # Partly staged and "committed" (a bucket never arrived here): refused.
+    asyncio.run(stage_round(holder, LAYOUT, 2, second, len(LAYOUT.buckets) - 1))
+    assert not holder.commit(2)
+    expect_held(holder, LAYOUT, 1, first)
+
+    # A commit for another version than the one staged does not take it.
+    asyncio.run(stage_round(holder, LAYOUT, 3, second, len(LAYOUT.buckets)))
+    assert not holder.commit(2)
+    expect_held(holder, LAYOUT, 1, first)
+    holder.close()
+
+
+def test_commits_flip_between_two_registered_buffers(endpoints: Endpoints) -> None:
+    holder, _ = new_holder(endpoints)
+    addresses = []
+    for version in (1, 2, 3, 4):
+        buckets = version_bytes(LAYOUT, seed=version)
+        asyncio.run(stage_round(holder, LAYOUT, version, buckets, len(LAYOUT.buckets)))
+        assert holder.commit(version)
+        addresses.append(expect_held(holder, LAYOUT, version, buckets).address)
+    assert addresses[0] == addresses[2] != addresses[1] == addresses[3]
+    holder.close()
+
+
+def test_a_restaged_round_starts_over(endpoints: Endpoints) -> None:
+    """The same version sent again (a retried round) restarts staging at bucket 0."""
+    holder, _ = new_holder(endpoints)
+    stale, fresh = version_bytes(LAYOUT, seed=5), version_bytes(LAYOUT, seed=6)
+    asyncio.run(stage_round(holder, LAYOUT, 7, stale, len(LAYOUT.buckets) - 1))
+    asyncio.run(stage_round(holder, LAYOUT, 7, fresh, 1))
+    assert not holder.commit(7), "only bucket 0 of the retry was staged"
+    asyncio.run(stage_round(holder, LAYOUT, 7, fresh, len(LAYOUT.buckets)))
+    assert holder.commit(7)
+    expect_held(holder, LAYOUT, 7, fresh)
+    holder.close()
+
+
+def test_a_larger_layout_gets_a_larger_buffer_and_the_old_stays_held(
+    endpoints: Endpoints,
+) -> None:
+    holder, _ = new_holder(endpoints)
+    small = version_bytes(LAYOUT, seed=1)
+    asyncio.run(stage_round(holder, LAYOUT, 1, small, len(LAYOUT.buckets)))
+    assert holder.commit(1)
+    large_layout = make_layout([2000, 3000, 1000, 4000, 10])
+    assert large_layout.total_bytes > LAYOUT.total_bytes
+    large = version_bytes(large_layout, seed=2)
+    asyncio.run(stage_round(holder, large_layout, 2, large, len(large_layout.buckets) - 1))
+    expect_held(holder, LAYOUT, 1, small)
+    asyncio.run(stage_round(holder, large_layout, 2, large, len(large_layout.buckets)))
+    assert holder.commit(2)
+    expect_held(holder, large_layout, 2, large)
+    holder.close()
+
+
+def test_a_disabled_holder_stages_nothing_and_disabling_releases(endpoints: Endpoints) -> None:
+    holder, metrics = new_holder(endpoints, enabled=False)
+    buckets = version_bytes(LAYOUT, seed=1)
+    asyncio.run(stage_round(holder, LAYOUT, 1, buckets, len(LAYOUT.buckets)))
+    assert not holder.commit(1)
+    assert asyncio.run(holder.holding()) is None
+
+    holder.set_enabled(True)
+    asyncio.run(stage_round(holder, LAYOUT, 2, buckets, len(LAYOUT.buckets)))
+    assert holder.commit(2)
+    assert held_gauge(metrics) == 2
+    holder.set_enabled(False)
+    assert holder.held_version is None
+    assert asyncio.run(holder.holding()) is None
+    assert held_gauge(metrics) == -1
+    holder.close()

@@ -383,6 +383,24 @@ def test_injection_prewarm_rounds_scaling_restart_and_deletion(
     assert result["ok"], result
     assert result["generation"] == settled["groupGeneration"]
 
+    # A spec change the agents only learn from a plan (transfer options) re-plans the group.
+    cluster.kubectl(
+        "patch", "weightsync", "sync", "-n", namespace, "--type=merge",
+        "-p", '{"spec": {"transfer": {"timeoutSeconds": 45}}}',
+    )  # fmt: skip
+
+    def replanned_group() -> dict[str, Any] | None:
+        group = group_of(5)
+        newer = group is not None and group["groupGeneration"] > settled["groupGeneration"]
+        return group if newer else None
+
+    replanned = eventually(
+        replanned_group, timeout=Timeouts.API, message="a new warm generation after the change"
+    )
+    result = step(trainer_ip)
+    assert result["ok"], result
+    assert result["generation"] == replanned["groupGeneration"]
+
     # Deleting the WeightSync releases the gates and leaves nothing behind.
     cluster.kubectl("delete", "weightsync", "sync", "-n", namespace, "--timeout=60s")
     secret = names.token_secret_name("sync")

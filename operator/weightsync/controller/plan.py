@@ -116,11 +116,19 @@ def needs_new_generation(
     planned: Sequence[Slot],
     planned_generation: int | None,
     statuses: Mapping[str, AgentStatus],
+    *,
+    planned_from_older_spec: bool = False,
 ) -> bool:
-    """Whether the planned generation no longer describes the group the operator wants."""
+    """Whether the planned generation no longer describes the group the operator wants.
+
+    `planned_from_older_spec`: the spec changed since the group was planned (transfer
+    options, timeouts), and agents only learn those from a new plan.
+    """
     if not desired.formable:
         return False
-    if planned_generation is None or slots(desired.members) != tuple(planned):
+    if planned_generation is None or planned_from_older_spec:
+        return True
+    if slots(desired.members) != tuple(planned):
         return True
     return not all(holds(statuses.get(slot.pod), planned_generation, slot.rank) for slot in planned)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from weightsync.api import parse_weightsync
+from weightsync.api import ConditionType, find_condition, parse_weightsync
 from weightsync.api import reasons as api_reasons
 from weightsync.api.base import utc_now
 from weightsync.api.control import AgentStatus, Role
@@ -189,7 +189,13 @@ class Reconciler:
         planned_generation = old.group_generation
         desired = desired_members(spec, pods, statuses.keys(), planned, excluded)
         plan_errors: dict[str, str] = {}
-        if needs_new_generation(desired, planned, planned_generation, statuses):
+        # Prewarmed is written only by passes that planned (or kept) a group, so its
+        # observedGeneration is the spec generation the current group was planned from.
+        prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)
+        older_spec = prewarmed is not None and prewarmed.observed_generation != generation
+        if needs_new_generation(
+            desired, planned, planned_generation, statuses, planned_from_older_spec=older_spec
+        ):
             planned_generation = next_generation(planned_generation, statuses)
             plan_errors = await self._deliver(
                 raw,

@@ -129,6 +129,15 @@ def test_membership_change_or_an_agent_that_lost_the_generation_bumps_it() -> No
     assert needs_new_generation(desired, planned, 4, moved)
 
 
+def test_a_spec_change_since_planning_bumps_the_generation() -> None:
+    desired, planned, statuses = group_of_three()
+    assert needs_new_generation(desired, planned, 4, statuses, planned_from_older_spec=True)
+    not_formable = desired_members(sync().spec, [], set(), [])
+    assert not needs_new_generation(
+        not_formable, planned, 4, statuses, planned_from_older_spec=True
+    )
+
+
 def test_the_next_generation_is_past_anything_any_agent_has_seen() -> None:
     _, _, statuses = group_of_three()
     assert next_generation(4, statuses) == 5

@@ -35,7 +35,7 @@ DASHBOARD = ROOT / "charts" / "weightsync" / "dashboards" / "weightsync.json"
 RECORDING_FORMAT = 1
 HTTP_TIMEOUT_SECONDS = 30.0
 
-_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_]\w*)\}|([A-Za-z_]\w*))")  # not $1: a regex group
 _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)$")
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -158,33 +158,50 @@ def record(
 _IEC = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
-def _iec(value: float, per_second: bool) -> str:
-    magnitude, index = abs(value), 0
-    while magnitude >= 1024 and index < len(_IEC) - 1:
-        magnitude /= 1024
-        index += 1
-    return f"{math.copysign(magnitude, value):.3g} {_IEC[index]}{'/s' if per_second else ''}"
+def axis_scale(unit: str, peak: float) -> tuple[float, str]:
+    """(divisor, suffix) that put a panel's values in Grafana's unit at a readable size:
+    bytes and bytes/s in IEC multiples, seconds below one as milliseconds."""
+    if unit in ("bytes", "Bps"):
+        power = 0
+        while peak >= 1024 ** (power + 1) and power < len(_IEC) - 1:
+            power += 1
+        return 1024.0**power, _IEC[power] + ("/s" if unit == "Bps" else "")
+    if unit == "s":
+        return (0.001, "ms") if 0 < peak < 1 else (1.0, "s")
+    return 1.0, "/s" if unit == "ops" else ""
 
 
-def _seconds_label(value: float) -> str:
-    if value == 0:
-        return "0 s"
-    return f"{value * 1000:.3g} ms" if abs(value) < 1 else f"{value:.3g} s"
+def tick_label(value: float, suffix: str) -> str:
+    text = f"{value:.4g}"
+    if not suffix:
+        return text
+    return f"{text}{suffix}" if suffix.startswith("/") else f"{text} {suffix}"
 
 
-def format_value(value: float, unit: str) -> str:
-    """A tick label in the panel's Grafana unit (bytes, Bps, s, none, ops, short)."""
-    if not math.isfinite(value):
-        text = str(value)
-    elif unit in ("bytes", "Bps"):
-        text = _iec(value, per_second=unit == "Bps")
-    elif unit == "s":
-        text = _seconds_label(value)
-    elif unit == "none":
-        text = f"{value:.0f}" if value == int(value) else f"{value:.2f}"
-    else:
-        text = f"{value:.3g}" + ("/s" if unit == "ops" else "")
-    return text
+def series_points(
+    values: Sequence[Sequence[Any]], start: float, step: float
+) -> tuple[list[float], list[float], list[int]]:
+    """Minutes and values of one series, NaN where Prometheus had no sample (so the line
+    breaks there, as Grafana's does), and the indices of points with no neighbour (drawn
+    as dots, or they would not show at all)."""
+    xs: list[float] = []
+    ys: list[float] = []
+    previous: float | None = None
+    for stamp, text in values:
+        moment, value = float(stamp), float(text)
+        if previous is not None and moment - previous > 1.5 * step:
+            xs.append((previous + step - start) / 60)
+            ys.append(math.nan)
+        xs.append((moment - start) / 60)
+        ys.append(value)
+        previous = moment
+    finite = [math.isfinite(y) for y in ys]
+    lonely = [
+        i
+        for i, ok in enumerate(finite)
+        if ok and not (i > 0 and finite[i - 1]) and not (i + 1 < len(ys) and finite[i + 1])
+    ]
+    return xs, ys, lonely
 
 
 def render(
@@ -207,32 +224,34 @@ def render(
     figure, axes_grid = plt.subplots(
         rows, columns, figsize=(6.4 * columns, 3.6 * rows), squeeze=False
     )
-    start, end = float(recording["start"]), float(recording["end"])
+    start, end, step = (float(recording[key]) for key in ("start", "end", "step"))
     for index, panel in enumerate(chosen):
         axes = axes_grid[index // columns][index % columns]
-        drawn = 0
+        lines = []
         for target in panel.targets:
             entry = recording["panels"].get(panel.title, {}).get(target.ref_id)
             for series in entry["result"] if entry else []:
-                points = [(float(t) - start, float(v)) for t, v in series["values"]]
-                points = [(t, v) for t, v in points if math.isfinite(v)]
-                if not points:
-                    continue
-                xs = [t / 60 for t, _ in points]
-                ys = [v for _, v in points]
-                axes.plot(xs, ys, linewidth=1.4, label=legend(target.legend, series["metric"]))
-                drawn += 1
+                xs, ys, lonely = series_points(series["values"], start, step)
+                if any(math.isfinite(y) for y in ys):
+                    lines.append((xs, ys, lonely, legend(target.legend, series["metric"])))
+        peak = max((abs(y) for _, ys, _, _ in lines for y in ys if math.isfinite(y)), default=0)
+        divisor, suffix = axis_scale(panel.unit, peak)
+        for xs, ys, lonely, label in lines:
+            scaled = [y / divisor for y in ys]
+            (line,) = axes.plot(xs, scaled, linewidth=1.4, label=label)
+            if lonely:
+                dots = [xs[i] for i in lonely], [scaled[i] for i in lonely]
+                axes.plot(*dots, "o", markersize=3, color=line.get_color())
         axes.set_title(panel.title, fontsize=11, loc="left")
         axes.set_xlim(0, (end - start) / 60)
         axes.set_xlabel("minutes", fontsize=8)
         axes.grid(visible=True, alpha=0.3)
         axes.tick_params(labelsize=8)
-        unit = panel.unit
-        axes.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos, u=unit: format_value(v, u)))
-        if drawn:
-            if unit != "none":
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos, s=suffix: tick_label(v, s)))
+        if lines:
+            if panel.unit != "none":
                 axes.set_ylim(bottom=0)
-            axes.legend(fontsize=7, loc="upper left", ncol=2 if drawn > 4 else 1)
+            axes.legend(fontsize=7, loc="upper left", ncol=2 if len(lines) > 4 else 1)
         else:
             axes.text(0.5, 0.5, "No data", ha="center", va="center", transform=axes.transAxes,
                       fontsize=12, color="grey")  # fmt: skip
@@ -244,7 +263,7 @@ def render(
         f" step {recording['step']:g}s",
         fontsize=12,
     )
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 1, 0.97))  # leave the top for the title
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)
     plt.close(figure)

@@ -8,7 +8,8 @@ do not matter, the weights change like a trainer's do), followed by
 `Publisher().publish(model.named_parameters(), version=step)`. Steps run every
 `--interval` seconds, or, with `--port`, also when someone POSTs `/step` (the answer is
 the publish result as JSON), so a test decides exactly when rounds happen. `GET /status`
-answers the last step and its result.
+answers the last step and its result; `GET /digest` the weights' digests, in the shape
+of the reference engine's `/v1/weights/digest`, so a test can prove engines bit-identical.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from weightsync.client import Publisher, PublisherError, PublishResult
+from weightsync.engines.reference.engine import tensor_digest
 from weightsync.engines.reference.model import PRESETS, LlamaForCausalLM, build_model
 
 log = logging.getLogger("weightsync.trainer")
@@ -90,6 +92,12 @@ class Trainer:
             log.info("step %d published: %s", self.version, report)
             return report
 
+    def digests(self) -> dict[str, Any]:
+        """The weights' digests, comparable with an engine's `/v1/weights/digest`."""
+        with self._lock:
+            tensors = {name: tensor_digest(p) for name, p in self.model.named_parameters()}
+            return {"version": self.version, "tensors": tensors}
+
 
 def _handler(trainer: Trainer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -108,6 +116,9 @@ def _handler(trainer: Trainer) -> type[BaseHTTPRequestHandler]:
             self._reply(asdict(trainer.step()))
 
         def do_GET(self) -> None:
+            if self.path == "/digest":
+                self._reply(trainer.digests())
+                return
             if self.path != "/status":
                 self.send_error(404)
                 return

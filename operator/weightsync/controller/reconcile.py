@@ -146,6 +146,9 @@ class Reconciler:
                 finally:
                     metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
                 metrics.RECONCILES.labels(result.outcome.value).inc()
+                if result.outcome is Outcome.GONE:
+                    self._memory.pop((namespace, name), None)  # a pod event named it late
+                    return result
                 if not memory.dirty:
                     return result
 
@@ -206,7 +209,7 @@ class Reconciler:
                 memory=memory,
             )
             planned = list(slots(desired.members))
-            memory.planned_at[planned_generation] = now
+            memory.planned_at = {planned_generation: now}  # older ones no longer matter
         timed_out = self._prewarm_timed_out(
             sync, (planned, planned_generation), statuses, pods, memory
         )

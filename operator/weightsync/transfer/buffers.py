@@ -237,7 +237,22 @@ def slot_views(slot: torch.Tensor, tensors: Sequence[TensorSlice]) -> list[torch
     ]
 
 
+# From this size on a tensor is copied on its own: a plain copy of a contiguous tensor is a
+# memcpy at full memory bandwidth, while the multi-tensor kernel works through large
+# tensors in small chunks and is slower for them. Smaller tensors share one multi-tensor
+# launch, which is what makes state dicts of thousands of small tensors cheap to pack.
+LARGE_COPY_BYTES = 4 << 20
+
+
 def copy_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """One batched copy (a multi-tensor kernel on GPU) instead of a Python loop of copies."""
-    if destinations:
-        torch._foreach_copy_(destinations, sources)
+    """Copy `sources` into `destinations`: large tensors one copy each, the rest batched."""
+    small_destinations: list[torch.Tensor] = []
+    small_sources: list[torch.Tensor] = []
+    for destination, source in zip(destinations, sources, strict=True):
+        if destination.nbytes >= LARGE_COPY_BYTES:
+            destination.copy_(source)
+        else:
+            small_destinations.append(destination)
+            small_sources.append(source)
+    if small_destinations:
+        torch._foreach_copy_(small_destinations, small_sources)

@@ -100,8 +100,12 @@ Message = Annotated[
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
 
 
-def encode(message: _Msg) -> bytes:
-    body = message.model_dump_json().encode()
+def encode(message: BaseModel) -> bytes:
+    return frame(message.model_dump_json().encode())
+
+
+def frame(body: bytes) -> bytes:
+    """A frame: the body's length (4 bytes, big-endian), then the body."""
     return _HEADER.pack(len(body)) + body
 
 
@@ -118,13 +122,17 @@ def _check_length(length: int) -> int:
     return length
 
 
-async def read_message(reader: asyncio.StreamReader) -> Message:
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """One frame's body from a stream; `ProtocolError` when the peer closed it."""
     try:
         header = await reader.readexactly(_HEADER.size)
-        body = await reader.readexactly(_check_length(_HEADER.unpack(header)[0]))
+        return await reader.readexactly(_check_length(_HEADER.unpack(header)[0]))
     except asyncio.IncompleteReadError as exc:
         raise ProtocolError("peer closed the connection") from exc
-    return decode(body)
+
+
+async def read_message(reader: asyncio.StreamReader) -> Message:
+    return decode(await read_frame(reader))
 
 
 async def write_message(writer: asyncio.StreamWriter, message: _Msg) -> None:
@@ -132,9 +140,14 @@ async def write_message(writer: asyncio.StreamWriter, message: _Msg) -> None:
     await writer.drain()
 
 
-def recv_message(sock: socket.socket) -> Message:
+def recv_frame(sock: socket.socket) -> bytes:
+    """One frame's body from a blocking socket; `ProtocolError` when the peer closed it."""
     header = _recv_exact(sock, _HEADER.size)
-    return decode(_recv_exact(sock, _check_length(_HEADER.unpack(header)[0])))
+    return _recv_exact(sock, _check_length(_HEADER.unpack(header)[0]))
+
+
+def recv_message(sock: socket.socket) -> Message:
+    return decode(recv_frame(sock))
 
 
 def send_message(sock: socket.socket, message: _Msg) -> None:

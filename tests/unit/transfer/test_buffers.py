@@ -10,6 +10,7 @@ import torch
 
 from weightsync.transfer.broadcast import bucket_checksum
 from weightsync.transfer.buffers import (
+    LARGE_COPY_BYTES,
     BucketSlots,
     SlotError,
     SlotHandles,
@@ -98,3 +99,19 @@ def test_checksum_sees_one_flipped_byte() -> None:
     assert bucket_checksum(data.clone()) == before
     data[5000] ^= 1
     assert bucket_checksum(data) != before
+
+
+def test_large_and_small_tensors_are_copied_alike() -> None:
+    generator = torch.Generator().manual_seed(3)
+    floats = LARGE_COPY_BYTES // 4
+    sources = [
+        torch.randn(floats + 3, generator=generator),  # copied on its own
+        torch.randn(5, 7, generator=generator),  # batched
+        torch.randn(2, floats, generator=generator).to(torch.bfloat16),  # on its own
+        torch.randint(0, 1 << 30, (9,), generator=generator),  # batched
+    ]
+    destinations = [torch.full_like(s, 0) for s in sources]
+    copy_tensors(destinations, sources)
+    assert all(torch.equal(d, s) for d, s in zip(destinations, sources, strict=True))
+    with pytest.raises(ValueError, match=r"shorter|longer"):
+        copy_tensors(destinations[:1], sources)

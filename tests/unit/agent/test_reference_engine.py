@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.engines.base import EngineError
+from weightsync.engines.base import EngineError, TensorSlice
 from weightsync.engines.reference.engine import ReferenceEngine, tensor_digest
 from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
 from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
@@ -127,3 +127,81 @@ def test_generate_reports_its_version() -> None:
     assert [len(o) for o in outputs] == [3, 3]
     with pytest.raises(EngineError, match="token ids"):
         engine.generate([[CONFIG.vocab_size]], 1)
+
+
+def test_rounds_after_the_first_reuse_the_staging_arenas(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, layout, slots = setup
+    for version, seed in [(1, 11), (2, 12), (3, 13)]:
+        engine.begin(version)
+        stream(engine, layout, slots, seed=seed)
+        engine.commit(version)
+        want = {n: tensor_digest(p) for n, p in build_model(CONFIG, seed=seed).named_parameters()}
+        assert digests(engine) == want
+        stats = engine.last_update
+        assert stats is not None
+        assert stats.loads == len(layout.buckets)
+        assert stats.bytes == layout.payload_bytes
+        # The first round stages into fresh arenas and sets up the next round's spares.
+        assert (stats.allocated_bytes > 0) == (version == 1)
+
+
+def test_an_aborted_round_then_a_full_one(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, layout, slots = setup
+    engine.begin(1)
+    stream(engine, layout, slots, seed=21)
+    engine.commit(1)
+    served = digests(engine)
+    engine.begin(2)
+    stream(engine, layout, slots, seed=22, upto=len(layout.buckets) // 2)
+    engine.abort(2)
+    assert digests(engine) == served
+    engine.begin(2)
+    stream(engine, layout, slots, seed=23)
+    assert digests(engine) == served  # staged, not served, until the commit
+    engine.commit(2)
+    want = {n: tensor_digest(p) for n, p in build_model(CONFIG, seed=23).named_parameters()}
+    assert digests(engine) == want
+
+
+def test_sparse_buckets_are_copied_tensor_by_tensor(tmp_path: Path) -> None:
+    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+    source = dict(build_model(CONFIG, seed=31).named_parameters())
+    names = list(source)
+    gap = 64 << 10  # far more than alignment padding: not one span
+    slot_bytes = sum(p.nbytes for p in source.values()) + gap * (len(names) + 1)
+    slots = BucketSlots(1, slot_bytes, torch.device("cpu"), str(tmp_path))
+    engine.attach(slots.handles)
+    tensors, offset = [], gap
+    for name in reversed(names):  # also out of slot order
+        param = source[name]
+        tensors.append(TensorSlice(name, "float32", tuple(param.shape), offset, param.nbytes))
+        offset += param.nbytes + gap
+    copy_tensors(slot_views(slots.slots[0], tensors), [source[t.name] for t in tensors])
+    assert not engine.plan(tensors).dense
+    engine.begin(1)
+    engine.load(0, tensors)
+    engine.commit(1)
+    assert digests(engine) == {n: tensor_digest(p) for n, p in source.items()}
+
+
+def test_buckets_that_contradict_themselves_are_refused(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, _, _ = setup
+    norms = [(n, p) for n, p in engine.params.items() if n.endswith("norm.weight")][:2]
+    first, second = (
+        TensorSlice(name, "float32", tuple(p.shape), 1024 * i, p.nbytes)
+        for i, (name, p) in enumerate(norms)
+    )
+    engine.begin(1)
+    with pytest.raises(EngineError) as error:
+        engine.load(0, [first, replace(second, offset=first.offset)])
+    assert error.value.reason == "bad_bucket"
+    engine.load(0, [first])
+    with pytest.raises(EngineError) as error:
+        engine.load(1, [replace(first, offset=first.offset + first.nbytes + 256)])
+    assert error.value.reason == "tensor_mismatch"

@@ -1,19 +1,29 @@
 """The reference engine's weight store: staged, all-or-nothing updates from bucket slots.
 
 Updates never touch the served weights until `commit`: each bucket is copied from the
-agent's shared slot into a staging copy of the tensor, and `commit` swaps every staged
-tensor in under the model lock, so a generate request sees either the old version or
-the new one, and an aborted round leaves the old one untouched. The buffers freed by a
-commit become the next round's staging buffers: two copies of the weights, no
-allocation per round.
+agent's shared slot into a staging *arena*, one flat buffer per bucket laid out like the
+bucket in the slot, so a load is a single memcpy of the bucket's bytes (a multi-tensor
+copy only for a bucket whose tensors lie sparsely in the slot). `commit` points every
+parameter at its view in the arenas under the model lock, so a generate request sees
+either the old version or the new one, and an aborted round leaves the old one
+untouched. The arenas freed by a commit become the next round's staging arenas: two
+copies of the weights, no allocation per round once a layout has been seen.
+
+Copies run on a stream of their own, so a load neither waits behind generation work
+queued on the default stream nor makes generation wait; it returns once its copy is
+complete, as the adapter contract asks (the agent then reuses the slot).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +34,17 @@ from weightsync.transfer.buffers import (
     copy_tensors,
     dtype_name,
     open_slots,
-    slot_views,
+    torch_dtype,
 )
+from weightsync.transfer.layout import DEFAULT_ALIGNMENT, align_up
+
+log = logging.getLogger(__name__)
+
+UPDATE_LOG_PREFIX = "update phases "
+# A bucket whose span in the slot exceeds its payload by more than this per tensor is
+# copied tensor by tensor into a compact arena instead of as one span.
+_DENSE_SLACK_BYTES = 1024
+_MAX_CACHED_PLANS = 1 << 16
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -35,16 +54,70 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class BucketPlan:
+    """A validated bucket: where its tensors lie in a slot and in a staging arena.
+
+    Plans are cached and compared by identity, so they key the arenas cheaply.
+    """
+
+    tensors: tuple[TensorSlice, ...]
+    start: int  # the slot's bytes [start, end) hold the bucket
+    end: int
+    dense: bool  # one copy of [start, end) moves the bucket
+    arena_offsets: tuple[int, ...]
+    arena_bytes: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(eq=False)
+class _Arena:
+    buffer: torch.Tensor  # 1-D uint8 on the engine's device
+    views: dict[str, torch.Tensor]  # each tensor's typed view into `buffer`
+
+
+@dataclass
+class UpdateStats:
+    """What one update cost inside the engine; logged when it commits or aborts."""
+
+    loads: int = 0
+    bytes: int = 0
+    load_seconds: float = 0.0
+    longest_load_seconds: float = 0.0
+    allocated_bytes: int = 0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.loads += 1
+        self.bytes += nbytes
+        self.load_seconds += seconds
+        self.longest_load_seconds = max(self.longest_load_seconds, seconds)
+
+
 class ReferenceEngine:
     def __init__(self, model: LlamaForCausalLM, version: int | None = None) -> None:
         self.model = model
         self.version = version
         self.params = dict(model.named_parameters())
+        self.device = next(iter(self.params.values())).device
         self._lock = threading.Lock()  # generate vs commit
+        self._update_lock = threading.Lock()  # update calls from HTTP and the update channel
         self._slots: list[torch.Tensor] = []
-        self._spare: dict[str, torch.Tensor] = {}
-        self._staged: dict[str, torch.Tensor] = {}
+        self._plans: dict[tuple[TensorSlice, ...], BucketPlan] = {}
+        self._served: dict[BucketPlan, _Arena] = {}  # arenas the parameters point into
+        self._spare: dict[BucketPlan, _Arena] = {}
+        self._staged: dict[BucketPlan, _Arena] = {}
+        self._staged_names: dict[str, BucketPlan] = {}
         self._staging_version: int | None = None
+        self._stats = UpdateStats()
+        self.last_update: UpdateStats | None = None  # the last committed or aborted update
+        self._copy_stream = (
+            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            if self.device.type == "cuda"
+            else None
+        )
 
     # --------------------------------------------------------------- serving
     def generate(
@@ -68,20 +141,37 @@ class ReferenceEngine:
 
     # --------------------------------------------------------------- updates
     def attach(self, handles: SlotHandles) -> None:
-        self._slots = open_slots(handles)
+        slots = open_slots(handles)
+        with self._update_lock:
+            self._slots = slots
 
     def begin(self, version: int) -> None:
-        if self.version is not None and version <= self.version:
-            raise EngineError("stale_version", f"version {version} <= served {self.version}")
-        self._staged.clear()
-        self._staging_version = version
+        with self._update_lock:
+            if self.version is not None and version <= self.version:
+                raise EngineError("stale_version", f"version {version} <= served {self.version}")
+            self._drop_staged()
+            self._staging_version = version
+            self._stats = UpdateStats()
+            if self._copy_stream is not None:
+                # Spare arenas were served until the last commit: let reads queued before it
+                # finish before this update's copies overwrite them.
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def load(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
-        if self._staging_version is None:
-            raise EngineError("no_update", "load before begin")
-        if not 0 <= slot < len(self._slots):
-            raise EngineError("bad_slot", f"slot {slot} not attached ({len(self._slots)} slots)")
-        destinations: list[torch.Tensor] = []
+    def plan(self, tensors: Sequence[TensorSlice]) -> BucketPlan:
+        """Check a bucket's tensors against the model once; later loads reuse the plan."""
+        key = tuple(tensors)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(key)
+            if len(self._plans) >= _MAX_CACHED_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _make_plan(self, tensors: tuple[TensorSlice, ...]) -> BucketPlan:
+        if not tensors:
+            raise EngineError("bad_bucket", "a bucket holds at least one tensor")
+        seen: set[str] = set()
         for item in tensors:
             param = self.params.get(item.name)
             if param is None:
@@ -92,37 +182,143 @@ class ReferenceEngine:
                     f"{item.name}: got {item.dtype}{list(item.shape)}, "
                     f"serving {dtype_name(param.dtype)}{list(param.shape)}",
                 )
-            spare = self._spare.get(item.name)
-            if spare is None:
-                spare = self._spare[item.name] = torch.empty_like(param)
-            destinations.append(spare)
-        # The slot lives on the agent's device; the copy moves it to ours if they differ.
-        source = self._slots[slot]
-        copy_tensors(destinations, slot_views(source, tensors))
-        if source.is_cuda:  # the agent may overwrite the slot as soon as we return
-            torch.cuda.current_stream(source.device).synchronize()
-        for item, dest in zip(tensors, destinations, strict=True):
-            self._staged[item.name] = dest
+            if item.nbytes != param.nbytes or item.offset < 0:
+                raise EngineError(
+                    "bad_bucket", f"{item.name}: {item.nbytes} B at offset {item.offset}"
+                )
+            if item.offset % param.element_size():
+                raise EngineError("bad_bucket", f"{item.name}: misaligned offset {item.offset}")
+            if item.name in seen:
+                raise EngineError("bad_bucket", f"{item.name} appears twice in one bucket")
+            seen.add(item.name)
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors)
+        for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+            if start < end:
+                raise EngineError("bad_bucket", f"{name} and {other} overlap in the slot")
+        start, end = spans[0][0], spans[-1][1]
+        payload = sum(t.nbytes for t in tensors)
+        if end - start <= payload + _DENSE_SLACK_BYTES * len(tensors):
+            offsets = tuple(t.offset - start for t in tensors)
+            return BucketPlan(tensors, start, end, True, offsets, end - start)
+        compact: list[int] = []
+        at = 0
+        for item in tensors:
+            compact.append(at)
+            at = align_up(at + item.nbytes, DEFAULT_ALIGNMENT)
+        return BucketPlan(tensors, start, end, False, tuple(compact), max(at, 1))
+
+    def load(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        self.load_plan(slot, self.plan(tensors))
+
+    def load_plan(self, slot: int, plan: BucketPlan) -> None:
+        """Copy one bucket from slot `slot` into its staging arena; return once copied."""
+        started = time.perf_counter()
+        with self._update_lock:
+            if self._staging_version is None:
+                raise EngineError("no_update", "load before begin")
+            if not 0 <= slot < len(self._slots):
+                raise EngineError(
+                    "bad_slot", f"slot {slot} not attached ({len(self._slots)} slots)"
+                )
+            source = self._slots[slot]
+            if plan.end > source.numel():
+                raise EngineError(
+                    "bad_bucket", f"bytes up to {plan.end} lie outside the {source.numel()} B slot"
+                )
+            for item in plan.tensors:
+                other = self._staged_names.get(item.name)
+                if other is not None and other is not plan:
+                    raise EngineError("tensor_mismatch", f"{item.name} was loaded twice")
+            arena = self._staged.get(plan) or self._spare.pop(plan, None)
+            if arena is None:
+                arena = self._allocate(plan)
+            self._copy(plan, arena, source)
+            self._staged[plan] = arena
+            for item in plan.tensors:
+                self._staged_names[item.name] = plan
+            self._stats.add(plan.payload_bytes, time.perf_counter() - started)
+
+    def _allocate(self, plan: BucketPlan) -> _Arena:
+        buffer = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=self.device)
+        self._stats.allocated_bytes += plan.arena_bytes
+        views = {
+            item.name: buffer[at : at + item.nbytes].view(torch_dtype(item.dtype)).view(item.shape)
+            for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
+        }
+        return _Arena(buffer, views)
+
+    def _copy(self, plan: BucketPlan, arena: _Arena, source: torch.Tensor) -> None:
+        if plan.dense:
+            destinations = [arena.buffer[: plan.arena_bytes]]
+            sources = [source[plan.start : plan.end]]
+        else:
+            destinations = [
+                arena.buffer[at : at + item.nbytes]
+                for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
+            ]
+            sources = [source[item.offset : item.offset + item.nbytes] for item in plan.tensors]
+        stream = self._copy_stream
+        if stream is not None and source.device == self.device:
+            with torch.cuda.stream(stream):
+                copy_tensors(destinations, sources)
+            stream.synchronize()  # the agent may overwrite the slot as soon as we return
+            return
+        # The slot lives on another device (or the CPU): the copy moves it to ours.
+        copy_tensors(destinations, sources)
+        for device in {source.device, self.device}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     def commit(self, version: int) -> None:
-        if self._staging_version != version:
-            raise EngineError("no_update", f"commit of {version} without begin")
-        missing = self.params.keys() - self._staged.keys()
-        if missing:
-            raise EngineError(
-                "incomplete_update", f"{len(missing)} tensors not loaded, e.g. {min(missing)}"
-            )
-        with self._lock:
-            for name, staged in self._staged.items():
-                param = self.params[name]
-                self._spare[name] = param.data
-                param.data = staged
-            self.version = version
-        self._staged.clear()
-        self._staging_version = None
+        with self._update_lock:
+            if self._staging_version != version:
+                raise EngineError("no_update", f"commit of {version} without begin")
+            missing = self.params.keys() - self._staged_names.keys()
+            if missing:
+                raise EngineError(
+                    "incomplete_update", f"{len(missing)} tensors not loaded, e.g. {min(missing)}"
+                )
+            staged = self._staged
+            with self._lock:
+                for arena in staged.values():
+                    for name, view in arena.views.items():
+                        self.params[name].data = view
+                self.version = version
+            # The arenas served until now are free; keep those of the plans now served.
+            previous, self._served = self._served, staged
+            self._spare = {plan: arena for plan, arena in previous.items() if plan in staged}
+            self._staged, self._staged_names = {}, {}
+            self._staging_version = None
+            fresh = [plan for plan in staged if plan not in self._spare]
+            for plan in fresh:  # a new layout: its next round allocates nothing
+                self._spare[plan] = self._allocate(plan)
+            if fresh and self.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the replaced parameters held
+            self._log_update(version, "committed")
 
     def abort(self, version: int) -> None:
         """Drop what was staged; the served weights were never touched."""
-        if self._staging_version == version:
-            self._staged.clear()
-            self._staging_version = None
+        with self._update_lock:
+            if self._staging_version == version:
+                self._drop_staged()
+                self._staging_version = None
+                self._log_update(version, "aborted")
+
+    def _drop_staged(self) -> None:
+        self._spare.update(self._staged)
+        self._staged, self._staged_names = {}, {}
+
+    def _log_update(self, version: int, outcome: str) -> None:
+        stats = self.last_update = self._stats
+        log.info(
+            '%s{"version":%d,"outcome":"%s","loads":%d,"bytes":%d,"load_ms":%.3f,'
+            '"longest_load_ms":%.3f,"allocated_bytes":%d}',
+            UPDATE_LOG_PREFIX,
+            version,
+            outcome,
+            stats.loads,
+            stats.bytes,
+            stats.load_seconds * 1000,
+            stats.longest_load_seconds * 1000,
+            stats.allocated_bytes,
+        )

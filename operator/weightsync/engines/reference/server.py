@@ -6,6 +6,7 @@ Routes:
 * `GET  /health`            -> {"healthy", "version", "torn", "detail"}
 * `GET  /v1/weights/digest` -> {"version", "tensors": {name: sha256}}
 * `POST /v1/update/attach`  `SlotHandles`            (once, or when the slots change)
+                            -> {"ok", "version", "update_channel": address | null}
 * `POST /v1/update/begin`   {"version"}
 * `POST /v1/update/load`    {"slot", "tensors": [[name, dtype, shape, offset, nbytes]]}
 * `POST /v1/update/finish`  {"version"}              (atomic swap to the new version)
@@ -13,7 +14,9 @@ Routes:
 
 Update errors answer 409 with {"reason", "message"}; the adapter turns them into
 `EngineError`. The server listens on localhost by default: the update API is for the
-agent sidecar in the same pod, not for clients.
+agent sidecar in the same pod, not for clients. The same update calls are also served
+on the update channel (`channel.py`, a Unix socket announced in the attach reply),
+which is what the adapter uses per bucket; the HTTP routes stay for other clients.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.reference.channel import UpdateChannelServer
 from weightsync.engines.reference.engine import ReferenceEngine
 from weightsync.engines.reference.model import PRESETS, build_model
 from weightsync.transfer.buffers import SlotHandles, torch_dtype
@@ -37,6 +41,7 @@ from weightsync.transfer.buffers import SlotHandles, torch_dtype
 log = logging.getLogger(__name__)
 
 ENGINE_KEY: web.AppKey[ReferenceEngine] = web.AppKey("engine", ReferenceEngine)
+CHANNEL_KEY: web.AppKey[str] = web.AppKey("update_channel", str)  # "" when there is none
 EXECUTOR_KEY: web.AppKey[ThreadPoolExecutor] = web.AppKey("executor", ThreadPoolExecutor)
 
 
@@ -142,12 +147,17 @@ async def update(request: web.Request) -> web.Response:
         await _in_thread(request, call)
     except EngineError as exc:
         return _engine_error(exc)
-    return web.json_response({"ok": True, "version": engine.version})
+    body: dict[str, Any] = {"ok": True, "version": engine.version}
+    if action == "attach":
+        body["update_channel"] = request.app[CHANNEL_KEY] or None
+    return web.json_response(body)
 
 
-def make_app(engine: ReferenceEngine) -> web.Application:
+def make_app(engine: ReferenceEngine, *, update_channel: str = "") -> web.Application:
+    """The HTTP app; `update_channel` is the address of a running `UpdateChannelServer`."""
     app = web.Application(client_max_size=64 << 20)
     app[ENGINE_KEY] = engine
+    app[CHANNEL_KEY] = update_channel
     # One worker: updates and generation are ordered by the engine's own lock anyway,
     # and torch uses its own threads inside each call.
     app[EXECUTOR_KEY] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ref-engine")
@@ -175,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--update-socket",
+        default=None,
+        help="update channel address: @name (abstract) or a path; 'none' for HTTP only "
+        "(default: @weightsync-reference-HOST-PORT)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -184,8 +200,22 @@ def main(argv: list[str] | None = None) -> None:
         dtype=torch_dtype(args.dtype),
         device=args.device,
     )
-    app = make_app(ReferenceEngine(model))
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    engine = ReferenceEngine(model)
+    address = args.update_socket or f"@weightsync-reference-{args.host}-{args.port}"
+    channel: UpdateChannelServer | None = None
+    if address != "none":
+        channel = UpdateChannelServer(engine, address)
+        try:
+            channel.start()
+        except OSError as exc:  # the adapter falls back to HTTP
+            log.warning("no update channel on %s: %s", address, exc)
+            channel = None
+    app = make_app(engine, update_channel=channel.address if channel else "")
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    finally:
+        if channel is not None:
+            channel.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,288 @@
+"""The reference engine's update channel: the update API on a Unix socket, no HTTP.
+
+A round hands the engine one request per bucket, and each one sits between two bucket
+transfers on the sink's critical path. Over HTTP a request cost a connection-pool
+checkout, header parsing, a hop to the server's executor and JSON validation of every
+tensor's metadata (about a millisecond, more than a 512 MiB bucket's time on NVLink).
+Here a request is one length-prefixed JSON frame on a connection held for the agent's
+lifetime, answered by a thread of the engine that calls the engine directly; a bucket's
+tensor list crosses once per connection and later loads name it by number.
+
+    agent (adapter)                              engine
+    {"op":"begin","version":v}          ->
+                                        <-       {"ok":true,"version":<served>}
+    {"op":"load","slot":s,"bucket":b,"tensors":[...]}   (tensors the first time only)
+    {"op":"load","slot":s,"bucket":b}   ->       copy, then reply
+    {"op":"finish","version":v} / {"op":"abort",...}
+
+Errors are replies with `ok: false`, a `reason` (an `EngineError` label) and a message.
+The engine announces the channel's address in its attach reply; `@name` is a Linux
+abstract socket name, which needs no shared volume between the containers of a pod
+(they share a network namespace), anything else a filesystem path. An adapter that
+cannot reach the address uses HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.reference.engine import BucketPlan, ReferenceEngine
+from weightsync.transfer.handoff import ProtocolError, frame, read_frame, recv_frame
+
+log = logging.getLogger(__name__)
+
+TensorRow = tuple[str, str, list[int], int, int]  # name, dtype, shape, offset, nbytes
+_MAX_BUCKETS_PER_CONNECTION = 1 << 16
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BeginRequest(_Request):
+    op: Literal["begin"] = "begin"
+    version: int = Field(ge=0)
+
+
+class LoadRequest(_Request):
+    op: Literal["load"] = "load"
+    slot: int = Field(ge=0)
+    bucket: int = Field(ge=0)  # the connection's number for this tensor list
+    tensors: list[TensorRow] | None = None  # sent with a bucket number's first use
+
+
+class FinishRequest(_Request):
+    op: Literal["finish"] = "finish"
+    version: int = Field(ge=0)
+
+
+class AbortRequest(_Request):
+    op: Literal["abort"] = "abort"
+    version: int = Field(ge=0)
+    reason: str = ""
+
+
+Request = Annotated[
+    BeginRequest | LoadRequest | FinishRequest | AbortRequest, Field(discriminator="op")
+]
+_REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
+
+
+class Reply(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ok: bool
+    version: int | None = None
+    reason: str = ""
+    message: str = ""
+
+
+def socket_name(address: str) -> str:
+    """The `bind`/`connect` name for an address: `@name` is abstract, else a path."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def rows(tensors: Sequence[TensorSlice]) -> list[TensorRow]:
+    return [(t.name, t.dtype, list(t.shape), t.offset, t.nbytes) for t in tensors]
+
+
+def slices(tensor_rows: Sequence[TensorRow]) -> list[TensorSlice]:
+    return [TensorSlice(n, d, tuple(s), o, b) for n, d, s, o, b in tensor_rows]
+
+
+# ----------------------------------------------------------------------------- engine side
+class UpdateChannelServer:
+    """Serves one engine's update API on a Unix socket, a thread per connection."""
+
+    def __init__(self, engine: ReferenceEngine, address: str) -> None:
+        self.engine = engine
+        self.address = address
+        self._listener: socket.socket | None = None
+        self._closed = threading.Event()
+
+    def start(self) -> None:
+        """Bind and start accepting; raises `OSError` when the address is taken."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if not self.address.startswith("@"):
+                Path(self.address).unlink(missing_ok=True)
+            listener.bind(socket_name(self.address))
+            if not self.address.startswith("@"):
+                os.chmod(self.address, 0o660)  # the agent shares the pod's fsGroup
+            listener.listen(4)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        threading.Thread(target=self._accept, name="ref-update-accept", daemon=True).start()
+        log.info("update channel listening on %s", self.address)
+
+    def close(self) -> None:
+        self._closed.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+            if not self.address.startswith("@"):
+                Path(self.address).unlink(missing_ok=True)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            listener = self._listener
+            if listener is None:
+                return
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._serve, args=(conn,), name="ref-update-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        plans: dict[int, BucketPlan] = {}  # this connection's bucket numbers
+        with conn:
+            while not self._closed.is_set():
+                try:
+                    body = recv_frame(conn)
+                except (ProtocolError, OSError):
+                    return
+                reply = self.handle(body, plans)
+                try:
+                    conn.sendall(frame(reply.model_dump_json().encode()))
+                except OSError:
+                    return
+
+    def handle(self, body: bytes, plans: dict[int, BucketPlan]) -> Reply:
+        """One request; every failure is a reply, never an exception."""
+        engine = self.engine
+        try:
+            request = _REQUEST.validate_json(body)
+            if isinstance(request, LoadRequest):
+                if request.tensors is not None:
+                    if len(plans) >= _MAX_BUCKETS_PER_CONNECTION:
+                        plans.clear()
+                    plans[request.bucket] = engine.plan(slices(request.tensors))
+                engine.load_plan(request.slot, _described(plans, request.bucket))
+            elif isinstance(request, BeginRequest):
+                engine.begin(request.version)
+            elif isinstance(request, FinishRequest):
+                engine.commit(request.version)
+            else:
+                log.warning("update to version %d aborted: %s", request.version, request.reason)
+                engine.abort(request.version)
+        except EngineError as exc:
+            return Reply(ok=False, version=engine.version, reason=exc.reason, message=str(exc))
+        except ValidationError as exc:
+            return Reply(ok=False, version=engine.version, reason="bad_request", message=str(exc))
+        return Reply(ok=True, version=engine.version)
+
+
+def _described(plans: dict[int, BucketPlan], bucket: int) -> BucketPlan:
+    plan = plans.get(bucket)
+    if plan is None:
+        raise EngineError("bad_bucket", f"bucket {bucket} was never described")
+    return plan
+
+
+# ----------------------------------------------------------------------------- agent side
+class UpdateChannelClient:
+    """The adapter's end: one connection, one request at a time, reconnected on demand.
+
+    A request that fails or is cancelled half-way drops the connection (its reply may
+    still come), and the next one reconnects; bucket numbers are per connection.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._lock = asyncio.Lock()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._by_identity: dict[int, tuple[Sequence[TensorSlice], int]] = {}
+        self._by_content: dict[tuple[TensorSlice, ...], int] = {}
+
+    async def call(self, request: _Request) -> Reply:
+        async with self._lock:
+            return await self._call(request)
+
+    async def load(self, slot: int, tensors: Sequence[TensorSlice]) -> Reply:
+        async with self._lock:
+            await self._ensure()
+            number, new = self._number(tensors)
+            described = rows(tensors) if new else None
+            return await self._call(LoadRequest(slot=slot, bucket=number, tensors=described))
+
+    def _number(self, tensors: Sequence[TensorSlice]) -> tuple[int, bool]:
+        """This connection's number for a tensor list, and whether the engine lacks it."""
+        known = self._by_identity.get(id(tensors))
+        if known is not None and known[0] is tensors:  # the layout's own tuple, every round
+            return known[1], False
+        key = tuple(tensors)
+        number = self._by_content.get(key)
+        new = number is None
+        if number is None:
+            if len(self._by_content) >= _MAX_BUCKETS_PER_CONNECTION:
+                self._drop()  # the engine forgets too: a new connection starts afresh
+                return self._number(tensors)
+            number = self._by_content[key] = len(self._by_content)
+        if isinstance(tensors, tuple):
+            if len(self._by_identity) >= _MAX_BUCKETS_PER_CONNECTION:
+                self._by_identity.clear()
+            self._by_identity[id(tensors)] = (tensors, number)
+        return number, new
+
+    async def connect(self) -> None:
+        """Open the connection now (attach), so that an unreachable address shows early."""
+        async with self._lock:
+            await self._ensure()
+
+    async def _ensure(self) -> None:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_unix_connection(
+                socket_name(self.address)
+            )
+
+    async def _call(self, request: _Request) -> Reply:
+        await self._ensure()
+        reader, writer = self._reader, self._writer
+        if reader is None or writer is None:
+            raise ProtocolError("update channel not connected")
+        try:
+            writer.write(frame(request.model_dump_json(exclude_none=True).encode()))
+            await writer.drain()
+            body = await read_frame(reader)
+        except BaseException:
+            self._drop()  # a reply may still be on its way: never read it as the next one's
+            raise
+        try:
+            return Reply.model_validate_json(body)
+        except ValidationError as exc:
+            self._drop()
+            raise ProtocolError(f"invalid update channel reply: {exc}") from exc
+
+    def _drop(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        self._by_identity.clear()
+        self._by_content.clear()
+        if writer is not None:
+            writer.close()
+
+    async def close(self) -> None:
+        async with self._lock:
+            writer = self._writer
+            self._drop()
+            if writer is not None:
+                with contextlib.suppress(OSError, ConnectionError):
+                    await writer.wait_closed()

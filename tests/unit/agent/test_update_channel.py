@@ -1,0 +1,195 @@
+"""The reference engine's update channel, and the adapter choosing it over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+
+from weightsync.engines.base import EngineError
+from weightsync.engines.reference.adapter import ReferenceEngineAdapter
+from weightsync.engines.reference.channel import (
+    BeginRequest,
+    FinishRequest,
+    UpdateChannelClient,
+    UpdateChannelServer,
+)
+from weightsync.engines.reference.engine import BucketPlan, ReferenceEngine, tensor_digest
+from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
+from weightsync.engines.reference.server import make_app
+from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
+from weightsync.transfer.layout import BucketLayout, plan_layout
+
+CONFIG = PRESETS["tiny"]
+
+
+@pytest.fixture
+def slots(tmp_path: Path) -> Iterator[tuple[BucketLayout, BucketSlots]]:
+    layout = plan_layout(state_dict_metas(CONFIG, "float32"), 8 << 10)
+    slots = BucketSlots(2, layout.capacity_bytes, torch.device("cpu"), str(tmp_path))
+    yield layout, slots
+    slots.close()
+
+
+@pytest.fixture
+def address() -> str:
+    return f"@weightsync-test-{uuid.uuid4().hex}"
+
+
+def expected(seed: int) -> dict[str, str]:
+    return {n: tensor_digest(p) for n, p in build_model(CONFIG, seed=seed).named_parameters()}
+
+
+def fill(layout: BucketLayout, slots: BucketSlots, seed: int, index: int) -> int:
+    """Put bucket `index` of the weights from `seed` into its slot; return the slot."""
+    source = dict(build_model(CONFIG, seed=seed).named_parameters())
+    bucket = layout.buckets[index]
+    slot = index % len(slots.slots)
+    views = slot_views(slots.slots[slot], bucket.tensors)
+    copy_tensors(views, [source[t.name].detach() for t in bucket.tensors])
+    return slot
+
+
+def test_a_round_over_the_channel_names_each_bucket_once(
+    slots: tuple[BucketLayout, BucketSlots], address: str
+) -> None:
+    layout, bucket_slots = slots
+    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+    engine.attach(bucket_slots.handles)
+    server = UpdateChannelServer(engine, address)
+    server.start()
+
+    async def rounds() -> None:
+        client = UpdateChannelClient(address)
+        for version, seed in [(1, 5), (2, 6)]:
+            assert (await client.call(BeginRequest(version=version))).ok
+            for bucket in layout.buckets:
+                slot = fill(layout, bucket_slots, seed, bucket.index)
+                reply = await client.load(slot, bucket.tensors)
+                assert reply.ok, reply
+            assert (await client.call(FinishRequest(version=version))).ok
+            assert engine.digests() == (version, expected(seed))
+        # A load outside an update is a reply, not a broken connection.
+        refused = await client.load(0, layout.buckets[0].tensors)
+        assert (refused.ok, refused.reason) == (False, "no_update")
+        assert (await client.call(BeginRequest(version=3))).ok
+        await client.close()
+
+    try:
+        asyncio.run(rounds())
+    finally:
+        server.close()
+
+
+def test_a_cancelled_request_drops_the_connection_and_the_next_one_redescribes(
+    slots: tuple[BucketLayout, BucketSlots], address: str
+) -> None:
+    layout, bucket_slots = slots
+    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+    engine.attach(bucket_slots.handles)
+    server = UpdateChannelServer(engine, address)
+    server.start()
+    release = threading.Event()
+    load_plan = engine.load_plan
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        entered = asyncio.Event()
+
+        def held_load(slot: int, plan: BucketPlan) -> None:
+            loop.call_soon_threadsafe(entered.set)
+            release.wait(10)
+            load_plan(slot, plan)
+
+        client = UpdateChannelClient(address)
+        assert (await client.call(BeginRequest(version=1))).ok
+        first = layout.buckets[0]
+        slot = fill(layout, bucket_slots, 7, 0)
+        assert (await client.load(slot, first.tensors)).ok
+        engine.load_plan = held_load  # type: ignore[method-assign]
+        pending = asyncio.create_task(client.load(slot, first.tensors))
+        await entered.wait()
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        engine.load_plan = load_plan  # type: ignore[method-assign]
+        release.set()
+        # The cancelled load's late "ok" must not be taken for this request's answer.
+        refused = await client.load(len(bucket_slots.slots), first.tensors)
+        assert (refused.ok, refused.reason) == (False, "bad_slot")
+        # A new connection: the engine learns every bucket's tensors again.
+        for bucket in layout.buckets:
+            slot = fill(layout, bucket_slots, 7, bucket.index)
+            reply = await client.load(slot, bucket.tensors)
+            assert reply.ok, reply
+        assert (await client.call(FinishRequest(version=1))).ok
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        server.close()
+    assert engine.digests() == (1, expected(7))
+
+
+@pytest.mark.parametrize("use_channel", [True, False])
+def test_the_adapter_uses_the_announced_channel_or_http(
+    slots: tuple[BucketLayout, BucketSlots], address: str, use_channel: bool
+) -> None:
+    layout, bucket_slots = slots
+    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+    server = UpdateChannelServer(engine, address)
+    server.start()
+
+    async def scenario() -> None:
+        async with TestServer(make_app(engine, update_channel=address)) as http:
+            adapter = ReferenceEngineAdapter(str(http.make_url("")), use_channel=use_channel)
+            await adapter.attach_buffers(bucket_slots.slots)
+            assert adapter.channel_address == (address if use_channel else None)
+            await adapter.begin_update(1)
+            for bucket in layout.buckets:
+                slot = fill(layout, bucket_slots, 9, bucket.index)
+                await adapter.load_bucket(slot, bucket.tensors)
+            await adapter.finish_update(1)
+            health = await adapter.health()
+            assert (health.healthy, health.version) == (True, 1)
+            with pytest.raises(EngineError) as error:
+                await adapter.begin_update(1)
+            assert error.value.reason == "stale_version"
+            await adapter.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+    assert engine.digests() == (1, expected(9))
+
+
+def test_an_unreachable_channel_falls_back_to_http(
+    slots: tuple[BucketLayout, BucketSlots], address: str
+) -> None:
+    layout, bucket_slots = slots
+    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+
+    async def scenario() -> None:
+        # The engine announces a channel this process cannot reach (nothing listens).
+        async with TestServer(make_app(engine, update_channel=address)) as http:
+            adapter = ReferenceEngineAdapter(str(http.make_url("")))
+            await adapter.attach_buffers(bucket_slots.slots)
+            assert adapter.channel_address is None
+            await adapter.begin_update(1)
+            for bucket in layout.buckets:
+                slot = fill(layout, bucket_slots, 4, bucket.index)
+                await adapter.load_bucket(slot, bucket.tensors)
+            await adapter.finish_update(1)
+            await adapter.close()
+
+    asyncio.run(scenario())
+    assert engine.digests() == (1, expected(4))

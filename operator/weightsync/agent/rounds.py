@@ -17,15 +17,24 @@ engines commit and a second vote tells the source that every engine serves it.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from weightsync.engines.base import EngineError
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.layout import BucketLayout
+
+log = logging.getLogger(__name__)
+
+PHASES_LOG_PREFIX = "round phases "
 
 
 def doorbell_key(seq: int) -> str:
@@ -130,3 +139,152 @@ class SlotPool:
         if self.slots is not None:
             self.slots.close()
             self.slots = None
+
+
+class PhaseTrace:
+    """Where one round's time goes on this rank, logged as one line when it ends.
+
+    * spans: host time of each awaited phase (count, total, max), e.g. `fill` (the
+      Publisher packing a bucket), `slot_wait` (a slot still on the wire), `recv_wait`
+      (a sink waiting for a bucket), `engine_load`, the votes. The phase a rank waits on
+      most is what bounds it: a source that mostly waits in `slot_wait` is wire-bound.
+    * marks: host time since the round started at which a milestone was reached.
+    * gpu: CUDA events recorded on the device's current stream right after a bucket's
+      transfer completed (the stream waits on the collective first), so their spacing is
+      the wire's pace on the GPU, whatever the host's polling added.
+
+    `start_unix` lets a reader line up the traces of several processes on one host.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.started = time.perf_counter()
+        self.started_unix = time.time()
+        self._spans: dict[str, list[float]] = {}
+        self._marks: dict[str, float] = {}
+        self._device = device if device.type == "cuda" else None
+        self._gpu: list[tuple[str, torch.cuda.Event]] = []
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def add(self, name: str, since: float) -> None:
+        """Count the time from `since` (a `now()`) to now as one `name` span."""
+        seconds = time.perf_counter() - since
+        entry = self._spans.get(name)
+        if entry is None:
+            self._spans[name] = [1, seconds, seconds]
+        else:
+            entry[0] += 1
+            entry[1] += seconds
+            entry[2] = max(entry[2], seconds)
+
+    def mark(self, name: str) -> None:
+        self._marks[name] = time.perf_counter() - self.started
+
+    def gpu_mark(self, name: str) -> None:
+        if self._device is None:
+            return
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self._device))
+        self._gpu.append((name, event))
+
+    def summary(self, *, gpu: bool = True, **extra: object) -> dict[str, object]:
+        """The trace as plain JSON values, times in milliseconds."""
+        out: dict[str, object] = {
+            **extra,
+            "start_unix": self.started_unix,
+            "total_ms": _ms(time.perf_counter() - self.started),
+            "spans": {
+                name: [int(count), _ms(total), _ms(longest)]
+                for name, (count, total, longest) in self._spans.items()
+            },
+            "marks": {name: _ms(at) for name, at in self._marks.items()},
+        }
+        if gpu and self._gpu:
+            first = self._gpu[0][1]
+            self._gpu[-1][1].synchronize()
+            marks: dict[str, list[float]] = {}
+            for name, event in self._gpu:
+                marks.setdefault(name, []).append(round(first.elapsed_time(event), 3))
+            out["gpu_ms"] = marks
+        return out
+
+    def log(self, **extra: object) -> None:
+        ok = bool(extra.get("ok", True))
+        try:
+            summary = self.summary(gpu=ok, **extra)
+        except RuntimeError as exc:  # an event that never completed: leave the GPU part out
+            log.debug("GPU marks unavailable: %s", exc)
+            summary = self.summary(gpu=False, **extra)
+        log.info("%s%s", PHASES_LOG_PREFIX, json.dumps(summary, separators=(",", ":")))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)
+
+
+class EngineLane:
+    """A round's engine calls, one at a time and in order, off the bucket pipeline's path.
+
+    `submit` returns a task at once; its call runs after every earlier one, so the next
+    bucket can be received (or filled) while the engine loads this one. The first
+    failure is kept in `error` and later calls are skipped: the round keeps its
+    collectives in step and fails at the vote. Tasks never raise `EngineError`.
+    """
+
+    def __init__(self, timeout_seconds: float, trace: PhaseTrace) -> None:
+        self._timeout = timeout_seconds
+        self._trace = trace
+        self._tasks: list[asyncio.Task[None]] = []
+        self.error: RoundFailed | None = None
+
+    def submit(
+        self, what: str, phase: str, call: Callable[[], Awaitable[None]]
+    ) -> asyncio.Task[None]:
+        previous = self._tasks[-1] if self._tasks else None
+        task = asyncio.create_task(self._run(previous, what, phase, call))
+        self._tasks.append(task)  # a round submits a few dozen: kept until drained
+        return task
+
+    async def _run(
+        self,
+        previous: asyncio.Task[None] | None,
+        what: str,
+        phase: str,
+        call: Callable[[], Awaitable[None]],
+    ) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # in order; a cancelled one is not our failure
+        if self.error is not None:
+            return
+        started = self._trace.now()
+        try:
+            await asyncio.wait_for(call(), self._timeout)
+        except EngineError as exc:
+            self.error = RoundFailed(f"engine_{exc.reason}", f"{what}: {exc}")
+        except TimeoutError:
+            self.error = RoundFailed("engine_timeout", f"{what} timed out")
+        self._trace.add(phase, started)
+
+    async def wait(self, task: asyncio.Task[None], phase: str = "engine_wait") -> None:
+        """Return once `task`'s call is done (its slot may be reused); time the wait."""
+        if task.done():
+            task.result()
+            return
+        started = self._trace.now()
+        await task
+        self._trace.add(phase, started)
+
+    async def drain(self) -> None:
+        """Wait for every submitted call."""
+        for task in self._tasks:
+            await task
+
+    async def cancel(self) -> None:
+        """Stop calls not yet finished (a failed round); the adapter drops what it had open."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+        self._tasks.clear()

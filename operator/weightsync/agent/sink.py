@@ -2,7 +2,9 @@
 
 Bucket k+1 (and up to `depth - 1` more) is already being received into the other slot
 while bucket k is handed to the engine; a slot is reused only after the engine's
-`load_bucket` for its previous bucket returned. An engine failure does not break the
+`load_bucket` for its previous bucket returned. The receives of the first `depth`
+buckets are posted before the engine's `begin_update` returns (they only need slots),
+so the source's first broadcast does not wait on the engine. An engine failure does not break the
 pipeline: the sink keeps receiving (so the collectives stay in step) and votes to fail
 the round at the end. A transport failure breaks the generation.
 """
@@ -18,12 +20,16 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from functools import partial
 
+import torch
 import torch.distributed as dist
 
 from weightsync.agent.generations import Generation, Generations
+from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import (
     DOORBELL,
     Doorbell,
+    EngineLane,
+    PhaseTrace,
     RoundFailed,
     RoundHeader,
     RoundOutcome,
@@ -55,6 +61,7 @@ class SinkRound:
         *,
         engine_timeout_seconds: float,
         debug_bucket_delay_seconds: float = 0.0,
+        holder: Holder | None = None,
     ) -> None:
         if generation.group is None:
             raise RoundFailed("no_group", f"generation {generation.number} is not formed")
@@ -66,35 +73,44 @@ class SinkRound:
         self.adapter = adapter
         self.engine_timeout = engine_timeout_seconds
         self.debug_delay = debug_bucket_delay_seconds
+        self.holder = holder
         self.timeout = generation.plan.transfer.timeout_seconds
         self.failure_key = failure_key(header.seq)
-        self.error: RoundFailed | None = None
+        self.error: RoundFailed | None = None  # set before `run`: skip the engine, vote no
         self.committed = False
+        self.trace = PhaseTrace(pool.device)
+        self.lane = EngineLane(engine_timeout_seconds, self.trace)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
 
-    async def _engine(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
+    def _round_error(self) -> RoundFailed | None:
+        return self.error or self.lane.error
+
+    def _engine(
+        self, what: str, phase: str, call: Callable[[], Awaitable[None]]
+    ) -> asyncio.Task[None] | None:
+        """Queue an engine call on the lane, unless this rank already failed the round."""
         if self.error is not None:
-            return
-        try:
-            await asyncio.wait_for(call(), self.engine_timeout)
-        except EngineError as exc:
-            self.error = RoundFailed(f"engine_{exc.reason}", f"{what}: {exc}")
-        except TimeoutError:
-            self.error = RoundFailed("engine_timeout", f"{what} timed out")
+            return None
+        return self.lane.submit(what, phase, call)
+
+    async def _issue(self, view: torch.Tensor) -> dist.Work | None:
+        started = self.trace.now()
+        work = await self.group.run(partial(self.group.transport.start_bucket, view))
+        self.trace.add("issue", started)
+        return work
 
     async def _stream(self, depth: int) -> list[int]:
         slots = self.pool.ensure(self.layout, depth).slots
-        transport, buckets = self.group.transport, self.layout.buckets
+        transport, buckets, trace = self.group.transport, self.layout.buckets, self.trace
         pending: deque[dist.Work | None] = deque()
         checksums: list[int] = []
-        issued = 0
+        trace.gpu_mark("first_issue")
+        for issued in range(min(depth, len(buckets))):
+            pending.append(await self._issue(slots[issued % depth][: buckets[issued].nbytes]))
         for bucket in buckets:
-            while issued < len(buckets) and issued < bucket.index + depth:
-                view = slots[issued % depth][: buckets[issued].nbytes]
-                pending.append(await self.group.run(partial(transport.start_bucket, view)))
-                issued += 1
+            started = trace.now()
             wait = partial(
                 transport.wait,
                 pending.popleft(),
@@ -102,14 +118,31 @@ class SinkRound:
                 failure_key=self.failure_key,
             )
             await self.group.run(wait)
+            trace.add("recv_wait", started)
+            trace.gpu_mark("received")
+            if self.holder is not None:  # copies the bucket out for P2P recovery
+                slot = slots[bucket.index % depth]
+                await self.holder.stage(self.header.version, self.layout, bucket, slot, depth)
             slot_index = bucket.index % depth
             if self.header.checksum:
                 view = slots[slot_index][: bucket.nbytes]
                 checksums.append(await self.group.run(partial(bucket_checksum, view)))
             if self.debug_delay:
                 await asyncio.sleep(self.debug_delay)
-            load = partial(self.adapter.load_bucket, slot_index, bucket.tensors)
-            await self._engine(f"load bucket {bucket.index}", load)
+            load = self._engine(
+                f"load bucket {bucket.index}",
+                "engine_load",
+                partial(self.adapter.load_bucket, slot_index, bucket.tensors),
+            )
+            following = bucket.index + depth
+            if following < len(buckets):  # it goes into this slot: the engine must be done
+                if load is not None:
+                    await self.lane.wait(load)
+                pending.append(await self._issue(slots[slot_index][: buckets[following].nbytes]))
+        started = trace.now()
+        await self.lane.drain()
+        trace.add("engine_drain", started)
+        trace.mark("streamed")
         return checksums
 
     async def _verify_checksums(self, mine: list[int]) -> None:
@@ -130,33 +163,47 @@ class SinkRound:
             bad = [i for i, (a, b) in enumerate(zip(expected, mine, strict=False)) if a != b]
             self.error = RoundFailed("checksum_mismatch", f"buckets {bad[:8]} differ")
 
-    async def _vote(self, flag: int) -> int:
+    async def _vote(self, flag: int, phase: str) -> int:
         transport, deadline = self.group.transport, self._deadline()
-        return await self.group.run(
+        started = self.trace.now()
+        agreed = await self.group.run(
             lambda: transport.agree_max(flag, deadline=deadline, failure_key=self.failure_key)
         )
+        self.trace.add(phase, started)
+        return agreed
 
     async def run(self, depth: int) -> RoundOutcome:
         started, version = time.monotonic(), self.header.version
         number = self.generation.number
         try:
-            await self._engine("begin", lambda: self.adapter.begin_update(version))
+            self._engine("begin", "engine_begin", lambda: self.adapter.begin_update(version))
             checksums = await self._stream(depth)
             if self.header.checksum:
                 await self._verify_checksums(checksums)
-            if await self._vote(int(self.error is not None)):
-                raise self.error or RoundFailed("peer_error", "another rank failed the round")
-            await self._engine("finish", lambda: self.adapter.finish_update(version))
-            self.committed = self.error is None
-            if await self._vote(int(self.error is not None)):
-                raise self.error or RoundFailed("commit_failed", "another engine did not commit")
+            if await self._vote(int(self._round_error() is not None), "vote_transfer"):
+                raise self._round_error() or RoundFailed(
+                    "peer_error", "another rank failed the round"
+                )
+            finish = self._engine(
+                "finish", "engine_finish", lambda: self.adapter.finish_update(version)
+            )
+            if finish is not None:
+                await finish
+            self.committed = self._round_error() is None
+            if await self._vote(int(self._round_error() is not None), "vote_commit"):
+                raise self._round_error() or RoundFailed(
+                    "commit_failed", "another engine did not commit"
+                )
         except (TransferError, dist.DistError) as exc:
             reason = exc.reason if isinstance(exc, TransferError) else "store_error"
             await self._fail_hard(reason, str(exc))
+            self._log_trace(ok=False)
             return RoundOutcome.failed(version, number, started, reason, str(exc))
         except RoundFailed as exc:
             await self._abort_engine(exc.reason)
+            self._log_trace(ok=False)
             return RoundOutcome.failed(version, number, started, exc.reason, str(exc))
+        self._log_trace(ok=True)
         return RoundOutcome(
             version=version,
             generation=number,
@@ -166,7 +213,19 @@ class SinkRound:
             finished_at=time.time(),
         )
 
+    def _log_trace(self, *, ok: bool) -> None:
+        self.trace.log(
+            seq=self.header.seq,
+            version=self.header.version,
+            role="sink",
+            rank=self.generation.plan.rank,
+            ok=ok,
+            buckets=len(self.layout.buckets),
+            bytes=self.layout.total_bytes,
+        )
+
     async def _abort_engine(self, reason: str) -> None:
+        await self.lane.cancel()  # the engine takes one call at a time
         if self.committed:  # this engine serves the version; the others did not
             return
         try:
@@ -207,6 +266,7 @@ class SinkLoop:
         *,
         engine_timeout_seconds: float,
         debug_bucket_delay_seconds: float,
+        holder: Holder | None = None,
         on_round_start: Callable[[RoundHeader, Generation], None],
         on_round_end: Callable[[RoundOutcome, bool], None],
     ) -> None:
@@ -215,6 +275,7 @@ class SinkLoop:
         self.adapter = adapter
         self.engine_timeout = engine_timeout_seconds
         self.debug_delay = debug_bucket_delay_seconds
+        self.holder = holder
         self.on_round_start = on_round_start
         self.on_round_end = on_round_end
         self._layouts: dict[str, BucketLayout] = {}
@@ -277,6 +338,7 @@ class SinkLoop:
             self.adapter,
             engine_timeout_seconds=self.engine_timeout,
             debug_bucket_delay_seconds=self.debug_delay,
+            holder=self.holder,
         )
         slots = self.pool.ensure(layout, generation.plan.transfer.pipeline_depth)
         if self.pool.epoch != self._attached_epoch:

@@ -3,7 +3,9 @@
 Bucket k is filled by the Publisher (a D2D copy into the agent's slot k % depth) while
 bucket k-1 is still on the wire; a slot is handed back to the Publisher only after
 its broadcast completed. In Colocated mode the source also drives a local engine,
-which reads the same slots: that is the whole transport (no peers, no broadcast).
+which reads the same slots: that is the whole transport (no peers, no broadcast). The
+engine loads bucket k on an `EngineLane` while the Publisher fills bucket k+1 into the
+other slot; a slot is refilled only once the engine is done with it.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Protocol
 
 import torch.distributed as dist
 
 from weightsync.agent.generations import Generation
+from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import (
+    EngineLane,
+    PhaseTrace,
     RoundFailed,
     RoundHeader,
     RoundOutcome,
@@ -32,7 +36,7 @@ from weightsync.agent.rounds import (
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
 from weightsync.transfer.buffers import BucketSlots
-from weightsync.transfer.layout import BucketLayout
+from weightsync.transfer.layout import Bucket, BucketLayout
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class SourceRound:
         *,
         local_engine: EngineAdapter | None,
         engine_timeout_seconds: float,
+        holder: Holder | None = None,
     ) -> None:
         if generation.group is None:
             raise RoundFailed("no_group", f"generation {generation.number} is not formed")
@@ -64,26 +69,23 @@ class SourceRound:
         self.channel = channel
         self.local_engine = local_engine
         self.engine_timeout = engine_timeout_seconds
+        self.holder = holder
         self.timeout = generation.plan.transfer.timeout_seconds
         self.checksum = generation.plan.transfer.checksum
         self.seq = generation.next_seq
         generation.next_seq += 1
         self.failure_key = failure_key(self.seq)
         self.error: RoundFailed | None = None  # a soft failure: the round runs on, then fails
+        self.trace = PhaseTrace(slots.device)
+        self.lane = EngineLane(engine_timeout_seconds, self.trace) if local_engine else None
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
 
-    async def _local(self, what: str, call: Callable[[], Awaitable[None]]) -> None:
-        """Drive the local (Colocated) engine; its failure fails the round softly."""
+    def _round_error(self) -> RoundFailed | None:
         if self.error is not None:
-            return
-        try:
-            await asyncio.wait_for(call(), self.engine_timeout)
-        except EngineError as exc:
-            self.error = RoundFailed(f"engine_{exc.reason}", f"{what}: {exc}")
-        except TimeoutError:
-            self.error = RoundFailed("engine_timeout", f"{what} timed out")
+            return self.error
+        return self.lane.error if self.lane is not None else None
 
     async def _announce(self) -> None:
         ctl = self.group.ctl
@@ -101,34 +103,75 @@ class SourceRound:
                 ctl.set(layout_key(layout_hash), self.layout.to_json())
             ctl.set(doorbell_key(self.seq), header.model_dump_json())
 
+        started = self.trace.now()
         await self.group.run(announce)
+        self.trace.add("announce", started)
         self.generation.layouts_sent.add(layout_hash)
 
+    async def _fill(self, bucket: Bucket, slot_index: int) -> None:
+        """The Publisher packs `bucket` into the slot; a failure fails the round softly."""
+        if self._round_error() is not None:
+            return
+        started = self.trace.now()
+        try:
+            await self.channel.fill(bucket.index, slot_index)
+        except RoundFailed as exc:
+            self.error = exc
+        self.trace.add("fill", started)
+
+    async def _first_fill(self, bucket: Bucket) -> None:
+        """Ring the doorbell while the Publisher packs bucket 0: sinks wake meanwhile."""
+        results = await asyncio.gather(
+            self._announce(), self._fill(bucket, 0), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
     async def _stream(self) -> list[int]:
-        transport, depth = self.group.transport, len(self.slots.slots)
-        in_flight: deque[dist.Work | None] = deque()
+        transport, slots, lane = self.group.transport, self.slots.slots, self.lane
+        depth = len(slots)
+        sends: deque[dist.Work | None] = deque()
+        loads: deque[asyncio.Task[None] | None] = deque()
         checksums: list[int] = []
         for bucket in self.layout.buckets:
             slot_index = bucket.index % depth
-            if len(in_flight) == depth:  # the slot's previous bucket must be off the wire
-                await self._wait(in_flight.popleft())
-            if self.error is None:
-                try:
-                    await self.channel.fill(bucket.index, slot_index)
-                except RoundFailed as exc:
-                    self.error = exc
-            view = self.slots.slots[slot_index][: bucket.nbytes]
-            if self.local_engine is not None:
-                load = partial(self.local_engine.load_bucket, slot_index, bucket.tensors)
-                await self._local(f"load bucket {bucket.index}", load)
+            if len(sends) == depth:  # the slot's previous bucket must be off the wire...
+                await self._wait_sent(sends.popleft(), "slot_wait")
+                load = loads.popleft()
+                if lane is not None and load is not None:  # ...and out of the engine's hands
+                    await lane.wait(load)
+            if bucket.index == 0:
+                await self._first_fill(bucket)
+                self.trace.gpu_mark("first_issue")
+            else:
+                await self._fill(bucket, slot_index)
+            view = slots[slot_index][: bucket.nbytes]
+            load = None
+            if lane is not None and self.local_engine is not None and self.error is None:
+                call = partial(self.local_engine.load_bucket, slot_index, bucket.tensors)
+                load = lane.submit(f"load bucket {bucket.index}", "engine_load", call)
+            loads.append(load)
             if self.checksum:
                 checksums.append(await self.group.run(partial(bucket_checksum, view)))
-            in_flight.append(await self.group.run(partial(transport.start_bucket, view)))
-        while in_flight:
-            await self._wait(in_flight.popleft())
+            started = self.trace.now()
+            sends.append(await self.group.run(partial(transport.start_bucket, view)))
+            self.trace.add("issue", started)
+            if self.holder is not None:  # copies the bucket out for P2P recovery
+                await self.holder.stage(self.version, self.layout, bucket, view, depth)
+        while sends:
+            await self._wait_sent(sends.popleft(), "drain")
+        if lane is not None:
+            started = self.trace.now()
+            await lane.drain()
+            self.trace.add("engine_drain", started)
+        self.trace.mark("streamed")
         return checksums
 
-    async def _wait(self, work: dist.Work | None) -> None:
+    async def _wait_sent(self, work: dist.Work | None, phase: str) -> None:
+        if work is None:
+            return
+        started = self.trace.now()
         wait = partial(
             self.group.transport.wait,
             work,
@@ -136,38 +179,59 @@ class SourceRound:
             failure_key=self.failure_key,
         )
         await self.group.run(wait)
+        self.trace.add(phase, started)
+        self.trace.gpu_mark("sent")
 
-    async def _vote(self, flag: int) -> int:
+    async def _vote(self, flag: int, phase: str) -> int:
         transport, deadline = self.group.transport, self._deadline()
-        return await self.group.run(
+        started = self.trace.now()
+        agreed = await self.group.run(
             lambda: transport.agree_max(flag, deadline=deadline, failure_key=self.failure_key)
         )
+        self.trace.add(phase, started)
+        return agreed
+
+    async def _commit_local(self) -> None:
+        engine, lane = self.local_engine, self.lane
+        if engine is None or lane is None:
+            return
+        await lane.submit("finish", "engine_finish", lambda: engine.finish_update(self.version))
 
     async def run(self) -> RoundOutcome:
         started = time.monotonic()
         number = self.generation.number
         try:
-            await self._announce()
-            engine = self.local_engine
-            if engine is not None:
-                await self._local("begin", lambda: engine.begin_update(self.version))
+            engine, lane = self.local_engine, self.lane
+            if engine is not None and lane is not None:
+                lane.submit("begin", "engine_begin", lambda: engine.begin_update(self.version))
             checksums = await self._stream()
             if self.checksum:
                 payload = json.dumps(checksums)
                 await self.group.run(lambda: self.group.ctl.set(checksum_key(self.seq), payload))
-            if await self._vote(int(self.error is not None)):
-                raise self.error or RoundFailed("peer_error", "a sink failed the round")
-            if engine is not None:
-                await self._local("finish", lambda: engine.finish_update(self.version))
-            if await self._vote(int(self.error is not None)):
-                raise self.error or RoundFailed("commit_failed", "a sink's engine did not commit")
+            if await self._vote(int(self._round_error() is not None), "vote_transfer"):
+                raise self._round_error() or RoundFailed("peer_error", "a sink failed the round")
+            await self._commit_local()
+            if await self._vote(int(self._round_error() is not None), "vote_commit"):
+                raise self._round_error() or RoundFailed(
+                    "commit_failed", "a sink's engine did not commit"
+                )
         except (TransferError, dist.DistError) as exc:
             reason = exc.reason if isinstance(exc, TransferError) else "store_error"
             await self._fail_hard(reason, str(exc))
+            self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)
             return RoundOutcome.failed(self.version, number, started, reason, str(exc))
         except RoundFailed as exc:
             await self._abort_local(exc.reason)
+            self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)
             return RoundOutcome.failed(self.version, number, started, exc.reason, str(exc))
+        self.trace.log(
+            seq=self.seq,
+            version=self.version,
+            role="source",
+            ok=True,
+            buckets=len(self.layout.buckets),
+            bytes=self.layout.total_bytes,
+        )
         return RoundOutcome(
             version=self.version,
             generation=number,
@@ -180,6 +244,8 @@ class SourceRound:
     async def _abort_local(self, reason: str) -> None:
         if self.local_engine is None:
             return
+        if self.lane is not None:
+            await self.lane.cancel()  # the engine takes one call at a time
         try:
             await asyncio.wait_for(
                 self.local_engine.abort_update(self.version, reason), self.engine_timeout

@@ -37,11 +37,17 @@ def test_new_tensor_sets_renegotiate_and_a_dead_agent_is_reported(tmp_path: Path
             first = publisher.publish({"w": torch.ones(8), "b": torch.zeros(3)}, version=1)
             assert first.ok, first
             assert first.bytes == 2 * 256
+            timings = publisher.last_timings
+            assert timings is not None
+            assert timings.buckets == 1  # both tensors fit one 4 KiB bucket
+            assert 0 <= timings.pack <= timings.total
 
             bigger = {"w": torch.ones(8), "b": torch.zeros(3), "e": torch.ones(2000)}
             second = publisher.publish(bigger, version=2)
             assert second.ok, second
             assert second.bytes == 2 * 256 + 8192  # the 8000-byte tensor gets a bucket alone
+            assert publisher.last_timings is not None
+            assert publisher.last_timings.buckets == 2
             assert source.status().version == 2
 
             source.proc.kill()

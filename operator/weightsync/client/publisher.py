@@ -66,6 +66,21 @@ class LayoutChangedError(PublisherError):
 
 
 @dataclass(frozen=True, slots=True)
+class PublishTimings:
+    """Where the last `publish()` spent its time in the trainer's process, in seconds."""
+
+    total: float
+    pack: float  # copying buckets into the agent's slots, each until its copy completed
+    longest_pack: float
+    buckets: int
+
+    @property
+    def waiting(self) -> float:
+        """Time spent waiting on the agent (broadcast, engines, votes) rather than packing."""
+        return self.total - self.pack
+
+
+@dataclass(frozen=True, slots=True)
 class PublishResult:
     version: int
     ok: bool
@@ -89,6 +104,9 @@ class Publisher:
         self._layout: BucketLayout | None = None
         self._slots: list[torch.Tensor] = []
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._signature: list[tuple[str, torch.Size, torch.dtype]] = []
+        self._packed: list[float] = []
+        self.last_timings: PublishTimings | None = None
 
     # ------------------------------------------------------------------ public
     def publish(
@@ -98,16 +116,38 @@ class Publisher:
         version: int,
     ) -> PublishResult:
         """Send `named_tensors` as weight version `version` to every engine of the group."""
+        started = time.perf_counter()
+        self._packed = []
         tensors = dict(
             named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         )
-        metas = [
-            TensorMeta(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in tensors.items()
-        ]
+        try:
+            return self._publish(tensors, version)
+        finally:
+            self.last_timings = PublishTimings(
+                total=time.perf_counter() - started,
+                pack=sum(self._packed),
+                longest_pack=max(self._packed, default=0.0),
+                buckets=len(self._packed),
+            )
+
+    def _metas_of(
+        self, tensors: dict[str, torch.Tensor]
+    ) -> tuple[list[TensorMeta], list[tuple[str, torch.Size, torch.dtype]]]:
+        """The tensor set's metadata, rebuilt only when names, shapes or dtypes changed."""
+        signature = [(name, t.shape, t.dtype) for name, t in tensors.items()]
+        if self._metas is not None and signature == self._signature:
+            return self._metas, signature
+        metas = [TensorMeta(n, tuple(shape), dtype_name(dtype)) for n, shape, dtype in signature]
+        return metas, signature
+
+    def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
+        metas, signature = self._metas_of(tensors)
         for attempt in range(2):
-            if self._layout is None or metas != self._metas:
+            if self._layout is None or metas is not self._metas:
                 try:
                     self._attach(metas)
+                    self._signature = signature
                 except PublisherError as exc:
                     if exc.reason not in _NOT_YET:
                         raise
@@ -200,6 +240,7 @@ class Publisher:
                 continue
             message = self._exchange(Filled(bucket=message.bucket))
 
+    @torch.no_grad()
     def _fill(self, layout: BucketLayout, tensors: dict[str, torch.Tensor], fill: Fill) -> None:
         started = time.perf_counter()
         bucket = layout.buckets[fill.bucket]
@@ -207,9 +248,9 @@ class Publisher:
         views = self._views.get(key)
         if views is None:
             views = self._views[key] = slot_views(self._slots[fill.slot], bucket.tensors)
-        sources = [tensors[t.name].detach() for t in bucket.tensors]
-        copy_tensors(views, sources)
+        # On the current stream, after whatever the trainer queued that writes the tensors.
+        copy_tensors(views, [tensors[t.name] for t in bucket.tensors])
         slot = self._slots[fill.slot]
         if slot.is_cuda:  # the agent broadcasts from another process: the copy must be done
             torch.cuda.current_stream(slot.device).synchronize()
-        log.debug("bucket %d filled in %.6f s", fill.bucket, time.perf_counter() - started)
+        self._packed.append(time.perf_counter() - started)

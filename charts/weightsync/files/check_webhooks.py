@@ -130,7 +130,11 @@ class ApiReader:
         except urllib.error.HTTPError as error:
             if error.code == 404:
                 return None
-            raise
+            raise CheckFailedError(
+                f"reading {kind}/{name}: HTTP {error.code} {error.reason}"
+            ) from None
+        except (urllib.error.URLError, OSError) as error:
+            raise CheckFailedError(f"reading {kind}/{name}: {error}") from None
 
 
 def wait_for_endpoints(reader: ApiReader, name: str, deadline: float) -> list[Endpoint]:
@@ -139,7 +143,13 @@ def wait_for_endpoints(reader: ApiReader, name: str, deadline: float) -> list[En
         found: list[Endpoint] = []
         missing = []
         for kind in KINDS:
-            configuration = reader.webhook_configuration(kind, name)
+            try:
+                configuration = reader.webhook_configuration(kind, name)
+            except CheckFailedError as error:
+                if time.monotonic() > deadline:
+                    raise
+                missing.append(str(error))  # the API may be briefly unavailable: retry
+                continue
             webhooks = endpoints(configuration) if configuration else []
             if not webhooks:
                 missing.append(kind)

@@ -270,3 +270,20 @@ def test_main_fails_when_nothing_is_registered(
     argv = ["absent", "--timeout=0.5", f"--service-account-dir={account_dir(tmp_path, pki)}"]
     assert check.main(argv) == 1
     assert "no webhooks registered" in capsys.readouterr().err
+
+
+def test_main_reports_a_refused_token_without_a_traceback(
+    tls_server: tuple[int, Pki],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    port, pki = tls_server
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(port))
+    monkeypatch.setattr(check, "POLL_SECONDS", 0.1)
+    accounts = account_dir(tmp_path, pki)
+    (accounts / "token").write_text("not-the-token")
+    argv = ["ws.weightsync.io", "--timeout=0.5", f"--service-account-dir={accounts}"]
+    assert check.main(argv) == 1
+    assert "HTTP 401" in capsys.readouterr().err

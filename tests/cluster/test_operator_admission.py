@@ -1,0 +1,152 @@
+"""The operator's webhooks and reports when things are missing, taken, or down.
+
+KWOK plays every pod here (no processes): admission, scheduling and status are what is
+tested, so these tests are quick.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import yaml
+
+from tests.cluster.test_operator_support import (
+    OperatorProcess,
+    apply,
+    crd_installed,
+    engines,
+    events,
+    get,
+    has_sidecar,
+    operator_process,
+    pods,
+    ready,
+    reason,
+    sync_status,
+    trainer,
+    weightsync,
+)
+from tests.support.eventually import Timeouts, eventually
+from weightsync.api import reasons
+from weightsync.controller import names
+from weightsync.controller.workloads import parse_time
+
+pytestmark = pytest.mark.cluster
+FIXTURES = (crd_installed, operator_process)  # the "crd" and "operator" fixtures
+
+
+@pytest.mark.timeout(300)
+def test_unrelated_pods_are_never_mutated_and_schedule_while_the_operator_is_down(
+    operator: OperatorProcess, namespace: str
+) -> None:
+    cluster = operator.cluster
+    # KWOK plays these pods (no processes): admission and scheduling are what is tested.
+    apply(cluster, namespace, weightsync(), trainer(local=False))
+    apply(cluster, namespace, engines("plain", replicas=1, inject=False, local=False))
+    (plain,) = eventually(
+        lambda: ready(cluster, namespace, "plain", 1), timeout=Timeouts.POD_READY, message="plain"
+    )
+    assert not has_sidecar(plain)
+    assert not any(k.startswith("weightsync.io/") for k in plain["metadata"].get("annotations", {}))
+    assert "readinessGates" not in plain["spec"]
+    assert has_sidecar(pods(cluster, namespace, "trainer")[0])
+
+    # Pods from the WeightSync's own second count as applied together with it (and would
+    # be recreated); the pods below must be clearly newer.
+    created = parse_time(
+        get(cluster, namespace, "weightsync", "sync")["metadata"]["creationTimestamp"]
+    )
+    assert created is not None
+    eventually(
+        lambda: datetime.now(UTC) >= created + timedelta(seconds=1.2),
+        timeout=Timeouts.API, message="a second past the WeightSync",
+    )  # fmt: skip
+
+    # A hard kill leaves the webhooks registered, pointing at nothing.
+    operator.stop(signal.SIGKILL)
+    (pod_hook,) = get(cluster, "default", "mutatingwebhookconfiguration", operator.configuration)[
+        "webhooks"
+    ]
+    assert pod_hook["failurePolicy"] == "Ignore"
+    assert pod_hook["objectSelector"] == {
+        "matchExpressions": [
+            {"key": names.INJECT_LABEL, "operator": "In", "values": [names.INJECT_VALUE]}
+        ]
+    }
+    assert pod_hook["rules"][0]["operations"] == ["CREATE"]
+    (claims_hook,) = get(
+        cluster, "default", "validatingwebhookconfiguration", operator.configuration
+    )["webhooks"]
+    assert claims_hook["failurePolicy"] == "Fail"
+    assert claims_hook["rules"][0]["resources"] == ["weightsyncs"]
+    started = time.monotonic()
+    apply(
+        cluster,
+        namespace,
+        engines("plain-2", replicas=1, inject=False, local=False),
+        engines("engine", replicas=1, inject=True, local=False),
+    )
+    (unrelated,) = eventually(
+        lambda: ready(cluster, namespace, "plain-2", 1),
+        timeout=Timeouts.POD_READY,
+        message="plain-2",
+    )
+    # The API server never called the dead webhook for it: no 30 s admission timeout.
+    assert time.monotonic() - started < 20
+    assert not has_sidecar(unrelated)
+    # A labelled pod is admitted too (failurePolicy Ignore), without the sidecar...
+    (bare,) = eventually(
+        lambda: ready(cluster, namespace, "engine", 1), timeout=Timeouts.POD_READY, message="engine"
+    )
+    assert not has_sidecar(bare)
+
+    # ...and once the operator is back, the WeightSync says so.
+    operator.start()
+
+    def flagged() -> bool:
+        degraded = reason(sync_status(cluster, namespace), "Degraded")
+        return degraded == ("True", "SidecarMissing")
+
+    eventually(flagged, timeout=Timeouts.API, message="Degraded=True SidecarMissing")
+    degraded = next(
+        c for c in sync_status(cluster, namespace)["conditions"] if c["type"] == "Degraded"
+    )
+    assert bare["metadata"]["name"] in degraded["message"]
+    assert ("Warning", "SidecarMissing") in events(cluster, namespace)
+    assert "Traceback" not in operator.output()
+
+
+@pytest.mark.timeout(180)
+def test_invalid_references_and_claimed_workloads_are_reported_not_crashed_on(
+    operator: OperatorProcess, namespace: str
+) -> None:
+    cluster = operator.cluster
+    apply(cluster, namespace, weightsync())
+
+    def ready_reason() -> str | None:
+        found = reason(sync_status(cluster, namespace), "Ready")
+        return found[1] if found and found[0] == "False" else None
+
+    assert eventually(ready_reason, timeout=Timeouts.API) == reasons.TRAINER_NOT_FOUND
+    # Level-based: creating the StatefulSet moves the reason on without touching the spec.
+    apply(cluster, namespace, trainer(inject=False, local=False))
+    eventually(
+        lambda: ready_reason() == reasons.DEPLOYMENT_NOT_FOUND,
+        timeout=Timeouts.API, message="Ready=False DeploymentNotFound",
+    )  # fmt: skip
+    warnings = {r for t, r in events(cluster, namespace) if t == "Warning"}
+    assert {reasons.TRAINER_NOT_FOUND, reasons.DEPLOYMENT_NOT_FOUND} <= warnings
+
+    # The validating webhook refuses a second WeightSync for the same workloads.
+    second = weightsync("second")
+    refused = cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(second), check=False
+    )
+    assert refused.returncode != 0
+    assert "is already synced by WeightSync sync" in refused.stderr
+    assert operator.popen is not None
+    assert operator.popen.poll() is None  # still running: no crash loop
+    assert "Traceback" not in operator.output()

@@ -416,10 +416,14 @@ def _alive(pid: int) -> bool:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """Signal the process group `pid` leads, or just `pid` if it leads none."""
     try:
         os.killpg(pid, sig)
     except ProcessLookupError:
-        return
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -346,7 +347,8 @@ class PodRunner:
                     f"{prefix}/container-name": container,
                     f"{prefix}/exit-code": str(code),
                     f"{prefix}/reason": reason,
-                    f"{prefix}/message": message,
+                    # KWOK pastes these into a YAML template unquoted: keep them plain.
+                    f"{prefix}/message": re.sub(r"[^A-Za-z0-9 ._/-]", " ", message),
                 },
             }
         }

@@ -82,7 +82,9 @@ def _env_value(
 ) -> str | None:
     if "value" in item:
         return expand(str(item["value"]), env)
-    source = item.get("valueFrom", {})
+    if "valueFrom" not in item:
+        return ""  # the API server drops `value: ""`; Kubernetes reads it as empty
+    source = item["valueFrom"]
     namespace = pod["metadata"]["namespace"]
     if "fieldRef" in source:
         return field_value(pod, source["fieldRef"]["fieldPath"])

@@ -92,11 +92,13 @@ def test_env_resolves_references_in_order() -> None:
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "URL", "value": "http://$(POD_IP):9000"},
             {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "agent", "key": "token"}}},
+            {"name": "EMPTY"},
         ],
     }
     env = podspec.container_env(container, POD, FakeReader(), {"PATH": "/bin"})
     assert env["URL"] == "http://127.1.2.3:9000"
     assert env["TOKEN"] == "s3cret"
+    assert env["EMPTY"] == ""
     assert env["CFG_mode"] == "fast"
     assert env["PATH"] == "/bin"
 

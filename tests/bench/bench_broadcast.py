@@ -1,16 +1,23 @@
 """Broadcast benchmark: an 8B-shaped bf16 state dict from one trainer GPU to N-1 engines.
 
-    python -m tests.bench.bench_broadcast [--gpus N] [--bucket-mib 512] [--reps 3]
+    python -m tests.bench.bench_broadcast [--gpus N] [--bucket-mib 512 --bucket-mib 1024]
+                                          [--reps 5] [--skip naive|colocated|http]
 
 One run measures, on the same GPUs:
-* floor:     NCCL broadcast tensor by tensor from a process that holds the tensors;
+* floor:     NCCL broadcast tensor by tensor from a process that holds the tensors, and
+             for reference one buffer broadcast in chunks of each bucket size;
 * cold/warm: the first full broadcast on a fresh communicator, without and with the
              agent's pre-warm (barrier + small broadcast), and the pre-warm itself;
 * weightsync: `Publisher.publish()` until every reference engine serves the version
-             (real agents and engines, one process each);
-* naive:     one broadcast plus one engine update request per tensor;
+             (real agents and engines, one process each), per bucket size, plus the
+             same rounds with the engines' update channel off (HTTP per bucket);
+* naive:     one broadcast plus one HTTP engine update request per tensor;
 * colocated: trainer, agent and engine on GPU 0 (CUDA IPC hand-off) vs a D2D copy.
-Ratios are to the floors measured in this run. NVLink multicast stays off.
+Ratios are to the floors measured in this run; a phase breakdown of each configuration's
+median round follows the table. NVLink multicast stays off.
+
+`--smoke` runs the weightsync and colocated parts on CPU (gloo, a small model): a check
+of the benchmark's own machinery, not a measurement.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ import os
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before torch/NCCL load; see module doc
 
+import datetime
+import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from tests.bench.bench_phases import RoundRecord, attach_logs, breakdown, median_record
 from tests.bench.bench_workers import naive_worker, raw_worker, spawn_workers
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, wait_warm
 from weightsync.api.control import (
@@ -39,12 +50,14 @@ from weightsync.api.control import (
     Role,
     TransferOptions,
 )
-from weightsync.client import Publisher
+from weightsync.client import Publisher, PublishResult
 from weightsync.engines.reference.model import PRESETS, state_dict_metas
 from weightsync.transfer.buffers import torch_dtype
 
 PRESET = "llama3-8b"
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]
+DISAGGREGATED_TARGET = 1.25
+COLOCATED_TARGET = 2.0
 
 
 @dataclass
@@ -54,29 +67,96 @@ class Row:
     nbytes: int
     floor: float | None = None
 
+    def __post_init__(self) -> None:
+        print(self.line(), flush=True)  # as soon as measured: a cut-off run keeps its rows
+
     def line(self) -> str:
         rate = self.nbytes / self.seconds / 2**30 if self.seconds > 0 else float("nan")
         ratio = f"{self.seconds / self.floor:6.2f}x" if self.floor else "      "
-        return f"{self.name:<44} {self.seconds * 1000:10.2f} ms {rate:9.1f} GiB/s  {ratio}"
+        return f"{self.name:<58} {self.seconds * 1000:10.2f} ms {rate:9.1f} GiB/s  {ratio}"
 
 
-def trainer_state(device: str) -> dict[str, torch.Tensor]:
-    """291 bf16 tensors of Llama-3-8B's shapes with cheap, non-constant contents."""
+@dataclass
+class Setup:
+    """Where the benchmark runs: GPUs and NCCL, or CPU and gloo for `--smoke`."""
+
+    preset: str
+    backend: Backend
+    devices: list[str]  # rank order: the trainer's first
+
+    def sync(self) -> None:
+        if self.backend == Backend.NCCL:
+            torch.cuda.synchronize()
+
+
+@dataclass
+class Config:
+    label: str
+    records: list[RoundRecord]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(r.seconds for r in self.records)
+
+
+def machine_lines(gpus: int) -> list[str]:
+    """What the numbers were measured on: GPUs, driver, torch, CUDA, NCCL."""
+    lines = [f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}"]
+    lines.append(f"python {platform.python_version()}, torch {torch.__version__}")
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(gpus)]
+        memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+        version = torch.cuda.nccl.version()
+        nccl = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+        lines.append(
+            f"GPUs: {gpus} x {names[0]} ({memory:.0f} GiB)"
+            + ("" if len(set(names)) == 1 else f" (mixed: {names})")
+        )
+        lines.append(f"CUDA {torch.version.cuda}, NCCL {nccl}, driver {_driver()}")
+        lines.append(f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+    return lines
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+
+
+def trainer_state(setup: Setup) -> dict[str, torch.Tensor]:
+    """Llama-shaped bf16 tensors with cheap, non-constant contents on the trainer's device."""
     state = {}
-    for i, meta in enumerate(state_dict_metas(PRESETS[PRESET], "bfloat16")):
-        tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+    for i, meta in enumerate(state_dict_metas(PRESETS[setup.preset], "bfloat16")):
+        tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=setup.devices[0])
         tensor.fill_((i % 97) / 97.0)
         state[meta.name] = tensor
-    torch.cuda.synchronize(device)
+    setup.sync()
     return state
 
 
-def plan_for(rank: int, pods: list[str], port: int, *, bucket: int, mode: Mode) -> MembershipPlan:
+def plan_for(
+    setup: Setup,
+    rank: int,
+    pods: list[str],
+    port: int,
+    *,
+    generation: int,
+    bucket: int,
+    mode: Mode,
+) -> MembershipPlan:
     return MembershipPlan(
         sync_name="bench",
-        generation=1,
+        generation=generation,
         rank=rank,
-        backend=Backend.NCCL,
+        backend=setup.backend,
         mode=mode,
         rendezvous=Rendezvous(host="127.0.0.1", port=port),
         members=[
@@ -88,74 +168,101 @@ def plan_for(rank: int, pods: list[str], port: int, *, bucket: int, mode: Mode) 
     )
 
 
-def timed_publishes(
-    publisher: Publisher,
-    state: dict[str, torch.Tensor],
-    engines: list[Engine],
-    first_version: int,
-    reps: int,
-) -> list[float]:
-    """Wall time of `publish()` per round, each checked to be served by every engine."""
-    times = []
-    for version in range(first_version, first_version + reps):
-        started = time.perf_counter()
-        result = publisher.publish(state, version=version)
-        elapsed = time.perf_counter() - started
-        if not result.ok:
-            raise RuntimeError(f"round {version} failed: {result}")
-        for engine in engines:
-            if engine.health()["version"] != version:
-                raise RuntimeError(f"engine {engine.port} does not serve {version}")
-        times.append(elapsed)
-    return times
+def check_served(engines: list[Engine], version: int, result: PublishResult) -> None:
+    if not result.ok:
+        raise RuntimeError(f"round {version} failed: {result}")
+    for engine in engines:
+        if engine.health()["version"] != version:
+            raise RuntimeError(f"engine {engine.port} does not serve {version}")
 
 
 def start_engines_and_agents(
-    st: Stack, gpus: int, colocated: bool
+    st: Stack, setup: Setup, colocated: bool
 ) -> tuple[AgentProc, list[AgentProc], list[Engine]]:
     engines, sinks = [], []
+    trainer_device = setup.devices[0]
     if colocated:
-        engine = st.start_engine("engine-0", preset=PRESET, seed=0, device="cuda:0")
+        engine = st.start_engine("engine-0", preset=setup.preset, seed=0, device=trainer_device)
         engines.append(engine)
-        source = st.start_agent("source-0", role="source", device="cuda:0", engine=engine)
+        source = st.start_agent("source-0", role="source", device=trainer_device, engine=engine)
     else:
-        for i in range(1, gpus):
-            engine = st.start_engine(f"engine-{i}", preset=PRESET, seed=0, device=f"cuda:{i}")
+        for i, device in enumerate(setup.devices[1:], start=1):
+            engine = st.start_engine(f"engine-{i}", preset=setup.preset, seed=0, device=device)
             engines.append(engine)
-            sinks.append(
-                st.start_agent(f"sink-{i}", role="sink", device=f"cuda:{i}", engine=engine)
-            )
-        source = st.start_agent("source-0", role="source", device="cuda:0")
+            sinks.append(st.start_agent(f"sink-{i}", role="sink", device=device, engine=engine))
+        source = st.start_agent("source-0", role="source", device=trainer_device)
     st.wait_ready([source, *sinks], engines)
     return source, sinks, engines
 
 
 def run_weightsync(
-    args: argparse.Namespace, state: dict[str, torch.Tensor], colocated: bool
-) -> tuple[list[float], float | None]:
-    """Rounds through real agents and engines; returns round times and the pre-warm time."""
-    workdir = Path(tempfile.mkdtemp(prefix="ws-bench-"))
-    st = Stack(workdir, engine_args=ENGINE_ARGS)
+    args: argparse.Namespace,
+    setup: Setup,
+    state: dict[str, torch.Tensor],
+    *,
+    colocated: bool,
+    http: bool = False,
+) -> tuple[list[Config], float | None]:
+    """Rounds through real agents and engines, one group generation per bucket size.
+
+    Returns each bucket size's timed rounds and generation 1's pre-warm time. The first
+    round of each bucket size (new slots, new staging arenas in the engines) is not timed.
+    """
+    engine_args = ENGINE_ARGS + (["--update-socket", "none"] if http else [])
+    st = Stack(Path(tempfile.mkdtemp(prefix="ws-bench-")), engine_args=engine_args)
+    configs: list[Config] = []
+    prewarm: float | None = None
     try:
-        source, sinks, engines = start_engines_and_agents(st, args.gpus, colocated)
+        source, sinks, engines = start_engines_and_agents(st, setup, colocated)
         agents = [source, *sinks]
         pods = [a.proc.name for a in agents]
         port = free_port()
         mode = Mode.COLOCATED if colocated else Mode.DISAGGREGATED
-        for rank, agent in enumerate(agents):
-            agent.put_plan(plan_for(rank, pods, port, bucket=args.bucket_mib << 20, mode=mode))
-        wait_warm(agents, 1, timeout=180)
-        prewarm = source.status().generations[0].prewarm_millis
+        version = 0
+        assert source.socket_path is not None
         with Publisher(source.socket_path, timeout=600) as publisher:
-            # The first round allocates the engines' staging copies: not timed.
-            timed_publishes(publisher, state, engines, 1, 1)
-            times = timed_publishes(publisher, state, engines, 2, args.reps)
-        return times, None if prewarm is None else prewarm / 1000
+            for generation, mib in enumerate(args.bucket_mib, start=1):
+                for rank, agent in enumerate(agents):
+                    agent.put_plan(
+                        plan_for(
+                            setup,
+                            rank,
+                            pods,
+                            port,
+                            generation=generation,
+                            bucket=mib << 20,
+                            mode=mode,
+                        )
+                    )
+                wait_warm(agents, generation, timeout=180)
+                if generation == 1:
+                    millis = source.status().generations[0].prewarm_millis
+                    prewarm = None if millis is None else millis / 1000
+                records: list[RoundRecord] = []
+                for rep in range(args.reps + 1):
+                    version += 1
+                    setup.sync()
+                    wall, started = time.time(), time.perf_counter()
+                    result = publisher.publish(state, version=version)
+                    elapsed = time.perf_counter() - started
+                    check_served(engines, version, result)
+                    timings = publisher.last_timings
+                    if rep and timings is not None:  # rep 0 allocates: not timed
+                        records.append(RoundRecord(version, elapsed, wall, timings))
+                kind = "HTTP hand-off, " if http else ""
+                configs.append(Config(f"{mib} MiB buckets, {kind}depth 2", records))
+        time.sleep(0.5)  # the sinks' last trace lines
+        attach_logs(
+            [r for c in configs for r in c.records],
+            {a.proc.name: a.proc.log for a in agents},
+            [e.proc.log for e in engines],
+        )
     except BaseException:
         print(st.logs())
         raise
     finally:
         st.close()
+    return configs, prewarm
 
 
 def run_naive(args: argparse.Namespace) -> float:
@@ -179,76 +286,176 @@ def run_naive(args: argparse.Namespace) -> float:
     return result["naive"]
 
 
-def d2d_floor(state: dict[str, torch.Tensor], reps: int) -> float:
+def d2d_floors(state: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
+    """Copying the state dict on one GPU, tensor by tensor: batched and one copy each."""
     sources = list(state.values())
     targets = [torch.empty_like(t) for t in sources]
-    best = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
+
+    def batched() -> None:
         torch._foreach_copy_(targets, sources)
-        torch.cuda.synchronize()
-        best.append(time.perf_counter() - started)
-    del targets
+
+    def each() -> None:
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
+
+    out = {}
+    for name, copy in (("foreach", batched), ("copy_", each)):
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        out[name] = statistics.median(times[1:])
+    targets.clear()
     torch.cuda.empty_cache()
-    return statistics.median(best[1:])
+    return out
+
+
+def print_breakdowns(title: str, configs: list[Config]) -> None:
+    for config in configs:
+        print()
+        for line in breakdown(f"{title}, {config.label}", median_record(config.records)):
+            print(line)
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """The benchmark's machinery on CPU: stacks, rounds, logs, breakdown (no timing claims)."""
+    setup = Setup("small", Backend.GLOO, ["cpu"] * args.gpus)
+    state = trainer_state(setup)
+    nbytes = sum(t.nbytes for t in state.values())
+    configs, _ = run_weightsync(args, setup, state, colocated=False)
+    colocated, _ = run_weightsync(args, setup, state, colocated=True)
+    rows = [Row(f"weightsync publish(), {c.label}", c.median, nbytes) for c in configs]
+    rows += [Row(f"colocated publish(), {c.label}", c.median, nbytes) for c in colocated]
+    for row in rows:
+        print(row.line())
+    print_breakdowns("weightsync", configs)
+    print_breakdowns("colocated", colocated)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--gpus", type=int, default=torch.cuda.device_count())
-    parser.add_argument("--bucket-mib", type=int, default=512)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--skip", action="append", default=[], choices=["naive", "colocated"])
+    parser.add_argument("--gpus", type=int, default=None)
+    parser.add_argument("--bucket-mib", type=int, action="append", default=None)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--skip", action="append", default=[], choices=["naive", "colocated", "http"]
+    )
+    parser.add_argument("--smoke", action="store_true", help="CPU check of the bench itself")
     args = parser.parse_args()
+    args.bucket_mib = args.bucket_mib or [512, 1024]
+    if args.smoke:
+        args.gpus = args.gpus or 3
+        args.bucket_mib = [1, 4]
+        smoke(args)
+        return
+    args.gpus = args.gpus or torch.cuda.device_count()
     if args.gpus < 2:
         raise SystemExit("needs at least 2 GPUs (one trainer, one engine)")
+    setup = Setup(PRESET, Backend.NCCL, [f"cuda:{i}" for i in range(args.gpus)])
     metas = state_dict_metas(PRESETS[PRESET], "bfloat16")
     nbytes = sum(m.nbytes for m in metas)
+    for line in machine_lines(args.gpus):
+        print(line)
     print(
         f"{len(metas)} tensors, {nbytes / 1e9:.2f} GB bf16; "
-        f"1 trainer GPU -> {args.gpus - 1} engines"
+        f"1 trainer GPU -> {args.gpus - 1} engines; buckets {args.bucket_mib} MiB, depth 2",
+        flush=True,
     )
 
-    raw = spawn_workers(raw_worker, args.gpus, {"reps": args.reps})
+    chunks = [mib << 20 for mib in args.bucket_mib]
+    raw = spawn_workers(raw_worker, args.gpus, {"reps": args.reps, "chunks": chunks})
     print({k: round(v, 4) for k, v in raw.items()}, flush=True)
     floor = raw["floor"]
     rows = [
         Row("NCCL broadcast, tensor by tensor (floor)", floor, nbytes),
+        *(
+            Row(
+                f"NCCL broadcast of one buffer in {mib} MiB chunks",
+                raw[f"chunked_{c}"],
+                nbytes,
+                floor,
+            )
+            for mib, c in zip(args.bucket_mib, chunks, strict=True)
+        ),
         Row("first broadcast, cold communicator", raw["cold_first"], nbytes, floor),
         Row("pre-warm (barrier + small broadcast)", raw["prewarm"], 0),
         Row("first broadcast after pre-warm", raw["warm_first"], nbytes, floor),
     ]
 
-    state = trainer_state("cuda:0")
-    times, agent_prewarm = run_weightsync(args, state, colocated=False)
-    print(f"weightsync rounds: {[round(t, 4) for t in times]}", flush=True)
-    rows.append(
-        Row(
-            f"weightsync publish() -> engines serve (median of {args.reps})",
-            statistics.median(times),
-            nbytes,
-            floor,
+    state = trainer_state(setup)
+    configs, agent_prewarm = run_weightsync(args, setup, state, colocated=False)
+    for config in configs:
+        print(f"weightsync {config.label}: {[round(r.seconds, 4) for r in config.records]}")
+        rows.append(
+            Row(
+                f"weightsync publish() -> engines serve, {config.label}",
+                config.median,
+                nbytes,
+                floor,
+            )
         )
-    )
     if agent_prewarm is not None:
         rows.append(Row("agent pre-warm of generation 1", agent_prewarm, 0))
+    http: list[Config] = []
+    if "http" not in args.skip:
+        http_args = argparse.Namespace(**{**vars(args), "bucket_mib": args.bucket_mib[:1]})
+        http, _ = run_weightsync(http_args, setup, state, colocated=False, http=True)
+        rows += [
+            Row(f"weightsync publish() -> engines serve, {c.label}", c.median, nbytes, floor)
+            for c in http
+        ]
     if "naive" not in args.skip:
         rows.append(
-            Row("naive: broadcast + engine request per tensor", run_naive(args), nbytes, floor)
+            Row("naive: broadcast + HTTP engine request per tensor", run_naive(args), nbytes, floor)
         )
+    colocated: list[Config] = []
+    d2d: float | None = None
     if "colocated" not in args.skip:
-        d2d = d2d_floor(state, args.reps)
-        rows.append(Row("D2D copy on one GPU (colocated floor)", d2d, nbytes))
-        colo, _ = run_weightsync(args, state, colocated=True)
+        copies = d2d_floors(state, args.reps)
+        d2d = min(copies.values())
+        best = "copy_" if copies["copy_"] <= copies["foreach"] else "_foreach_copy_"
+        rows.append(Row(f"D2D copy on one GPU (colocated floor; {best})", d2d, nbytes))
         rows.append(
-            Row("colocated publish() -> engine serves", statistics.median(colo), nbytes, d2d)
+            Row("  D2D copy, one _foreach_copy_ of every tensor", copies["foreach"], nbytes, d2d)
         )
+        rows.append(Row("  D2D copy, one copy_ per tensor", copies["copy_"], nbytes, d2d))
+        colocated, _ = run_weightsync(args, setup, state, colocated=True)
+        for config in colocated:
+            print(f"colocated {config.label}: {[round(r.seconds, 4) for r in config.records]}")
+            rows.append(
+                Row(
+                    f"colocated publish() -> engine serves, {config.label}",
+                    config.median,
+                    nbytes,
+                    d2d,
+                )
+            )
     print()
     for row in rows:
         print(row.line())
+    print()
+    for config in configs:
+        ratio = config.median / floor
+        verdict = "met" if ratio <= DISAGGREGATED_TARGET else "missed"
+        print(
+            f"target publish <= {DISAGGREGATED_TARGET}x floor, {config.label}: {ratio:.2f}x",
+            verdict,
+        )
+    for config in colocated:
+        assert d2d is not None
+        ratio = config.median / d2d
+        verdict = "met" if ratio <= COLOCATED_TARGET else "missed"
+        print(
+            f"target colocated <= {COLOCATED_TARGET}x D2D, {config.label}: {ratio:.2f}x {verdict}"
+        )
+    print_breakdowns("weightsync", configs)
+    print_breakdowns("weightsync", http)
+    print_breakdowns("colocated", colocated)
 
 
 if __name__ == "__main__":

@@ -101,18 +101,33 @@ def raw_worker(rank: int, world: int, store: TCPStore, kwargs: dict[str, Any]) -
         started = time.perf_counter()
         _broadcast_all(warm, tensors)
         floors.append(time.perf_counter() - started)
-    return {
+    out = {
         "cold_first": cold_first,
         "prewarm": prewarm,
         "warm_first": warm_first,
         "floor": statistics.median(floors),
     }
+    # The same bytes as one flat buffer in chunks of each bucket size: the wire's pace for
+    # that size with nothing else to do (one chunk-sized buffer, broadcast again and again).
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    for chunk in kwargs["chunks"]:
+        buffer = torch.empty(chunk, dtype=torch.uint8, device=device)
+        pieces = [buffer] * (total // chunk) + ([buffer[: total % chunk]] if total % chunk else [])
+        times = []
+        for rep in range(kwargs["reps"] + 1):
+            _store_barrier(store, f"chunked-{chunk}-{rep}", world)
+            started = time.perf_counter()
+            _broadcast_all(warm, pieces)
+            times.append(time.perf_counter() - started)
+        out[f"chunked_{chunk}"] = statistics.median(times[1:])
+        del buffer, pieces
+    return out
 
 
 def naive_worker(
     rank: int, world: int, store: TCPStore, kwargs: dict[str, Any]
 ) -> dict[str, float]:
-    """One broadcast and one engine update request per tensor (what weightsync replaces)."""
+    """One broadcast and one HTTP engine update request per tensor (what weightsync replaces)."""
     device = torch.device(f"cuda:{rank}")
     named = _tensors(rank)
     pg = _pg(store, "naive/", rank, world)
@@ -123,7 +138,8 @@ def naive_worker(
     async def sink(url: str) -> None:
         capacity = align_up(max(t.numel() * t.element_size() for _, t in named), 256)
         slots = BucketSlots(1, capacity, device, "/dev/shm")
-        adapter = ReferenceEngineAdapter(url, request_timeout_seconds=600)
+        # HTTP per tensor, as an engine's plain update endpoint would be driven.
+        adapter = ReferenceEngineAdapter(url, request_timeout_seconds=600, use_channel=False)
         try:
             await adapter.attach_buffers(slots.slots)
             await adapter.begin_update(kwargs["version"])

@@ -377,19 +377,36 @@ class PodRunner:
             self._stop(local)
 
 
-def _spawn(launch: podspec.ContainerLaunch, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start one container: a private mount namespace with its volumes bound, then exec."""
+# Where a container's volume sources are bound first, inside its own mount namespace: a
+# volume mounted at, say, /tmp must not hide the sources of the mounts after it.
+_STAGE = "/.weightsync-podrunner"
+
+
+def mount_script(launch: podspec.ContainerLaunch) -> str:
+    """The shell that builds a container's mounts (parents before children) and execs it."""
     lines = ["set -e"]
-    for source, target in launch.mounts:
-        lines.append(f"mkdir -p {shlex.quote(target)}")
-        lines.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+    if launch.mounts:
+        Path(_STAGE).mkdir(exist_ok=True)  # an empty mountpoint on the host, made once
+        lines.append(f"mount -t tmpfs podrunner {_STAGE}")
+        mounts = sorted(launch.mounts, key=lambda mount: Path(mount[1]).parts)
+        for index, (source, _) in enumerate(mounts):
+            lines.append(f"mkdir {_STAGE}/{index}")
+            lines.append(f"mount --bind {shlex.quote(str(source))} {_STAGE}/{index}")
+        for index, (_, target) in enumerate(mounts):
+            lines.append(f"mkdir -p {shlex.quote(target)}")
+            lines.append(f"mount --bind {_STAGE}/{index} {shlex.quote(target)}")
     if launch.working_dir:
         lines.append(f"cd {shlex.quote(launch.working_dir)}")
     lines.append("exec " + " ".join(shlex.quote(part) for part in launch.argv))
+    return "\n".join(lines)
+
+
+def _spawn(launch: podspec.ContainerLaunch, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start one container: a private mount namespace with its volumes bound, then exec."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as output:
         return subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(lines)],
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount_script(launch)],
             env=launch.env,
             stdout=output,
             stderr=subprocess.STDOUT,

@@ -147,6 +147,14 @@ def test_invalid_references_and_claimed_workloads_are_reported_not_crashed_on(
     )
     assert refused.returncode != 0
     assert "is already synced by WeightSync sync" in refused.stderr
+    # Namespaces the operator does not serve are not its business, though kopf registers
+    # the webhooks cluster-wide: the same conflicting pair is admitted there.
+    other = f"{namespace}-elsewhere"
+    cluster.kubectl("create", "namespace", other)
+    try:
+        apply(cluster, other, weightsync(), weightsync("second"))
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false")
     assert operator.popen is not None
     assert operator.popen.poll() is None  # still running: no crash loop
     assert "Traceback" not in operator.output()

@@ -41,6 +41,12 @@ class Runtime:
     agents: AgentClient
     reconciler: Reconciler
     template: AgentTemplate
+    namespaces: tuple[str, ...] = ()  # served namespaces; empty: the whole cluster
+
+    def serves(self, namespace: str | None) -> bool:
+        """kopf registers webhooks cluster-wide (no namespaceSelector); an operator that
+        serves some namespaces leaves admission in the others alone."""
+        return not self.namespaces or namespace in self.namespaces
 
 
 def _raise_for(result: Result | None, retry_seconds: float) -> None:
@@ -122,6 +128,9 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         ignore_failures=True, persistent=False, side_effects=False,
     )  # fmt: skip
     def inject_agent(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        if not runtime.serves(body.metadata.namespace):
+            metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
+            return
         admission.inject(runtime.kube, runtime.template, body, patch)
 
     @kopf.on.validate(
@@ -131,6 +140,9 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
     )  # fmt: skip
     def validate_claims(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
         old: kopf.Body | None = kwargs.get("old")  # the stored object, on UPDATE
+        if not runtime.serves(namespace):
+            metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()
+            return
         try:
             listing = runtime.kube.list_weightsyncs(_namespaced(namespace))
         except Exception as error:

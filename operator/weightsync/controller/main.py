@@ -110,12 +110,14 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     kube = Kube(load_config())
     agents = AgentClient(settings.agent_timeout_seconds)
+    namespaces = args.namespace or list(settings.watch_namespaces)
     runtime = handlers.Runtime(
         settings=settings,
         kube=kube,
         agents=agents,
         reconciler=Reconciler(kube, agents, settings, post_event),
         template=agent_template(settings),
+        namespaces=tuple(namespaces),
     )
     registry = kopf.OperatorRegistry()
     handlers.register(registry, runtime)
@@ -127,7 +129,6 @@ def main(argv: list[str] | None = None) -> None:
 
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
-    namespaces = args.namespace or list(settings.watch_namespaces)
     liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
     log.info(
         "starting: %s, webhook %s",

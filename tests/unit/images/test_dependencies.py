@@ -5,6 +5,7 @@ third-party module the package imports at run time must come with [project.depen
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import re
 import sys
@@ -55,7 +56,8 @@ def runtime_imports() -> dict[str, list[str]]:
     return found
 
 
-def installed_by_pip_install_dot() -> set[str]:
+@functools.cache
+def installed_by_pip_install_dot() -> frozenset[str]:
     """Distributions `pip install .` brings: the dependencies and theirs, transitively."""
     with (ROOT / "pyproject.toml").open("rb") as handle:
         pending = [Requirement(r) for r in tomllib.load(handle)["project"]["dependencies"]]
@@ -70,7 +72,12 @@ def installed_by_pip_install_dot() -> set[str]:
             parsed = Requirement(child)
             if parsed.marker is None or parsed.marker.evaluate({"extra": ""}):
                 pending.append(parsed)
-    return seen
+    return frozenset(seen)
+
+
+@functools.cache
+def distributions_of() -> dict[str, list[str]]:
+    return dict(importlib.metadata.packages_distributions())
 
 
 IMPORTS = runtime_imports()
@@ -89,7 +96,7 @@ IMPORTS = runtime_imports()
     ],
 )
 def test_every_imported_module_is_installed_by_the_images(module: str) -> None:
-    distributions = importlib.metadata.packages_distributions().get(module, [])
+    distributions = distributions_of().get(module, [])
     assert distributions, f"{module} (imported by {IMPORTS[module][0]}) is not installed here"
     installed = installed_by_pip_install_dot()
     assert any(_canonical(d) in installed for d in distributions), (

@@ -269,3 +269,22 @@ def test_rbac_grants_every_api_call_the_operator_makes() -> None:
         for verb in rule["verbs"]
     }
     assert calls <= granted, f"RBAC lacks {sorted(calls - granted)}"
+
+
+def test_service_links_cannot_smuggle_settings_into_the_operator() -> None:
+    """A release named `weightsync-operator` has Services `weightsync-operator-*`; with
+    service links the kubelet would set WEIGHTSYNC_OPERATOR_WEBHOOK_SERVICE_HOST & co,
+    which OperatorSettings refuses, and the operator would never start."""
+    from weightsync.controller.settings import SettingsError
+
+    objects = render({"fullnameOverride": '"weightsync-operator"'})
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is False
+    links = {
+        f"{s['metadata']['name'].upper().replace('-', '_')}_SERVICE_HOST": "10.0.0.1"
+        for s in find(objects, "Service")
+    }
+    assert "WEIGHTSYNC_OPERATOR_WEBHOOK_SERVICE_HOST" in links
+    env = {**resolved_env(pod["containers"][0]), **links}
+    with pytest.raises(SettingsError, match="WEBHOOK_SERVICE_HOST is not a weightsync"):
+        OperatorSettings.from_env(env)

@@ -393,3 +393,34 @@ def test_the_helm_test_script_is_the_charts_file() -> None:
     script = (CHART / "files" / "check_webhooks.py").read_text()
     assert configmap["data"]["check_webhooks.py"] == script.rstrip("\n")
     assert not find(render({"tests.enabled": "false"}), "Pod")
+
+
+def test_scheduling_and_pull_secrets_reach_the_operator_pod() -> None:
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["ops"]}]}
+                ]
+            }
+        }
+    }
+    objects = render(
+        {
+            "imagePullSecrets": '["registry-creds"]',
+            "nodeSelector": '{"pool": "ops"}',
+            "tolerations": json.dumps([toleration]),
+            "affinity": json.dumps(affinity),
+            "priorityClassName": '"system-cluster-critical"',
+        }
+    )
+    pod = operator_deployment(objects)["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert pod["nodeSelector"] == {"pool": "ops"}
+    assert pod["tolerations"] == [toleration]
+    assert pod["affinity"] == affinity
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    test_pod = one(objects, "Pod")["spec"]
+    assert test_pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert test_pod["tolerations"] == [toleration]

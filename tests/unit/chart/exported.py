@@ -13,18 +13,6 @@ _SUFFIXES = {
     "info": ("_info",),
 }
 
-# Named in issue 7 for the agent's P2P recovery before it exports them: the dashboard and
-# the alerts use exactly these. Types follow from the suffixes: a histogram of successful
-# recoveries, a counter of pulled bytes, a counter of failures by `reason`.
-AWAITED = frozenset(
-    {
-        "weightsync_recovery_duration_seconds_bucket",
-        "weightsync_recovery_duration_seconds_count",
-        "weightsync_recovery_bytes_total",
-        "weightsync_recovery_failures_total",
-    }
-)
-
 
 def sample_names(registry: CollectorRegistry) -> set[str]:
     names = set()

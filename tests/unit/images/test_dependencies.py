@@ -18,11 +18,6 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "operator" / "weightsync"
 
-# Known gaps, each to be fixed in pyproject.toml (then this entry goes).
-MISSING_FROM_DEPENDENCIES = {
-    "cryptography": "weightsync.controller.certs imports it; it is only in the dev extra",
-}
-
 
 def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -83,18 +78,7 @@ def distributions_of() -> dict[str, list[str]]:
 IMPORTS = runtime_imports()
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        pytest.param(
-            module,
-            marks=[pytest.mark.xfail(strict=True, reason=MISSING_FROM_DEPENDENCIES[module])]
-            if module in MISSING_FROM_DEPENDENCIES
-            else [],
-        )
-        for module in sorted(IMPORTS)
-    ],
-)
+@pytest.mark.parametrize("module", sorted(IMPORTS))
 def test_every_imported_module_is_installed_by_the_images(module: str) -> None:
     distributions = distributions_of().get(module, [])
     assert distributions, f"{module} (imported by {IMPORTS[module][0]}) is not installed here"

@@ -86,6 +86,7 @@ class Container:
     name: str
     process: subprocess.Popen[bytes]
     probe: dict[str, Any] | None
+    sidecar: bool = False  # a restartable init container: its status is an init status
     ready: bool = False
 
 
@@ -245,7 +246,10 @@ class PodRunner:
         for launch in launches:
             process = _spawn(launch, pod_dir / f"{launch.name}.log")
             (self.pid_dir / f"pod-{uid[:8]}-{launch.name}.pid").write_text(str(process.pid))
-            local.containers.append(Container(launch.name, process, probes.get(launch.name)))
+            sidecar = launch.name in {c["name"] for c in sidecars}
+            local.containers.append(
+                Container(launch.name, process, probes.get(launch.name), sidecar)
+            )
             log.info(
                 "started %s/%s[%s] pid %d on %s",
                 local.namespace,
@@ -286,20 +290,27 @@ class PodRunner:
         if summary == local.last_status and current == (str(containers_ready), str(ready)):
             return
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        previous = {c["name"]: c for c in (pod.get("status") or {}).get("containerStatuses", [])}
-        statuses = [
-            {
+        status = pod.get("status") or {}
+        previous = {
+            c["name"]: c
+            for c in [
+                *status.get("containerStatuses", []),
+                *status.get("initContainerStatuses", []),
+            ]
+        }
+        images = {c["name"]: c.get("image", "") for c in pod["spec"]["containers"]}
+        images |= {c["name"]: c.get("image", "") for c in pod["spec"].get("initContainers", [])}
+
+        def container_status(c: Container) -> dict[str, Any]:
+            return {
                 "name": c.name,
-                "image": previous.get(c.name, {}).get("image", ""),
+                "image": images.get(c.name, ""),
                 "imageID": "",
                 "ready": c.ready,
                 "started": True,
                 "restartCount": 0,
                 "state": previous.get(c.name, {}).get("state") or {"running": {"startedAt": now}},
             }
-            for c in local.containers
-            if c.name in previous
-        ]
 
         def condition(kind: str, value: bool) -> dict[str, str]:
             old = conditions.get(kind, {})
@@ -316,7 +327,12 @@ class PodRunner:
                     condition("ContainersReady", containers_ready),
                     condition("Ready", ready),
                 ],
-                "containerStatuses": statuses,
+                "containerStatuses": [
+                    container_status(c) for c in local.containers if not c.sidecar
+                ],
+                "initContainerStatuses": [
+                    container_status(c) for c in local.containers if c.sidecar
+                ],
             }
         }
         self.core.patch_namespaced_pod_status(local.name, local.namespace, body)

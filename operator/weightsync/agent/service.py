@@ -3,6 +3,8 @@
 HTTP routes (bearer token on every route; messages in `weightsync.api.control`):
 * `PUT /v1/plan`   `MembershipPlan` -> 202 `PlanAccepted`; forms + pre-warms in the background
 * `GET /v1/status` -> `AgentStatus`
+* `GET /v1/holding` -> `Holding` (the version held for P2P pulls), 404 when none
+* `POST /v1/recover` `RecoverRequest` -> 202 `RecoveryStatus`; pulls in the background
 Metrics: `GET /metrics` on the metrics port (no token: Prometheus scrapes it).
 """
 
@@ -22,7 +24,9 @@ from pydantic import ValidationError
 
 from weightsync.agent.generations import Generation, Generations, PlanRejectedError
 from weightsync.agent.handoff_server import serve_publisher
+from weightsync.agent.holder import Holder
 from weightsync.agent.metrics import AgentMetrics
+from weightsync.agent.recovery import Recovery, RecoveryFailed
 from weightsync.agent.rounds import RoundFailed, RoundHeader, RoundOutcome, SlotPool, SwitchNotice
 from weightsync.agent.settings import AgentSettings
 from weightsync.agent.sink import SinkLoop
@@ -34,6 +38,8 @@ from weightsync.api.control import (
     GenerationState,
     MembershipPlan,
     PlanAccepted,
+    RecoverRequest,
+    RecoveryStatus,
     Role,
     RoundReport,
 )
@@ -41,6 +47,7 @@ from weightsync.engines import create_adapter
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.handoff import Attached, Publish, RoundResult
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
+from weightsync.transfer.p2p import Endpoints
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,27 @@ class Agent:
         self._local_epoch = -1  # the slot epoch the local (Colocated) engine attached
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
         self._tasks: list[asyncio.Task[None]] = []
+        self.endpoints = Endpoints(settings.p2p_address, settings.p2p_devices)
+        self.holder = Holder(
+            self.device,
+            self.endpoints,
+            settings.p2p_protocol,
+            self.metrics,
+            enabled=settings.holds_by_default,
+        )
+        self.recovery: Recovery | None = None
+        if settings.role == Role.SINK and self.adapter is not None:
+            self.recovery = Recovery(
+                pool=self.pool,
+                adapter=self.adapter,
+                endpoints=self.endpoints,
+                metrics=self.metrics,
+                token=settings.bearer_token,
+                depth=self._pipeline_depth,
+                engine_timeout_seconds=settings.engine_timeout_seconds,
+                debug_bucket_delay_seconds=settings.debug_bucket_delay_seconds,
+                on_recovered=self._recovered,
+            )
 
     @property
     def fill_timeout(self) -> float:
@@ -81,6 +109,7 @@ class Agent:
                 self.adapter,
                 engine_timeout_seconds=self.settings.engine_timeout_seconds,
                 debug_bucket_delay_seconds=self.settings.debug_bucket_delay_seconds,
+                holder=self.holder,
                 on_round_start=self._sink_round_started,
                 on_round_end=self._round_finished,
             )
@@ -102,10 +131,14 @@ class Agent:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.recovery is not None:
+            await self.recovery.close()
         await self.generations.close()
         if self.adapter is not None:
             await self.adapter.close()
         self.pool.close()
+        self.holder.close()
+        self.endpoints.close()
 
     # ---------------------------------------------------------------- control API
     def apply_plan(self, plan: MembershipPlan) -> PlanAccepted:
@@ -113,7 +146,10 @@ class Agent:
             raise PlanRejectedError(
                 f"rank {plan.rank} is a {plan.me.role}, this agent a {self.settings.role}"
             )
+        if self.recovery is not None and self.recovery.running:
+            raise PlanRejectedError("a recovery is running: plan this member once it is done")
         generation = self.generations.apply_plan(plan)
+        self.holder.set_enabled(self.settings.holds_by_default or plan.holder)
         return PlanAccepted(
             generation=generation.number, rank=plan.rank, world_size=plan.world_size
         )
@@ -142,7 +178,29 @@ class Agent:
             generations=self.generations.statuses(),
             engine=engine,
             last_round=self.last_round,
+            recovery=self.recovery.status() if self.recovery is not None else None,
+            holding=self.holder.held_version,
         )
+
+    # ---------------------------------------------------------------- recovery
+    def _pipeline_depth(self) -> int:
+        plan = self.generations.newest_plan()
+        return plan.transfer.pipeline_depth if plan else 2
+
+    def start_recovery(self, request: RecoverRequest) -> RecoveryStatus:
+        """Start pulling `request.version` from holders; refuse while the slots are in use."""
+        if self.recovery is None:
+            raise RecoveryFailed("not_a_sink", "only a sink agent with an engine recovers")
+        if self.round_in_progress:
+            raise RecoveryFailed("busy", "a round is in progress")
+        if self.generations.newest_usable() is not None:
+            raise RecoveryFailed(
+                "in_group", "this agent is in a warm group generation: the next round updates it"
+            )
+        return self.recovery.start(request)
+
+    def _recovered(self, version: int) -> None:
+        self.version = version
 
     # ---------------------------------------------------------------- rounds
     def _sink_round_started(self, header: RoundHeader, generation: Generation) -> None:
@@ -153,6 +211,10 @@ class Agent:
 
     def _round_finished(self, outcome: RoundOutcome, committed: bool) -> None:
         self.round_in_progress = False
+        if outcome.ok:  # every rank committed: the staged copy is the group's version
+            self.holder.commit(outcome.version)
+        else:
+            self.holder.abandon()
         if committed or outcome.ok:
             self.version = outcome.version
         if outcome.ok:
@@ -279,6 +341,7 @@ class Agent:
             channel,
             local_engine=self.adapter,
             engine_timeout_seconds=self.settings.engine_timeout_seconds,
+            holder=self.holder,
         )
         return await runner.run()
 
@@ -320,6 +383,28 @@ async def get_status(request: web.Request) -> web.Response:
     return web.Response(text=status.model_dump_json(), content_type="application/json")
 
 
+async def get_holding(request: web.Request) -> web.Response:
+    try:
+        holding = await request.app[AGENT_KEY].holder.holding()
+    except TimeoutError:
+        return _error(503, "checksums_pending", "the held version's checksums are not ready")
+    if holding is None:
+        return _error(404, "not_holding", "this agent holds no version")
+    return web.Response(text=holding.model_dump_json(), content_type="application/json")
+
+
+async def post_recover(request: web.Request) -> web.Response:
+    try:
+        recover = RecoverRequest.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return _error(400, "invalid_request", str(exc))
+    try:
+        started = request.app[AGENT_KEY].start_recovery(recover)
+    except RecoveryFailed as exc:
+        return _error(409, exc.reason, str(exc))
+    return web.Response(status=202, text=started.model_dump_json(), content_type="application/json")
+
+
 async def get_metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[AGENT_KEY].metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -330,6 +415,8 @@ def make_control_app(agent: Agent) -> web.Application:
     app[AGENT_KEY] = agent
     app.router.add_put("/v1/plan", put_plan)
     app.router.add_get("/v1/status", get_status)
+    app.router.add_get("/v1/holding", get_holding)
+    app.router.add_post("/v1/recover", post_recover)
     return app
 
 

@@ -37,11 +37,15 @@ class P2PProtocol(StrEnum):
 
 
 class P2PError(RuntimeError):
-    """A pull or a registration failed; `reason` is a short metric label."""
+    """A pull or a registration failed; `reason` is a short metric label.
 
-    def __init__(self, reason: str, message: str) -> None:
+    A failed `pull` attaches its report, so the caller learns which holders failed.
+    """
+
+    def __init__(self, reason: str, message: str, report: PullReport | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.report = report
 
 
 def mooncake_available() -> tuple[bool, str]:
@@ -273,7 +277,7 @@ def pull(
     if pulled != report.bytes:
         why = "; ".join(f"{k}: {v}" for k, v in report.failed_holders.items()) or "timed out"
         reason = "timeout" if time.monotonic() >= deadline else "no_live_holder"
-        raise P2PError(reason, f"pulled {pulled} of {report.bytes} B ({why})")
+        raise P2PError(reason, f"pulled {pulled} of {report.bytes} B ({why})", report)
     return report
 
 
@@ -281,11 +285,12 @@ class Endpoints:
     """This process's transfer engines, one per protocol, made on first use.
 
     A holder and a recovery in the same agent share them, so memory is registered with
-    one engine per protocol and peers find one segment per protocol.
+    one engine per protocol and peers find one segment per protocol. `host` is resolved
+    on first use (it may need a DNS lookup of the pod's own name).
     """
 
-    def __init__(self, host: str, device_names: str = "") -> None:
-        self.host = host
+    def __init__(self, host: Callable[[], str], device_names: str = "") -> None:
+        self._host = host
         self.device_names = device_names
         self._by_protocol: dict[P2PProtocol, TransferEngineEndpoint] = {}
         self._lock = threading.Lock()
@@ -295,7 +300,7 @@ class Endpoints:
         with self._lock:
             endpoint = self._by_protocol.get(protocol)
             if endpoint is None:
-                endpoint = TransferEngineEndpoint(self.host, protocol, self.device_names)
+                endpoint = TransferEngineEndpoint(self._host(), protocol, self.device_names)
                 self._by_protocol[protocol] = endpoint
             return endpoint
 

@@ -22,7 +22,7 @@ DEPTH = 2
 
 @pytest.fixture(scope="module")
 def endpoints() -> Iterator[Endpoints]:
-    shared = Endpoints("127.0.0.31")
+    shared = Endpoints(lambda: "127.0.0.31")
     yield shared
     shared.close()
 

@@ -4,8 +4,14 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
-        cluster-up cluster-down demo demo-down
+.PHONY: demo demo-down setup test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
+        cluster-up cluster-down
+
+demo: setup  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
+	$(PY) -m tests.e2e.demo run $(DEMO_ARGS)
+
+demo-down:  ## stop everything `make demo` started
+	$(PY) -m tests.e2e.demo down
 
 setup:  ## install Debian packages, the venv and the control plane's binaries
 	bash .ci/setup

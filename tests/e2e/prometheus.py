@@ -175,6 +175,11 @@ class Prometheus:
             raise PrometheusError(f"{error}\n{self.log_tail()}") from None
         return self
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (a caller may outlive this object)."""
+        return self._process.pid if self._process is not None else None
+
     def stop(self) -> None:
         if self._process is None:
             return

@@ -1,0 +1,410 @@
+"""`make demo`: the whole product on this machine, no GPU and no Docker needed.
+
+    python -m tests.e2e.demo [--rounds 12] [--kill-at 5]   # what `make demo` runs
+    python -m tests.e2e.demo down                          # what `make demo-down` runs
+
+It builds (or reuses) the local control plane, `helm install`s the chart (the operator
+pod runs as a local process through the pod runner), applies `docs/examples/demo/`
+(a trainer StatefulSet and two reference-engine Deployments) and the WeightSync, then
+asks the trainer for one optimizer step + publish at a time. Half-way it kills one
+engine's process: its pod fails, the Deployment replaces it, the new agent pulls the
+current version from the trainer agent's host copy, and only then does the pod turn
+Ready. At the end it checks every engine is bit-identical to the trainer and prints a
+summary with latencies from Prometheus. Everything keeps running for you to look at
+until `make demo-down`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.cluster.controlplane import REPO_ROOT, LocalCluster, build_binaries
+from tests.e2e import prometheus as prom
+from tests.support.eventually import eventually
+
+DEMO_DIR = Path.home() / ".cache" / "weightsync" / "clusters" / "demo"
+EXAMPLES = REPO_ROOT / "docs" / "examples" / "demo"
+CHART = REPO_ROOT / "charts" / "weightsync"
+NAMESPACE = "rl-demo"
+SYSTEM_NAMESPACE = "weightsync-system"
+WEIGHTSYNC = "demo"
+GATE = "weightsync.io/weights-current"
+
+# How long each phase may take on a 2-core machine where every pod imports torch.
+OPERATOR_UP_SECONDS = 180.0
+STACK_WARM_SECONDS = 300.0
+ROUND_SECONDS = 120.0
+RECOVERY_SECONDS = 240.0
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+class Console:
+    """Progress lines with the time since the demo started; quiet in tests."""
+
+    def __init__(self, *, quiet: bool = False) -> None:
+        self.started = time.monotonic()
+        self.quiet = quiet
+
+    def say(self, message: str) -> None:
+        if not self.quiet:
+            print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
+
+    @contextmanager
+    def step(self, message: str, *, slow_hint: str = "") -> Iterator[None]:
+        """A step that may take long: a ticker shows it is still moving."""
+        self.say(f"{message} ...")
+        began = time.monotonic()
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(30):
+                self.say(f"  still {message.lower()} ({time.monotonic() - began:.0f}s){slow_hint}")
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+        self.say(f"{message}: done in {time.monotonic() - began:.1f}s")
+
+
+@dataclass
+class RoundRow:
+    version: int
+    ok: bool
+    reason: str
+    millis: int
+    bytes: int
+    generation: int | None
+
+
+@dataclass
+class DemoResult:
+    rounds: list[RoundRow] = field(default_factory=list)
+    versions: dict[str, int | None] = field(default_factory=dict)  # engine pod -> version
+    identical: dict[str, bool] = field(default_factory=dict)  # engine pod -> bit-identical
+    killed_pod: str = ""
+    replacement_pod: str = ""
+    recovery_seconds: float = 0.0
+    ready_at_stale_version: list[str] = field(default_factory=list)
+    latency_quantiles_ms: dict[str, float] = field(default_factory=dict)
+    prometheus_url: str = ""
+    logs: dict[str, str] = field(default_factory=dict)
+
+
+def _http(method: str, url: str, timeout: float = 120.0) -> Any:
+    request = urllib.request.Request(url, method=method)  # noqa: S310 - pod IPs we created
+    with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310
+        return json.loads(reply.read())
+
+
+class Demo:
+    def __init__(self, state_dir: Path, console: Console) -> None:
+        self.console = console
+        self.cluster = LocalCluster(state_dir=state_dir, nodes=2)
+        self.prometheus: prom.Prometheus | None = None
+
+    # -- kubectl helpers -----------------------------------------------------------
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.cluster.kubectl("get", *args, "-o", "json").stdout)
+
+    def pods(self, label: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.get("pods", "-n", NAMESPACE, "-l", label)["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def weightsync(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.get("weightsync", WEIGHTSYNC, "-n", NAMESPACE)
+        return result
+
+    # -- phases --------------------------------------------------------------------
+
+    def start_cluster(self) -> None:
+        with self.console.step(
+            "Building the control plane (etcd, kube-apiserver, KWOK, helm)",
+            slow_hint="; the first run compiles Kubernetes from source, about 10 minutes",
+        ):
+            self.cluster.bin_dir = build_binaries()
+        with self.console.step("Starting the local control plane"):
+            self.cluster.up()
+        self.console.say(f"KUBECONFIG={self.cluster.kubeconfig}")
+
+    def install_chart(self) -> None:
+        helm = str(self.cluster.bin_dir / "helm")
+        with self.console.step("helm install weightsync (operator, CRDs, webhook, dashboards)"):
+            subprocess.run(
+                [
+                    helm, "upgrade", "--install", "weightsync", str(CHART),
+                    "--namespace", SYSTEM_NAMESPACE, "--create-namespace",
+                    "--kubeconfig", str(self.cluster.kubeconfig),
+                    # The pod runner runs the operator pod as a local process on its pod IP;
+                    # the API server calls the webhook on that IP (URL mode).
+                    "--set-string", "podAnnotations.weightsync\\.io/run-local=true",
+                    "--set-string", "webhook.listenHost=$(POD_IP)",
+                    "--set-string", "webhook.url=https://$(POD_IP):9443",
+                    # Ports of their own: local processes share one network namespace.
+                    "--set", "operator.healthPort=18080",
+                    "--set", "operator.metricsPort=19090",
+                    "--set", "operator.resyncSeconds=1",
+                    "--wait", "--timeout", f"{int(OPERATOR_UP_SECONDS)}s",
+                ],
+                check=True, capture_output=True, text=True, timeout=OPERATOR_UP_SECONDS + 30,
+            )  # fmt: skip
+            eventually(
+                self._webhook_registered,
+                timeout=OPERATOR_UP_SECONDS,
+                interval=1,
+                message="the operator registered its webhooks",
+            )
+
+    def _webhook_registered(self) -> bool:
+        result = self.cluster.kubectl("get", "mutatingwebhookconfigurations", "-o", "json")
+        return any(item.get("webhooks") for item in json.loads(result.stdout)["items"])
+
+    def apply_workloads(self) -> None:
+        with self.console.step("Applying the trainer, two engine Deployments and the WeightSync"):
+            self.cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+            eventually(
+                lambda: (
+                    self.cluster.kubectl(
+                        "get", "serviceaccount", "default", "-n", NAMESPACE, check=False
+                    ).returncode
+                    == 0
+                ),
+                timeout=30,
+                message="default ServiceAccount",
+            )
+            for name in ("weightsync.yaml", "trainer.yaml", "engines.yaml"):
+                self.cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLES / name))
+        with self.console.step("Waiting for pods, sidecars and the pre-warmed group"):
+            eventually(self._warm, timeout=STACK_WARM_SECONDS, interval=1, message="group warm")
+        status = self.weightsync()["status"]
+        self.console.say(
+            f"group generation {status.get('groupGeneration')}: "
+            f"{len(status.get('members', []))} members, Prewarmed=True"
+        )
+
+    def _warm(self) -> bool:
+        status = self.weightsync().get("status", {})
+        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+        members = status.get("members", [])
+        return conditions.get("Prewarmed") == "True" and len(members) == 3
+
+    def trainer_url(self) -> str:
+        (pod,) = self.pods("app=trainer")
+        return f"http://{pod['status']['podIP']}:8080"
+
+    def step(self) -> RoundRow:
+        report = _http("POST", f"{self.trainer_url()}/step", timeout=ROUND_SECONDS)
+        return RoundRow(
+            version=report["version"],
+            ok=report["ok"],
+            reason=report.get("reason", ""),
+            millis=int(report.get("duration_seconds", 0) * 1000),
+            bytes=report.get("bytes", 0),
+            generation=report.get("generation"),
+        )
+
+    def kill_engine(self, deployment: str) -> tuple[str, int]:
+        """SIGKILL the engine process of `deployment`'s pod, as a crash would."""
+        (pod,) = self.pods(f"app={deployment}")
+        uid = pod["metadata"]["uid"][:8]
+        pid = int((self.cluster.pid_dir / f"pod-{uid}-engine.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        version = self.weightsync()["status"].get("currentVersion", 0)
+        return pod["metadata"]["name"], version
+
+    def replacement_ready(self, deployment: str, old_pod: str, result: DemoResult) -> bool:
+        """Whether `old_pod`'s replacement is Ready; notes it if Ready at a stale version."""
+        for pod in self.pods(f"app={deployment}"):
+            name = pod["metadata"]["name"]
+            if name == old_pod or pod["status"].get("phase") != "Running":
+                continue
+            conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+            if conditions.get("Ready") != "True":
+                continue
+            version = self.engine_version(pod)
+            current = self.weightsync()["status"].get("currentVersion")
+            if version != current:
+                result.ready_at_stale_version.append(f"{name}@{version}<{current}")
+            result.replacement_pod = name
+            return True
+        return False
+
+    def engine_version(self, pod: dict[str, Any]) -> int | None:
+        health = _http("GET", f"http://{pod['status']['podIP']}:8000/health", timeout=10)
+        version: int | None = health.get("version")
+        return version
+
+    def verify(self, result: DemoResult) -> None:
+        trainer = _http("GET", f"{self.trainer_url()}/digest")
+        for deployment in ("engine-a", "engine-b"):
+            for pod in self.pods(f"app={deployment}"):
+                if pod["status"].get("phase") != "Running":
+                    continue
+                name = pod["metadata"]["name"]
+                digest = _http("GET", f"http://{pod['status']['podIP']}:8000/v1/weights/digest")
+                result.versions[name] = digest["version"]
+                result.identical[name] = (
+                    digest["version"] == trainer["version"]
+                    and digest["tensors"] == trainer["tensors"]
+                )
+
+    def start_prometheus(self) -> prom.Prometheus:
+        operator_pods = self.get("pods", "-n", SYSTEM_NAMESPACE)["items"]
+        operators = [
+            f"{p['status']['podIP']}:19090" for p in operator_pods if p["status"].get("podIP")
+        ]
+        agents = [
+            prom.agent_target(
+                f"{p['status']['podIP']}:9470",
+                namespace=NAMESPACE,
+                pod=p["metadata"]["name"],
+                weightsync=WEIGHTSYNC,
+            )
+            for p in self.get("pods", "-n", NAMESPACE)["items"]
+            if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+        ]
+        jobs = [prom.operator_job(operators, SYSTEM_NAMESPACE), prom.agent_job(agents)]
+        server = prom.Prometheus(self.cluster.state_dir / "prometheus", jobs).start()
+        pid = server.pid
+        if pid is not None:  # `down` stops it with the rest of the demo
+            (self.cluster.pid_dir / "prometheus.pid").write_text(str(pid))
+        server.wait_targets_up()
+        return server
+
+    def quantiles(self, server: prom.Prometheus) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for name, q in (("p50", 0.5), ("p99", 0.99)):
+            expr = (
+                f"histogram_quantile({q}, sum by (le) "
+                f'(weightsync_round_duration_seconds_bucket{{role="source"}}))'
+            )
+            result = server.wait_for(expr, bool, timeout=30)
+            found[name] = float(result[0]["value"][1]) * 1000
+        return found
+
+
+def run(state_dir: Path, *, rounds: int, kill_at: int, console: Console) -> DemoResult:
+    if not 1 <= kill_at < rounds:
+        raise DemoError(f"--kill-at must be between 1 and {rounds - 1}")
+    demo = Demo(state_dir, console)
+    result = DemoResult()
+    demo.start_cluster()
+    demo.install_chart()
+    demo.apply_workloads()
+    console.say("round  version  ok  reason            duration  bytes      generation")
+    killed_at = 0.0
+    for index in range(1, rounds + 1):
+        row = demo.step()
+        result.rounds.append(row)
+        console.say(
+            f"{index:5d}  {row.version:7d}  {'yes' if row.ok else 'NO ':3s} {row.reason:17s} "
+            f"{row.millis:6d} ms  {row.bytes:9d}  {row.generation}"
+        )
+        if index == kill_at:
+            result.killed_pod, version = demo.kill_engine("engine-b")
+            killed_at = time.monotonic()
+            console.say(f"killed the engine process of {result.killed_pod} at version {version}")
+        elif killed_at and not result.replacement_pod:
+            _note_recovery(demo, result, killed_at, console)
+    if not result.replacement_pod:
+        with console.step("Waiting for the killed engine's replacement to recover"):
+            eventually(
+                functools.partial(_note_recovery, demo, result, killed_at, console),
+                timeout=RECOVERY_SECONDS,
+                interval=0.5,
+                message="engine-b recovered",
+            )
+
+    def all_identical() -> bool:
+        demo.verify(result)
+        return len(result.identical) == 2 and all(result.identical.values())
+
+    with console.step("Checking every engine against the trainer's weights"):
+        eventually(all_identical, timeout=ROUND_SECONDS, interval=1, message="bit-identical")
+    with console.step("Starting Prometheus and reading round latencies"):
+        server = demo.start_prometheus()
+        result.latency_quantiles_ms = demo.quantiles(server)
+        result.prometheus_url = server.url
+    _summary(result, demo, console)
+    return result
+
+
+def _note_recovery(demo: Demo, result: DemoResult, killed_at: float, console: Console) -> bool:
+    if not demo.replacement_ready("engine-b", result.killed_pod, result):
+        return False
+    result.recovery_seconds = time.monotonic() - killed_at
+    console.say(
+        f"{result.replacement_pod} replaced {result.killed_pod}: recovered from the trainer's "
+        f"host copy and Ready {result.recovery_seconds:.1f}s after the kill"
+    )
+    return True
+
+
+def _summary(result: DemoResult, demo: Demo, console: Console) -> None:
+    ok = [r for r in result.rounds if r.ok]
+    total_bytes = sum(r.bytes for r in ok)
+    lines = [
+        "",
+        "weightsync demo summary",
+        f"  rounds                 {len(ok)} of {len(result.rounds)} committed",
+        f"  round latency (Prom.)  p50 {result.latency_quantiles_ms.get('p50', 0):.0f} ms, "
+        f"p99 {result.latency_quantiles_ms.get('p99', 0):.0f} ms",
+        f"  bytes per round        {ok[-1].bytes if ok else 0} ({total_bytes} in all)",
+        f"  killed / recovered     {result.killed_pod} -> {result.replacement_pod} "
+        f"in {result.recovery_seconds:.1f}s",
+        "  engine pods            version  bit-identical to trainer",
+    ]
+    for pod, version in sorted(result.versions.items()):
+        lines.append(f"    {pod:36s} {version!s:7s}  {result.identical.get(pod)}")
+    lines += [
+        "",
+        f"  kubectl:    export KUBECONFIG={demo.cluster.kubeconfig}; "
+        f"kubectl get wsync -n {NAMESPACE}",
+        f"  Prometheus: {result.prometheus_url}  (weightsync_round_duration_seconds, ...)",
+        f"  logs:       {demo.cluster.state_dir}/logs, {demo.cluster.state_dir}/pods",
+        "  stop:       make demo-down",
+    ]
+    for line in lines:
+        console.say(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("command", nargs="?", choices=["run", "down"], default="run")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--kill-at", type=int, default=5)
+    parser.add_argument("--state-dir", type=Path, default=DEMO_DIR)
+    args = parser.parse_args(argv)
+    if args.command == "down":
+        LocalCluster(state_dir=args.state_dir).down()
+        print("demo stopped")
+        return 0
+    result = run(args.state_dir, rounds=args.rounds, kill_at=args.kill_at, console=Console())
+    healthy = all(result.identical.values()) and not result.ready_at_stale_version
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The README's first command, headless: the whole stack syncs, a killed engine recovers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import demo
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+def test_demo_scenario(tmp_path: Path) -> None:
+    state_dir = tmp_path / "demo"
+    try:
+        result = demo.run(state_dir, rounds=6, kill_at=2, console=demo.Console(quiet=True))
+        logs = {
+            str(path.relative_to(state_dir)): path.read_text(errors="replace")
+            for pattern in ("logs/*.log", "pods/*/*.log")
+            for path in state_dir.glob(pattern)
+        }
+    finally:
+        demo.LocalCluster(state_dir=state_dir).down()
+
+    assert [r.version for r in result.rounds] == list(range(1, 7))
+    assert result.rounds[0].ok, result.rounds[0]
+    assert result.rounds[-1].ok, result.rounds[-1]
+    assert result.killed_pod
+    assert result.replacement_pod not in ("", result.killed_pod)
+    assert result.ready_at_stale_version == []
+    assert len(result.versions) == 2
+    assert set(result.versions.values()) == {6}
+    assert all(result.identical.values()), result.identical
+    assert result.latency_quantiles_ms["p50"] > 0
+    with_traceback = [name for name, text in logs.items() if "Traceback" in text]
+    assert with_traceback == [], {name: logs[name][-2000:] for name in with_traceback}

@@ -389,6 +389,7 @@ def main() -> None:
 
     state = trainer_state(setup)
     configs, agent_prewarm = run_weightsync(args, setup, state, colocated=False)
+    print_breakdowns("weightsync", configs)
     for config in configs:
         print(f"weightsync {config.label}: {[round(r.seconds, 4) for r in config.records]}")
         rows.append(
@@ -405,6 +406,7 @@ def main() -> None:
     if "http" not in args.skip:
         http_args = argparse.Namespace(**{**vars(args), "bucket_mib": args.bucket_mib[:1]})
         http, _ = run_weightsync(http_args, setup, state, colocated=False, http=True)
+        print_breakdowns("weightsync", http)
         rows += [
             Row(f"weightsync publish() -> engines serve, {c.label}", c.median, nbytes, floor)
             for c in http
@@ -425,6 +427,7 @@ def main() -> None:
         )
         rows.append(Row("  D2D copy, one copy_ per tensor", copies["copy_"], nbytes, d2d))
         colocated, _ = run_weightsync(args, setup, state, colocated=True)
+        print_breakdowns("colocated", colocated)
         for config in colocated:
             print(f"colocated {config.label}: {[round(r.seconds, 4) for r in config.records]}")
             rows.append(
@@ -453,9 +456,6 @@ def main() -> None:
         print(
             f"target colocated <= {COLOCATED_TARGET}x D2D, {config.label}: {ratio:.2f}x {verdict}"
         )
-    print_breakdowns("weightsync", configs)
-    print_breakdowns("weightsync", http)
-    print_breakdowns("colocated", colocated)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import aiohttp
 from pydantic import ValidationError
 
-from weightsync.api.control import AgentStatus, ErrorResponse, MembershipPlan, PlanAccepted
+from weightsync.api.control import (
+    AgentStatus,
+    ErrorResponse,
+    MembershipPlan,
+    PlanAccepted,
+    RecoverRequest,
+    RecoveryStatus,
+)
 from weightsync.controller import metrics
 
 
@@ -102,6 +109,30 @@ class AgentClient:
             return f"accepted generation {accepted.generation} rank {accepted.rank} instead"
         metrics.AGENT_REQUESTS.labels("plan", "ok").inc()
         return None
+
+    async def recover(
+        self, agent: AgentAddress, request: RecoverRequest, token: str
+    ) -> RecoveryStatus | str:
+        """Ask a sink agent to pull `request.version` from holders; its status, or why not."""
+        try:
+            async with self._client().post(
+                f"{agent.url}/v1/recover",
+                data=request.model_dump_json(),
+                headers={**_auth(token), "Content-Type": "application/json"},
+            ) as reply:
+                body = await reply.read()
+                if reply.status != 202:
+                    metrics.AGENT_REQUESTS.labels("recover", "rejected").inc()
+                    return _describe_error(reply.status, body)
+            started = RecoveryStatus.model_validate_json(body)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            metrics.AGENT_REQUESTS.labels("recover", "unreachable").inc()
+            return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        except ValidationError:
+            metrics.AGENT_REQUESTS.labels("recover", "invalid").inc()
+            return "unexpected reply to POST /v1/recover"
+        metrics.AGENT_REQUESTS.labels("recover", "ok").inc()
+        return started
 
     async def deliver(
         self, plans: Mapping[str, tuple[AgentAddress, MembershipPlan]], token: str

@@ -31,13 +31,25 @@ ADMISSIONS = Counter(
 )
 AGENT_REQUESTS = Counter(
     f"{PREFIX}_agent_requests_total",
-    "Control-API requests to agents, by route (status, plan) and result.",
+    "Control-API requests to agents, by route (status, plan, recover) and result.",
     ["route", "result"],
     registry=REGISTRY,
 )
 GENERATIONS_PLANNED = Counter(
     f"{PREFIX}_generations_planned_total",
     "Group generations planned and delivered.",
+    registry=REGISTRY,
+)
+RECOVERIES = Counter(
+    f"{PREFIX}_recoveries_total",
+    "P2P recoveries of inference pods, by result (started, done, failed, refused).",
+    ["result"],
+    registry=REGISTRY,
+)
+RECOVERY_DURATION = Histogram(
+    f"{PREFIX}_recovery_duration_seconds",
+    "How long a successful recovery took, as its agent measured it (engine load included).",
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
     registry=REGISTRY,
 )
 GROUP_GENERATION = Gauge(

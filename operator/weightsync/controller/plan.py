@@ -9,6 +9,11 @@ write lost after a plan was delivered can never make the operator reuse a number
 
 Ranks are kept stable across generations: continuing members keep their relative
 order and newcomers are appended, so a scale-up does not reshuffle the group.
+
+Holders (P2P recovery): the source agent always keeps the latest committed version in
+host memory; `spec.recovery.holders` > 1 asks the lowest-ranked sinks for the rest. The
+lowest ranks are the longest-serving members, so the choice changes only when a holder
+leaves the group.
 """
 
 from __future__ import annotations
@@ -161,6 +166,14 @@ def backend_for(members: Sequence[PodView]) -> Backend:
     return Backend.NCCL if on_gpu else Backend.GLOO
 
 
+def holder_ranks(spec: WeightSyncSpec, world_size: int) -> frozenset[int]:
+    """The ranks asked to hold: rank 0 (the source) and `holders - 1` lowest sink ranks."""
+    if world_size < 1:
+        return frozenset()
+    wanted = spec.recovery.holders if spec.recovery.enabled else 1
+    return frozenset(range(min(wanted, world_size)))
+
+
 def build_plans(
     *,
     sync_name: str,
@@ -183,6 +196,7 @@ def build_plans(
         timeout_seconds=float(spec.transfer.timeout_seconds),
         checksum=spec.transfer.checksum,
     )
+    holding = holder_ranks(spec, len(members))
     return [
         MembershipPlan(
             sync_name=sync_name,
@@ -194,6 +208,7 @@ def build_plans(
             members=plan_members,
             transfer=transfer,
             prewarm_timeout_seconds=float(spec.prewarm.timeout_seconds),
+            holder=rank in holding,
         )
         for rank in range(len(members))
     ]

@@ -63,3 +63,22 @@ VERSION_SYNCED: Final = "VersionSynced"
 VERSION_SYNCED_MESSAGE: Final = (
     "Version {version} reached every sink in {millis} ms ({bytes} bytes)."
 )
+
+# P2P recovery of an inference pod that is behind (Events on the WeightSync).
+RECOVERY_STARTED: Final = "RecoveryStarted"
+RECOVERY_STARTED_MESSAGE: Final = (
+    "Pod {pod} pulls version {version} from {holders} over {protocol}."
+)
+RECOVERED: Final = "Recovered"
+RECOVERED_MESSAGE: Final = (
+    "Pod {pod} recovered version {version} in {millis} ms ({bytes} bytes,"
+    " {bandwidth} bytes/s) from {holders}."
+)
+RECOVERY_FAILED: Final = "RecoveryFailed"
+RECOVERY_FAILED_MESSAGE: Final = (
+    "Pod {pod} failed to recover version {version} after {millis} ms: {reason}: {message}"
+    " (holders dropped: {dropped}); retrying in {retry} s."
+)
+RECOVERY_REFUSED_MESSAGE: Final = (
+    "Pod {pod} did not start recovering version {version}: {error}; retrying in {retry} s."
+)

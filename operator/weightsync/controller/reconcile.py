@@ -7,13 +7,16 @@ decides depends on an earlier pass having run in this process):
 2. the trainer StatefulSet, the inference Deployments, their ReplicaSets and pods;
 3. the agents' `GET /v1/status` (token from the WeightSync's Secret, created if absent);
 
-then decides with the pure modules (`plan`, `readiness`, `status`) and acts: delivers a
-new generation with `PUT /v1/plan` if membership changed, sets each inference pod's
-readiness gate, writes the status once and posts Events for what changed.
+then decides with the pure modules (`plan`, `readiness`, `recovery`, `status`) and acts:
+starts P2P recoveries of pods that are behind (`POST /v1/recover`, holding them out of
+the group until they are done), delivers a new generation with `PUT /v1/plan` if
+membership changed, sets each inference pod's readiness gate, writes the status once and
+posts Events for what changed.
 
 The only in-memory state is soft: when a generation was planned (for the pre-warm
-timeout; a restarted operator starts that clock again) and which pods sit out a
-cooldown after a failed delivery or a pre-warm timeout.
+timeout; a restarted operator starts that clock again), which pods sit out a cooldown
+after a failed delivery or a pre-warm timeout, and each recovering pod's failures and
+reported attempts (a restart may report a finished recovery once more).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from weightsync.controller.plan import (
 )
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.readiness import current_version
+from weightsync.controller.recoveries import RecoveryPass, run_recoveries
+from weightsync.controller.recovery import Tracker
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.status import (
     EventSpec,
@@ -67,6 +72,7 @@ from weightsync.controller.workloads import (
 log = logging.getLogger(__name__)
 
 PLAN_FAILURE_COOLDOWN_SECONDS = 10.0  # a pod that refused a plan sits out this long
+RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery running
 
 Problem = tuple[str, str]  # (reason, message) for Ready=False
 
@@ -92,6 +98,9 @@ class Memory:
     dirty: bool = False
     planned_at: dict[int, float] = field(default_factory=dict)
     cooldown: dict[str, float] = field(default_factory=dict)  # pod uid -> monotonic deadline
+    recoveries: dict[str, Tracker] = field(default_factory=dict)  # by pod uid
+    poll_soon: bool = False  # the last pass left a recovery in flight
+    poll: asyncio.Task[None] | None = None  # the pending follow-up pass
 
 
 def stored_status(raw: Mapping[str, Any]) -> WeightSyncStatus:
@@ -125,8 +134,25 @@ class Reconciler:
         self._memory: dict[tuple[str, str], Memory] = {}
 
     def forget(self, namespace: str, name: str) -> None:
-        self._memory.pop((namespace, name), None)
+        memory = self._memory.pop((namespace, name), None)
+        if memory is not None and memory.poll is not None:
+            memory.poll.cancel()
         metrics.forget(namespace, name)
+
+    def _poll_later(self, namespace: str, name: str, memory: Memory) -> None:
+        """Run another pass soon: a recovery's progress shows in no pod event."""
+        if memory.poll is None or memory.poll.done():
+            memory.poll = asyncio.get_running_loop().create_task(
+                self._poll(namespace, name, memory), name=f"poll {namespace}/{name}"
+            )
+
+    async def _poll(self, namespace: str, name: str, memory: Memory) -> None:
+        await asyncio.sleep(RECOVERY_POLL_SECONDS)
+        memory.poll = None  # this pass may schedule the next one
+        try:
+            await self.run(namespace, name)
+        except Exception:
+            log.exception("follow-up pass of %s/%s failed", namespace, name)
 
     async def run(self, namespace: str, name: str) -> Result | None:
         """One pass (or more, if asked again meanwhile); None if another caller's pass runs."""
@@ -137,6 +163,7 @@ class Reconciler:
         async with memory.lock:
             while True:
                 memory.dirty = False
+                memory.poll_soon = False
                 started = time.perf_counter()
                 try:
                     result = await self._pass(namespace, name, memory)
@@ -150,6 +177,8 @@ class Reconciler:
                     self._memory.pop((namespace, name), None)  # a pod event named it late
                     return result
                 if not memory.dirty:
+                    if memory.poll_soon:
+                        self._poll_later(namespace, name, memory)
                     return result
 
     # -- the pass --------------------------------------------------------------------
@@ -188,6 +217,10 @@ class Reconciler:
         now = time.monotonic()
         memory.cooldown = {uid: t for uid, t in memory.cooldown.items() if t > now}
         excluded = {p.name for p in pods if p.uid in memory.cooldown}
+        recovering = await self._recover(
+            raw, sync, pods, (statuses, old), token=token, memory=memory
+        )
+        excluded |= recovering.held_out
         planned = [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members]
         planned_generation = old.group_generation
         desired = desired_members(spec, pods, statuses.keys(), planned, excluded)
@@ -240,6 +273,38 @@ class Reconciler:
             -1 if new.current_version is None else new.current_version
         )
         return Result(Outcome.OK)
+
+    async def _recover(
+        self,
+        raw: Mapping[str, Any],
+        sync: WeightSync,
+        pods: list[PodView],
+        seen: tuple[Mapping[str, AgentStatus], WeightSyncStatus],
+        *,
+        token: str,
+        memory: Memory,
+    ) -> RecoveryPass:
+        """Start and follow recoveries of pods that are behind; which to hold out."""
+        statuses, old = seen
+        source_rank = sync.spec.trainer.source_ranks[0]
+        source = next((p for p in pods if p.role is Role.SOURCE and p.ordinal == source_rank), None)
+        recovering = await run_recoveries(
+            raw=raw,
+            spec=sync.spec,
+            version=current_version(
+                statuses.get(source.name) if source else None, old.current_version
+            ),
+            pods=pods,
+            statuses=statuses,
+            trackers=memory.recoveries,
+            agents=self.agents,
+            token=token,
+            post_event=self.post_event,
+            now=time.monotonic(),
+            default_port=self.settings.agent_http_port,
+        )
+        memory.poll_soon = recovering.in_flight
+        return recovering
 
     async def _spec_problem(
         self, namespace: str, raw: Mapping[str, Any], sync: WeightSync

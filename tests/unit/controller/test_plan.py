@@ -199,3 +199,26 @@ def test_nccl_only_when_every_member_is_on_a_gpu() -> None:
         sync_name="s", spec=sync().spec, generation=1, members=mixed, rendezvous_port=1
     )
     assert plans[0].backend is Backend.GLOO
+
+
+@pytest.mark.parametrize(
+    ("recovery", "holders"),
+    [
+        ({"holders": 1}, [True, False, False]),
+        ({"holders": 2}, [True, True, False]),
+        ({"holders": 8}, [True, True, True]),
+        ({"holders": 3, "enabled": False}, [True, False, False]),
+    ],
+)
+def test_the_source_and_the_lowest_sink_ranks_hold(
+    recovery: dict[str, object], holders: list[bool]
+) -> None:
+    members = [source_view(), sink_view("engine-a", ip="10.0.1.1"), sink_view("engine-b")]
+    plans = build_plans(
+        sync_name="ns/sync",
+        spec=sync(spec__recovery=recovery).spec,
+        generation=4,
+        members=members,
+        rendezvous_port=29500,
+    )
+    assert [plan.holder for plan in plans] == holders

@@ -1,0 +1,173 @@
+"""Carry out the recovery decisions of one pass: post requests, report outcomes, count them.
+
+The decisions are `recovery.plan_recoveries`; this module talks to the agents, posts the
+Events and feeds the metrics. It returns the pods the pass must hold out of the next
+generation, and whether a recovery is in flight (the reconciler then polls sooner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.api.control import AgentStatus, RecoverRequest, RecoveryState, RecoveryStatus
+from weightsync.api.v1alpha1 import WeightSyncSpec
+from weightsync.controller import metrics, reasons
+from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.pods import EventPoster
+from weightsync.controller.recovery import (
+    Decision,
+    Step,
+    Tracker,
+    backoff_seconds,
+    plan_recoveries,
+    record,
+    start_refused,
+)
+from weightsync.controller.status import EventSpec
+from weightsync.controller.workloads import PodView
+
+# What the agent is given for a whole pull: the round timeout scaled up, since a pull of
+# the full model over TCP is far slower than one broadcast round, with a floor.
+MIN_RECOVERY_TIMEOUT_SECONDS = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryPass:
+    held_out: frozenset[str]  # pod names not to plan yet
+    in_flight: bool  # a recovery runs or waits for its backoff: poll again soon
+
+
+def finished_event(pod: str, finished: RecoveryStatus, retry: float) -> EventSpec:
+    """The Event for an attempt that ended (done or failed)."""
+    used = ", ".join(finished.holders_used) or "no holder"
+    if finished.state is RecoveryState.DONE:
+        return EventSpec(
+            "Normal",
+            reasons.RECOVERED,
+            reasons.RECOVERED_MESSAGE.format(
+                pod=pod,
+                version=finished.version,
+                millis=finished.duration_millis,
+                bytes=finished.bytes,
+                bandwidth=finished.bandwidth_bytes_per_second,
+                holders=used,
+            ),
+        )
+    dropped = "; ".join(f"{url}: {why}" for url, why in finished.holders_failed.items())
+    return EventSpec(
+        "Warning",
+        reasons.RECOVERY_FAILED,
+        reasons.RECOVERY_FAILED_MESSAGE.format(
+            pod=pod,
+            version=finished.version,
+            millis=finished.duration_millis,
+            reason=finished.reason or "failed",
+            message=finished.message,
+            dropped=dropped or "none",
+            retry=f"{retry:g}",
+        ),
+    )
+
+
+def request_for(spec: WeightSyncSpec, version: int, holders: Sequence[str]) -> RecoverRequest:
+    timeout = max(MIN_RECOVERY_TIMEOUT_SECONDS, 10.0 * spec.transfer.timeout_seconds)
+    return RecoverRequest(
+        version=version,
+        holders=list(holders),
+        protocol=spec.recovery.protocol,
+        timeout_seconds=timeout,
+    )
+
+
+async def run_recoveries(
+    *,
+    raw: Mapping[str, Any],
+    spec: WeightSyncSpec,
+    version: int | None,
+    pods: Sequence[PodView],
+    statuses: Mapping[str, AgentStatus],
+    trackers: dict[str, Tracker],
+    agents: AgentClient,
+    token: str,
+    post_event: EventPoster,
+    now: float,
+    default_port: int,
+) -> RecoveryPass:
+    """One pass of recovery work; `trackers` (by pod uid) is updated in place."""
+    live = {p.uid for p in pods}
+    for uid in [uid for uid in trackers if uid not in live]:
+        del trackers[uid]
+    decisions = plan_recoveries(
+        spec,
+        version,
+        pods=pods,
+        statuses=statuses,
+        trackers=trackers,
+        now=now,
+        default_port=default_port,
+    )
+    held_out: set[str] = set()
+    for decision in decisions:
+        tracker = trackers.setdefault(decision.pod.uid, Tracker())
+        _report(decision, tracker, post_event, raw)
+        record(decision, tracker, now)
+        if decision.step is Step.START and version is not None:
+            pod = decision.pod
+            address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
+            request = request_for(spec, version, decision.holders)
+            answer = await agents.recover(address, request, token)
+            _started(
+                pod.name, request, answer, tracker=tracker, post_event=post_event, raw=raw, now=now
+            )
+        if decision.step is not Step.ADMIT:
+            held_out.add(decision.pod.name)
+    return RecoveryPass(frozenset(held_out), in_flight=bool(held_out))
+
+
+def _report(
+    decision: Decision, tracker: Tracker, post_event: EventPoster, raw: Mapping[str, Any]
+) -> None:
+    finished = decision.finished
+    if finished is None:
+        return
+    if finished.state is RecoveryState.DONE:
+        metrics.RECOVERIES.labels("done").inc()
+        metrics.RECOVERY_DURATION.observe(finished.duration_millis / 1000)
+        retry = 0.0
+    else:
+        metrics.RECOVERIES.labels("failed").inc()
+        retry = backoff_seconds(tracker.failures + 1)
+    post_event(raw, finished_event(decision.pod.name, finished, retry))
+
+
+def _started(
+    pod: str,
+    request: RecoverRequest,
+    answer: RecoveryStatus | str,
+    *,
+    tracker: Tracker,
+    post_event: EventPoster,
+    raw: Mapping[str, Any],
+    now: float,
+) -> None:
+    if isinstance(answer, str):
+        start_refused(tracker, now)
+        metrics.RECOVERIES.labels("refused").inc()
+        message = reasons.RECOVERY_REFUSED_MESSAGE.format(
+            pod=pod,
+            version=request.version,
+            error=answer,
+            retry=f"{backoff_seconds(tracker.failures):g}",
+        )
+        post_event(raw, EventSpec("Warning", reasons.RECOVERY_FAILED, message))
+        return
+    metrics.RECOVERIES.labels("started").inc()
+    message = reasons.RECOVERY_STARTED_MESSAGE.format(
+        pod=pod,
+        version=request.version,
+        holders=", ".join(request.holders),
+        protocol=request.protocol.value,
+    )
+    post_event(raw, EventSpec("Normal", reasons.RECOVERY_STARTED, message))

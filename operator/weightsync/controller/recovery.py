@@ -1,0 +1,219 @@
+"""P2P recovery of inference pods that are behind: who recovers, from whom, and when. Pure.
+
+A sink pod whose agent answers but whose engine does not serve the current version, and
+which is in no usable group generation (a replacement pod, or a restarted agent), is
+held out of the next generation while its agent pulls the current version from the
+holders' host memory (`POST /v1/recover`). Once its recovery is `done` it is planned
+into the next generation like any newcomer; its readiness gate follows the version its
+engine serves, so it turns True only at the current version.
+
+If the current version moved on while it recovered, the pod is admitted anyway: the
+next round (which it joins, pre-warmed) brings it current, and a trainer that publishes
+faster than a pull completes could otherwise keep it recovering forever. Its gate stays
+False until then.
+
+With no holder of the current version (the trainer's agent restarted and holds nothing),
+the pod is admitted at once and waits for the next round, as without recovery.
+
+A failed recovery is retried with exponential backoff; holders that failed it are left
+out of the next attempt while others hold the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from weightsync.api.control import AgentStatus, RecoveryState, RecoveryStatus, Role
+from weightsync.api.v1alpha1 import SyncMode, WeightSyncSpec
+from weightsync.controller.plan import HOLDING_STATES
+from weightsync.controller.readiness import served_version
+from weightsync.controller.workloads import PodView
+
+BACKOFF_BASE_SECONDS = 2.0
+BACKOFF_MAX_SECONDS = 60.0
+
+
+def backoff_seconds(failures: int) -> float:
+    """How long to wait after `failures` consecutive failed recoveries (2, 4, 8 … 60 s)."""
+    if failures <= 0:
+        return 0.0
+    return min(BACKOFF_BASE_SECONDS * float(2 ** (failures - 1)), BACKOFF_MAX_SECONDS)
+
+
+@dataclass
+class Tracker:
+    """What the operator remembers of one pod's recoveries (soft: a restart forgets it)."""
+
+    failures: int = 0  # consecutive failed attempts
+    retry_at: float = 0.0  # monotonic time before which no new attempt starts
+    failed_holders: set[str] = field(default_factory=set)  # control URLs that failed it
+    reported: int | None = None  # `started_at_unix_millis` of the last attempt reported
+
+
+class Step(StrEnum):
+    ADMIT = "admit"  # plan it as usual
+    START = "start"  # post a RecoverRequest now
+    WAIT = "wait"  # a recovery runs, or the backoff has not elapsed: hold it out
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pod: PodView
+    step: Step
+    holders: tuple[str, ...] = ()  # for START: the control URLs to pull from
+    finished: RecoveryStatus | None = None  # an attempt that ended and was not reported yet
+
+
+def enabled_for(spec: WeightSyncSpec, version: int | None) -> bool:
+    """Recovery applies to Disaggregated groups with recovery on, once a version exists."""
+    return spec.recovery.enabled and spec.mode is SyncMode.DISAGGREGATED and version is not None
+
+
+def agent_url(pod: PodView, default_port: int) -> str:
+    return f"http://{pod.ip}:{pod.agent_port or default_port}"
+
+
+def in_usable_generation(status: AgentStatus) -> bool:
+    """Whether the agent is in a generation rounds can still update it through."""
+    return any(g.state in HOLDING_STATES for g in status.generations)
+
+
+def behind(status: AgentStatus, version: int) -> bool:
+    """Whether a sink must recover before it joins: behind, and no round can update it."""
+    if status.role is not Role.SINK or in_usable_generation(status):
+        return False
+    served = served_version(status)
+    if served == version:
+        return False
+    recovery = status.recovery
+    # Recovered while the trainer moved on: admit it, the next round brings it current.
+    return not (
+        recovery is not None
+        and recovery.state is RecoveryState.DONE
+        and served is not None
+        and served == recovery.version
+    )
+
+
+def holders_of(
+    version: int,
+    pods: Sequence[PodView],
+    statuses: Mapping[str, AgentStatus],
+    default_port: int,
+    *,
+    excluding: str,
+) -> list[str]:
+    """Control URLs of the live agents holding `version`: sinks first, by name, then the
+    source, so a sink holder spares the trainer's host when there is one."""
+    found = [
+        p
+        for p in pods
+        if p.name != excluding
+        and p.running
+        and not p.terminating
+        and p.ip is not None
+        and p.has_agent
+        and getattr(statuses.get(p.name), "holding", None) == version
+    ]
+    found.sort(key=lambda p: (p.role is Role.SOURCE, p.name))
+    return [agent_url(p, default_port) for p in found]
+
+
+def _unreported(status: AgentStatus, tracker: Tracker | None) -> RecoveryStatus | None:
+    recovery = status.recovery
+    if recovery is None or recovery.state not in (RecoveryState.DONE, RecoveryState.FAILED):
+        return None
+    if tracker is not None and tracker.reported == recovery.started_at_unix_millis:
+        return None
+    return recovery
+
+
+def decide(
+    pod: PodView,
+    status: AgentStatus | None,
+    version: int,
+    *,
+    holders: Sequence[str],
+    tracker: Tracker | None,
+    now: float,
+) -> Decision:
+    """What to do about one joinable sink pod this pass (`holders`: who holds `version`)."""
+    if status is None:
+        return Decision(pod, Step.ADMIT)  # not answering: it is not planned anyway
+    finished = _unreported(status, tracker)
+    if not behind(status, version):
+        return Decision(pod, Step.ADMIT, finished=finished)
+    recovery = status.recovery
+    if recovery is not None and recovery.state in (RecoveryState.PENDING, RecoveryState.RUNNING):
+        return Decision(pod, Step.WAIT)
+    failures = (tracker.failures if tracker else 0) + (
+        1 if finished is not None and finished.state is RecoveryState.FAILED else 0
+    )
+    retry_at = tracker.retry_at if tracker else 0.0
+    if finished is not None and finished.state is RecoveryState.FAILED:
+        retry_at = now + backoff_seconds(failures)
+    if now < retry_at:
+        return Decision(pod, Step.WAIT, finished=finished)
+    if not holders:
+        return Decision(pod, Step.ADMIT, finished=finished)
+    failed = set(tracker.failed_holders) if tracker else set()
+    if finished is not None:
+        failed |= set(finished.holders_failed)
+    fresh = tuple(url for url in holders if url not in failed)
+    return Decision(pod, Step.START, holders=fresh or tuple(holders), finished=finished)
+
+
+def record(decision: Decision, tracker: Tracker, now: float) -> None:
+    """Fold what a decision saw into the pod's tracker (after its Events were posted)."""
+    finished = decision.finished
+    if finished is not None:
+        tracker.reported = finished.started_at_unix_millis
+        if finished.state is RecoveryState.FAILED:
+            tracker.failures += 1
+            tracker.retry_at = now + backoff_seconds(tracker.failures)
+            tracker.failed_holders |= set(finished.holders_failed)
+        else:
+            tracker.failures = 0
+            tracker.retry_at = 0.0
+            tracker.failed_holders.clear()
+    if decision.step is Step.START and not (set(decision.holders) - tracker.failed_holders):
+        tracker.failed_holders.clear()  # every holder failed once: all get another chance
+
+
+def start_refused(tracker: Tracker, now: float) -> None:
+    """The agent refused the request (busy, unreachable): count it as a failure."""
+    tracker.failures += 1
+    tracker.retry_at = now + backoff_seconds(tracker.failures)
+
+
+def plan_recoveries(
+    spec: WeightSyncSpec,
+    version: int | None,
+    *,
+    pods: Sequence[PodView],
+    statuses: Mapping[str, AgentStatus],
+    trackers: Mapping[str, Tracker],
+    now: float,
+    default_port: int,
+) -> list[Decision]:
+    """One decision per joinable sink pod (none when recovery does not apply)."""
+    if version is None or not enabled_for(spec, version):
+        return []
+    decisions = []
+    for pod in pods:
+        if pod.role is not Role.SINK or not pod.joinable:
+            continue
+        holders = holders_of(version, pods, statuses, default_port, excluding=pod.name)
+        decisions.append(
+            decide(
+                pod,
+                statuses.get(pod.name),
+                version,
+                holders=holders,
+                tracker=trackers.get(pod.uid),
+                now=now,
+            )
+        )
+    return decisions

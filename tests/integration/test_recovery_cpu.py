@@ -356,6 +356,11 @@ def test_restarted_sink_recovers_from_holders(tmp_path: Path) -> None:
                 )
 
             eventually(pulling, timeout=RECOVERY_TIMEOUT, interval=0.02, message="pulling")
+            plan = _plan([source, sink4], 4, port, set())[1].model_dump_json()
+            assert _http_error("PUT", f"{sink4.url}/v1/plan", plan, sink4.token) == (
+                409,
+                "plan_rejected",
+            ), "a recovering agent takes no plan"
             sink3.proc.popen.send_signal(signal.SIGKILL)
             second = _finished(sink4)
             assert second.state == RecoveryState.DONE, second

@@ -1,15 +1,15 @@
 """Recovery: a restarted sink agent pulls the current version from holders and loads it.
 
-`POST /v1/recover` starts `Recovery.run` in the background:
+`POST /v1/recover` starts `Recovery.start`, which runs in the background:
 1. ask every named holder for its `Holding` (`GET /v1/holding`); keep those that hold the
    requested version over the requested protocol and agree on the layout (the largest
    group by layout hash; the others are dropped with the reason);
 2. reuse (or allocate) the agent's bucket slots for that layout and attach them to the
    engine;
-3. pull bucket by bucket through `p2p.pull` into the slots, up to `depth` buckets ahead
-   of the engine, each bucket from all live holders (the bucket's preferred holder
-   rotates, so they take turns), its checksum verified; a holder whose read or checksum
-   fails is dropped for the rest of the recovery;
+3. pull bucket by bucket into the slots (`bucket_pull.pull_buckets`), up to `depth`
+   buckets ahead of the engine, each bucket from all live holders (the bucket's
+   preferred holder rotates, so they take turns), its checksum verified; a holder whose
+   read or checksum fails is dropped for the rest of the recovery;
 4. hand each bucket to the engine (`begin_update` / `load_bucket` / `finish_update`;
    `abort_update` on any failure), then report.
 Only this agent and its engine do any work: holders serve reads passively and running

@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from weightsync.agent.engine_adapter import build_adapter
 from weightsync.agent.generations import Generation, Generations, PlanRejectedError
 from weightsync.agent.handoff_server import serve_publisher
 from weightsync.agent.holder import Holder
@@ -43,7 +44,6 @@ from weightsync.api.control import (
     Role,
     RoundReport,
 )
-from weightsync.engines import create_adapter
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.handoff import Attached, Publish, RoundResult
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
@@ -62,9 +62,7 @@ class Agent:
         self.metrics = AgentMetrics(settings.role.value)
         self.generations = Generations(self.device, self.metrics)
         self.pool = SlotPool(self.device, str(settings.shm_dir))
-        self.adapter: EngineAdapter | None = (
-            create_adapter(settings.engine, settings.engine_url) if settings.engine else None
-        )
+        self.adapter: EngineAdapter | None = build_adapter(settings)
         self.layout: BucketLayout | None = None
         self.version: int | None = None
         self.last_round: RoundReport | None = None

@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from weightsync.api.control import Role
+from weightsync.api.engines import EngineOptions
 from weightsync.transfer.p2p import P2PProtocol
 
 ENV_PREFIX = "WEIGHTSYNC_"
@@ -38,6 +39,7 @@ class AgentSettings(BaseModel):
     engine: str | None = None  # "Reference" | "SGLang" | "VLLM"; sinks, or Colocated sources
     engine_url: str = "http://127.0.0.1:30000"
     engine_timeout_seconds: float = Field(default=60.0, gt=0)
+    engine_options: EngineOptions | None = None  # JSON: the entry's pauseMode, flushCache
     log_level: str = "INFO"
     # P2P recovery. `holder`: keep the latest committed version in host memory for pulls;
     # unset, the source holds and sinks hold only when their plan says so.
@@ -53,6 +55,11 @@ class AgentSettings(BaseModel):
     @classmethod
     def _lower_protocol(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("engine_options", mode="before")
+    @classmethod
+    def _parse_options(cls, value: object) -> object:
+        return EngineOptions.model_validate_json(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> AgentSettings:

@@ -15,6 +15,14 @@ What a selected pod gets:
   kubelet waits for the Secret if the reconcile has not created it yet);
 * on inference pods with `spec.readinessGate.enabled`, the readiness gate
   `weightsync.io/weights-current`;
+* on inference pods, the engine's default flags and environment
+  (`weightsync.api.engines.INJECTIONS`) on the engine container, which is the pod's
+  first container (the sidecar is an init container; put the engine first in a pod with
+  several). A flag goes in only if neither its `command` nor its `args` name it (`--x`
+  or `--x=...`), an env var only if the container does not set it. Flags are added only
+  to a container that sets `command` or `args`: `args` alone would replace the image's
+  CMD. The sink agent gets the entry's `pauseMode` and `flushCache` as JSON in
+  `WEIGHTSYNC_ENGINE_OPTIONS`;
 * labels `weightsync.io/sync` and `weightsync.io/role`, and annotations recording
   what was injected (`weightsync.io/injected`, `agent-port`, `agent-device`,
   `injected-into`).
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.api.control import Role
+from weightsync.api.engines import ENGINE_OPTIONS_ENV, INJECTIONS, EngineOptions
 from weightsync.api.v1alpha1 import SyncMode, WeightSync
 from weightsync.controller import names
 from weightsync.controller.workloads import has_agent
@@ -118,6 +127,8 @@ def agent_container(
         env.append(
             {"name": "WEIGHTSYNC_ENGINE_URL", "value": f"http://$(WEIGHTSYNC_POD_IP):{entry.port}"}
         )
+        options = EngineOptions(pause_mode=entry.pause_mode, flush_cache=entry.flush_cache)
+        env.append({"name": ENGINE_OPTIONS_ENV, "value": options.model_dump_json()})
     mounts: list[dict[str, Any]] = [
         {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
         {"name": names.TOKEN_VOLUME, "mountPath": names.TOKEN_DIR, "readOnly": True},
@@ -195,6 +206,28 @@ def _container_ops(
             f"{base}/env",
             [{"name": "WEIGHTSYNC_SOCKET", "value": names.SOCKET_PATH}],
         )
+
+
+def engine_defaults_ops(
+    ops: JsonPatch, container: Mapping[str, Any], engine: str, index: int = 0
+) -> None:
+    """Append the engine's default flags and env the user has not set to `container`."""
+    injection = INJECTIONS.get(engine)
+    if injection is None:
+        return
+    base = f"/spec/containers/{index}"
+    command = [str(a) for a in container.get("command") or []]
+    args = [str(a) for a in container.get("args") or []]
+    if command or args:
+        merged = injection.merged_args([*command, *args])
+        _append(ops, container, f"{base}/args", merged[len(command) + len(args) :])
+    present = {e.get("name") for e in container.get("env") or []}
+    env = [
+        {"name": name, "value": value}
+        for name, value in injection.env.items()
+        if name not in present
+    ]
+    _append(ops, container, f"{base}/env", env)
 
 
 def _colocated_affinity(ops: JsonPatch, spec: Mapping[str, Any], sync_name: str) -> None:
@@ -277,6 +310,9 @@ def injection_patch(
     )
     for index, container in enumerate(containers):
         _container_ops(ops, index, container, role, colocated)
+    if role is Role.SINK and inference_index is not None and containers:
+        engine = sync.spec.inference[inference_index].engine.value
+        engine_defaults_ops(ops, containers[0], engine)
     if role is Role.SINK and sync.spec.readiness_gate.enabled:
         gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
         if names.WEIGHTS_CURRENT not in gates:

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from weightsync.api.engines import SGLANG_INJECTION  # noqa: F401 - re-exported: its flags are this engine's
 from weightsync.engines import _versions
 from weightsync.engines._http import (
     REASON_BAD_BUCKET,
@@ -51,23 +52,11 @@ from weightsync.engines._http import (
 from weightsync.engines._ipc import LogicalSlot, check_slices, metadata_record
 from weightsync.engines._rounds import Round, RoundAdapter
 from weightsync.engines.base import EngineError, TensorSlice
-from weightsync.engines.injection import EngineFlag, EngineInjection
 
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 
-SGLANG_INJECTION = EngineInjection(
-    flags=(
-        EngineFlag(
-            "--load-format",
-            "dummy",
-            "the trainer's weights arrive by update_weights_from_tensor; starting from random "
-            "weights skips reading a checkpoint, and the readiness gate keeps the pod out of "
-            "Service endpoints until the first version is loaded",
-        ),
-    ),
-)
 
 SESSION_ALREADY_OPEN = "a weight-update session is already open"
 

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from weightsync.api.engines import VLLM_INJECTION  # noqa: F401 - re-exported: its flags are this engine's
 from weightsync.engines import _versions
 from weightsync.engines._http import (
     REASON_BAD_BUCKET,
@@ -54,35 +55,12 @@ from weightsync.engines._http import (
 from weightsync.engines._ipc import check_slices
 from weightsync.engines._rounds import Round, RoundAdapter
 from weightsync.engines.base import EngineError, TensorSlice
-from weightsync.engines.injection import EngineFlag, EngineInjection
 
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
 VLLM_COMMIT = "4ba787ec9"
 
-VLLM_INJECTION = EngineInjection(
-    flags=(
-        EngineFlag(
-            "--weight-transfer-config",
-            '{"backend": "ipc"}',
-            "create vLLM's CUDA IPC weight-transfer engine in every worker",
-        ),
-        EngineFlag(
-            "--load-format",
-            "dummy",
-            "the trainer's weights arrive over IPC; starting from random weights skips "
-            "reading a checkpoint, and the readiness gate keeps the pod out of Service "
-            "endpoints until the first version is loaded",
-        ),
-    ),
-    env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
-    env_why={
-        "VLLM_SERVER_DEV_MODE": "mounts /pause, /resume and the weight-transfer routes",
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "lets workers unpickle ipc_handles_pickled, "
-        "the only way IPC handles travel over HTTP",
-    },
-)
 
 UPDATE_ALREADY_ACTIVE = "start_weight_update called while a weight update is already active"
 

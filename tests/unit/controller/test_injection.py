@@ -9,6 +9,8 @@ import pytest
 
 from tests.unit.controller.builders import pod, sync
 from weightsync.api.control import Role
+from weightsync.api.engines import ENGINE_OPTIONS_ENV, EngineOptions
+from weightsync.api.v1alpha1.spec import PauseMode
 from weightsync.controller import names
 from weightsync.controller.injection import AgentTemplate, injection_patch
 
@@ -180,3 +182,59 @@ def test_colocated_pods_get_host_ipc_and_a_node_local_directory(role: Role) -> N
             names.SYNC_LABEL: "sync",
             names.ROLE_LABEL: "source",
         }
+
+
+def engine_pod(**container: Any) -> dict[str, Any]:
+    raw = pod("engine-a-abc-x1").build()
+    raw["spec"]["containers"] = [
+        {"name": "engine", "image": "engine:1", **container},
+        {"name": "helper", "image": "helper:1", "args": ["--serve"]},
+    ]
+    return raw
+
+
+def test_vllm_defaults_go_to_the_first_container_where_the_user_did_not_set_them() -> None:
+    raw = engine_pod(
+        command=["vllm", "serve", "model", "--load-format=auto"],
+        args=["--port", "8000"],
+        env=[{"name": "VLLM_SERVER_DEV_MODE", "value": "0"}],
+    )
+    _, patched = inject(raw, Role.SINK, spec__inference__0__engine="VLLM")
+    engine, helper = patched["spec"]["containers"]
+    assert engine["command"] == ["vllm", "serve", "model", "--load-format=auto"]
+    assert engine["args"] == ["--port", "8000", "--weight-transfer-config", '{"backend": "ipc"}']
+    assert env_of(engine) == {
+        "VLLM_SERVER_DEV_MODE": "0",  # the user's value stands
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    assert helper["args"] == ["--serve"]
+    assert "env" not in helper
+
+
+def test_sglang_flags_are_added_as_args_after_a_command_without_args() -> None:
+    raw = engine_pod(command=["python", "-m", "sglang.launch_server"])
+    _, patched = inject(raw, Role.SINK, spec__inference__0__engine="SGLang")
+    assert patched["spec"]["containers"][0]["args"] == ["--load-format", "dummy"]
+
+
+def test_no_flags_without_command_or_args_and_none_for_the_reference_engine() -> None:
+    _, patched = inject(engine_pod(), Role.SINK, spec__inference__0__engine="VLLM")
+    engine = patched["spec"]["containers"][0]
+    assert "args" not in engine  # args alone would replace the image's CMD
+    assert env_of(engine)["VLLM_SERVER_DEV_MODE"] == "1"
+    _, patched = inject(engine_pod(args=["--port", "8000"]), Role.SINK)
+    assert patched["spec"]["containers"][0]["args"] == ["--port", "8000"]
+    assert "env" not in patched["spec"]["containers"][0]
+
+
+def test_sink_agent_gets_the_entry_engine_options_as_json() -> None:
+    _, patched = inject(
+        pod("engine-a-abc-x1").build(),
+        Role.SINK,
+        spec__inference__0__pauseMode="Keep",
+        spec__inference__0__flushCache=False,
+    )
+    options = EngineOptions.model_validate_json(env_of(agent_of(patched))[ENGINE_OPTIONS_ENV])
+    assert options == EngineOptions(pause_mode=PauseMode.KEEP, flush_cache=False)
+    _, trainer = inject(pod("trainer-0").build(), Role.SOURCE)
+    assert ENGINE_OPTIONS_ENV not in env_of(agent_of(trainer))

@@ -120,6 +120,8 @@ def agent_container(
         {"name": "WEIGHTSYNC_SOCKET", "value": names.SOCKET_PATH},
         {"name": "WEIGHTSYNC_DEVICE", "value": device},
         {"name": "WEIGHTSYNC_LOG_LEVEL", "value": template.log_level},
+        # What holders serve and pulls use (P2P recovery); the agent reads it lowercased.
+        {"name": "WEIGHTSYNC_P2P_PROTOCOL", "value": sync.spec.recovery.protocol.value},
     ]
     if role is Role.SINK and inference_index is not None:
         entry = sync.spec.inference[inference_index]

@@ -89,7 +89,7 @@ def test_the_dashboard_covers_every_round_and_membership_metric() -> None:
         "weightsync_prewarm_duration_seconds_bucket",
         "weightsync_round_failures_total",
         "weightsync_recovery_duration_seconds_bucket",
-        "weightsync_recovery_bytes_total",
+        "weightsync_recovery_bandwidth_bytes_per_second",
         "weightsync_recovery_failures_total",
     }
     assert wanted <= used, sorted(wanted - used)

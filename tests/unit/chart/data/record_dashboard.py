@@ -3,9 +3,9 @@
 Real metric objects (the agents' `AgentMetrics`, the operator's module), served over
 HTTP, scraped by a real Prometheus (tests.e2e.prometheus), queried panel by panel by
 docs/scripts/render_dashboard.py. Only the rounds are simulated: one source and three
-sinks of WeightSync rl/tiny publish a 16 GB version every few seconds; engine-2 restarts
-and catches up; a burst of timeouts fails some rounds. The agent does not export
-recovery metrics yet, so those panels show "No data".
+sinks of WeightSync rl/tiny publish a 16 GB version every few seconds; engine-2 restarts,
+fails one P2P pull, recovers the current version from a holder and rejoins; a burst of
+timeouts fails some rounds.
 
     python -m tests.unit.chart.data.record_dashboard [--minutes 6]
 """
@@ -66,6 +66,7 @@ def main() -> None:
         for metrics in agents.values():
             metrics.prewarm_duration.observe(rng.uniform(0.6, 1.2))
         restarted_at, rejoined_at = began + 0.45 * 60 * args.minutes, None
+        failed_pull = False
         while (now := time.time()) < began + 60 * args.minutes:
             version += 1
             failing = 0.7 < (now - began) / (60 * args.minutes) < 0.75
@@ -79,13 +80,18 @@ def main() -> None:
                 else:
                     metrics.round_succeeded(duration, MODEL_BYTES, version)
             if restarted_at <= now and rejoined_at is None:
-                agents["engine-2"].current_version.set(-1)
-                if now > restarted_at + 40:
+                restarted = agents["engine-2"]
+                if not failed_pull:
+                    restarted.current_version.set(-1)
+                    if now > restarted_at + 15:
+                        restarted.recovery_failed("holders_gone")
+                        failed_pull = True
+                elif now > restarted_at + 40:
                     rejoined_at = now
                     generation += 1
+                    restarted.recovery_succeeded(rng.uniform(18, 24), MODEL_BYTES, version - 1)
                     for metrics in agents.values():
                         metrics.prewarm_duration.observe(rng.uniform(0.8, 1.6))
-                    agents["engine-2"].current_version.set(version - 1)
             operator_metrics.CURRENT_VERSION.labels("rl", "tiny").set(version - failing)
             operator_metrics.GROUP_GENERATION.labels("rl", "tiny").set(generation)
             result = "waiting" if (restarted_at <= now and rejoined_at is None) else "ok"

@@ -206,12 +206,20 @@ class PodRunner:
             self.pods[uid] = local
         if local.failed:
             return
+        runs_to_completion = pod["spec"].get("restartPolicy", "Always") != "Always"
         for container in local.containers:
             code = container.process.poll()
+            if code == 0 and runs_to_completion and not container.sidecar:
+                container.ready = False
+                continue  # done, as a Job's or a test pod's container may be
             if code is not None:
                 self._fail(local, container.name, code)
                 return
             container.ready = self._probe(local.ip, container.probe)
+        main = [c for c in local.containers if not c.sidecar]
+        if runs_to_completion and all(c.process.poll() == 0 for c in main):
+            self._succeed(local, pod)
+            return
         self._write_readiness(local, pod)
 
     def _start(self, uid: str, pod: dict[str, Any]) -> LocalPod:
@@ -337,6 +345,30 @@ class PodRunner:
         }
         self.core.patch_namespaced_pod_status(local.name, local.namespace, body)
         local.last_status = summary
+
+    def _succeed(self, local: LocalPod, pod: dict[str, Any]) -> None:
+        """Every container exited 0 under restartPolicy Never/OnFailure: the pod Succeeded."""
+        log.info("%s/%s: every container exited 0: Succeeded", local.namespace, local.name)
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        done = {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": now}}
+        statuses = [
+            {"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False,
+             "restartCount": 0, "state": done}
+            for c in pod["spec"]["containers"]
+        ]  # fmt: skip
+        local.failed = True  # finished: nothing more to supervise
+        self._stop(local)  # sidecars, if any
+        body = {
+            "status": {
+                "phase": "Succeeded",
+                "conditions": [
+                    {"type": "ContainersReady", "status": "False", "lastTransitionTime": now},
+                    {"type": "Ready", "status": "False", "lastTransitionTime": now},
+                ],
+                "containerStatuses": statuses,
+            }
+        }
+        self.core.patch_namespaced_pod_status(local.name, local.namespace, body)
 
     def _fail(self, local: LocalPod, container: str, code: int) -> None:
         log.info(

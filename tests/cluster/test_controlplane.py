@@ -126,6 +126,29 @@ def test_pod_runner_process_serves_on_pod_ip_and_its_exit_fails_the_pod(
         assert reply.read().decode() == replacement["metadata"]["name"]
 
 
+def test_pod_that_runs_to_completion_succeeds(
+    cluster: LocalCluster, namespace: str, k8s: client.ApiClient
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "once", "annotations": {kwok_stages.RUN_LOCAL: "true"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "busybox:1.36", "command": ["true"]}],
+        },
+    }
+    apply(cluster, namespace, pod)
+    done = watch_pods_until(
+        k8s,
+        namespace,
+        lambda _, p: p["status"].get("phase") in ("Succeeded", "Failed"),
+        timeout=Timeouts.POD_READY,
+    )
+    assert done["status"]["phase"] == "Succeeded"
+    assert done["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+
 def test_crash_loop_stage_holds_pod_not_ready(
     cluster: LocalCluster, namespace: str, k8s: client.ApiClient
 ) -> None:

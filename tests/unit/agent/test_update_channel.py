@@ -17,6 +17,7 @@ from weightsync.engines.reference.adapter import ReferenceEngineAdapter
 from weightsync.engines.reference.channel import (
     BeginRequest,
     FinishRequest,
+    Staged,
     UpdateChannelClient,
     UpdateChannelServer,
 )
@@ -139,12 +140,22 @@ def test_a_cancelled_request_drops_the_connection_and_the_next_one_redescribes(
     assert engine.digests() == (1, expected(7))
 
 
-@pytest.mark.parametrize("use_channel", [True, False])
-def test_the_adapter_uses_the_announced_channel_or_http(
-    slots: tuple[BucketLayout, BucketSlots], address: str, use_channel: bool
+@pytest.mark.parametrize(
+    ("use_channel", "shared_arenas"), [(True, True), (True, False), (False, True)]
+)
+def test_the_adapter_copies_into_shared_arenas_or_lets_the_engine_copy(
+    slots: tuple[BucketLayout, BucketSlots],
+    address: str,
+    tmp_path: Path,
+    use_channel: bool,
+    shared_arenas: bool,
 ) -> None:
     layout, bucket_slots = slots
-    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+    arenas = tmp_path / "arenas"
+    arenas.mkdir()
+    engine = ReferenceEngine(
+        build_model(CONFIG, seed=0), shm_dir=str(arenas) if shared_arenas else None
+    )
     server = UpdateChannelServer(engine, address)
     server.start()
 
@@ -153,15 +164,18 @@ def test_the_adapter_uses_the_announced_channel_or_http(
             adapter = ReferenceEngineAdapter(str(http.make_url("")), use_channel=use_channel)
             await adapter.attach_buffers(bucket_slots.slots)
             assert adapter.channel_address == (address if use_channel else None)
-            await adapter.begin_update(1)
-            for bucket in layout.buckets:
-                slot = fill(layout, bucket_slots, 9, bucket.index)
-                await adapter.load_bucket(slot, bucket.tensors)
-            await adapter.finish_update(1)
+            assert adapter.copies_here == (use_channel and shared_arenas)
+            for version, seed in [(1, 9), (2, 10), (3, 11)]:  # arenas alternate each round
+                await adapter.begin_update(version)
+                for bucket in layout.buckets:
+                    slot = fill(layout, bucket_slots, seed, bucket.index)
+                    await adapter.load_bucket(slot, bucket.tensors)
+                await adapter.finish_update(version)
+                assert engine.digests() == (version, expected(seed))
             health = await adapter.health()
-            assert (health.healthy, health.version) == (True, 1)
+            assert (health.healthy, health.version) == (True, 3)
             with pytest.raises(EngineError) as error:
-                await adapter.begin_update(1)
+                await adapter.begin_update(3)
             assert error.value.reason == "stale_version"
             await adapter.close()
 
@@ -169,27 +183,83 @@ def test_the_adapter_uses_the_announced_channel_or_http(
         asyncio.run(scenario())
     finally:
         server.close()
-    assert engine.digests() == (1, expected(9))
+        engine.close()
+    assert list(arenas.iterdir()) == [], "closing the engine unlinks its shared arenas"
 
 
-def test_an_unreachable_channel_falls_back_to_http(
-    slots: tuple[BucketLayout, BucketSlots], address: str
+def test_an_arena_handle_is_sent_once_per_connection_and_again_on_request(
+    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
 ) -> None:
-    layout, bucket_slots = slots
-    engine = ReferenceEngine(build_model(CONFIG, seed=0))
+    layout, _ = slots
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
+    (tmp_path / "arenas").mkdir()
+    server = UpdateChannelServer(engine, address)
+    server.start()
+    bucket = layout.buckets[0]
 
     async def scenario() -> None:
-        # The engine announces a channel this process cannot reach (nothing listens).
+        client = UpdateChannelClient(address)
+        seen: list[Staged] = []
+        for version in (1, 2, 3):
+            assert (await client.call(BeginRequest(version=version))).ok
+            for other in layout.buckets:
+                staged = await client.stage(other.tensors)
+                assert isinstance(staged, Staged)
+                if other is bucket:
+                    seen.append(staged)
+            assert (await client.call(FinishRequest(version=version))).ok
+        first, second, third = seen
+        assert first.arena != second.arena  # staging and served arenas alternate
+        assert third.arena == first.arena
+        assert first.handle is not None
+        assert second.handle is not None
+        assert third.handle is None  # this connection has it already
+        assert first.copies == second.copies == third.copies
+        again = await client.handle(first.arena)
+        assert again.handle == first.handle
+        missing = await client.handle(10_000)
+        assert (missing.ok, missing.reason) == (False, "bad_bucket")
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+        engine.close()
+
+
+def test_arenas_the_agent_cannot_map_are_filled_by_the_engine(
+    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+) -> None:
+    layout, bucket_slots = slots
+    arenas = tmp_path / "arenas"
+    arenas.mkdir()
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(arenas))
+    server = UpdateChannelServer(engine, address)
+    server.start()
+
+    def unlink_arenas() -> None:
+        for name in arenas.iterdir():  # mapped ones stay valid; the others cannot be opened
+            name.unlink()
+
+    async def scenario() -> None:
         async with TestServer(make_app(engine, update_channel=address)) as http:
             adapter = ReferenceEngineAdapter(str(http.make_url("")))
             await adapter.attach_buffers(bucket_slots.slots)
-            assert adapter.channel_address is None
-            await adapter.begin_update(1)
-            for bucket in layout.buckets:
-                slot = fill(layout, bucket_slots, 4, bucket.index)
-                await adapter.load_bucket(slot, bucket.tensors)
-            await adapter.finish_update(1)
+            for version, seed in [(1, 13), (2, 14)]:
+                assert adapter.copies_here
+                await adapter.begin_update(version)
+                for bucket in layout.buckets:
+                    slot = fill(layout, bucket_slots, seed, bucket.index)
+                    await adapter.load_bucket(slot, bucket.tensors)
+                await adapter.finish_update(version)
+                assert engine.digests() == (version, expected(seed))
+                unlink_arenas()  # round 2 stages into spares this process never mapped
+            assert not adapter.copies_here
             await adapter.close()
 
-    asyncio.run(scenario())
-    assert engine.digests() == (1, expected(4))
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+        engine.close()

@@ -1,9 +1,13 @@
 """`ReferenceEngineAdapter`: drives the reference engine's update API.
 
 Slots are attached over HTTP; the attach reply names the engine's update channel (a
-Unix socket, see `channel.py`), and begin, every bucket's load, finish and abort then go
-over it. An engine without a channel, or one the agent cannot reach that way (another
-network namespace), is driven over HTTP throughout.
+Unix socket, see `channel.py`) and whether its staging arenas can be shared. Then, per
+bucket, the adapter asks the engine for the bucket's arena and copies the slot into it
+itself, in the agent's process (`stage`), so that on a GPU the copy runs beside the
+agent's NCCL receive of the next bucket instead of being time-sliced against it; it
+returns once the copy is complete, as `load_bucket` must. An engine whose arenas cannot
+be mapped here copies from the slot itself (`load`), over the channel or, without one
+(or when the agent cannot reach it, e.g. another network namespace), over HTTP.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 import aiohttp
 import torch
@@ -23,17 +29,26 @@ from weightsync.engines.reference.channel import (
     BeginRequest,
     FinishRequest,
     Reply,
+    Staged,
     UpdateChannelClient,
     rows,
 )
-from weightsync.transfer.buffers import describe_slots
+from weightsync.transfer.buffers import (
+    SlotError,
+    SlotHandles,
+    copy_tensors,
+    describe_slots,
+    open_slots,
+)
 from weightsync.transfer.handoff import ProtocolError
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class ReferenceEngineAdapter(EngineAdapter):
-    """One engine: an HTTP session for attach and health, the update channel per bucket."""
+    """One engine: HTTP for attach and health, the update channel for each round."""
 
     def __init__(
         self,
@@ -48,11 +63,23 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._use_channel = use_channel
         self._session: aiohttp.ClientSession | None = None
         self._channel: UpdateChannelClient | None = None
+        self._slots: list[torch.Tensor] = []
+        self._push = False  # the engine's arenas are mapped here and filled by us
+        self._arenas: dict[int, torch.Tensor] = {}  # arena id -> its bytes, mapped here
+        self._arena_round: dict[int, int] = {}  # arena id -> the last round that used it
+        self._rounds = 0
+        self._copier: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @property
     def channel_address(self) -> str | None:
         """The update channel in use, or None while the adapter uses HTTP."""
         return self._channel.address if self._channel is not None else None
+
+    @property
+    def copies_here(self) -> bool:
+        """Whether buckets are copied into the engine's arenas by this process."""
+        return self._push and self._channel is not None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -78,20 +105,23 @@ class ReferenceEngineAdapter(EngineAdapter):
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError("unreachable", f"{action}: {exc!r}") from exc
 
-    async def _over_channel(self, what: str, call: Any) -> None:
+    async def _over_channel(
+        self, what: str, call: Callable[[UpdateChannelClient], Awaitable[T]]
+    ) -> T:
         channel = self._channel
         if channel is None:
             raise EngineError("unreachable", f"{what}: no update channel")
         try:
-            reply: Reply = await asyncio.wait_for(call(channel), self._timeout_seconds)
+            result = await asyncio.wait_for(call(channel), self._timeout_seconds)
         except TimeoutError as exc:
             raise EngineError(
                 "timeout", f"{what}: no reply within {self._timeout_seconds:g} s"
             ) from exc
         except (OSError, ProtocolError) as exc:
             raise EngineError("unreachable", f"{what}: {exc!r}") from exc
-        if not reply.ok:
-            raise EngineError(reply.reason or "rejected", reply.message)
+        if isinstance(result, Reply) and not result.ok:
+            raise EngineError(result.reason or "rejected", result.message)
+        return result
 
     async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
         reply = await self._post("attach", describe_slots(slots).model_dump_json())
@@ -107,25 +137,88 @@ class ReferenceEngineAdapter(EngineAdapter):
                 log.warning("update channel %s unreachable, using HTTP: %s", address, exc)
             else:
                 self._channel = channel
-                log.info("engine updates go over the update channel %s", address)
+        self._slots = list(slots)
+        self._push = self._channel is not None and reply.get("staging") == "shared"
+        if self._channel is not None:
+            how = "copied by the agent" if self._push else "copied by the engine"
+            log.info("engine updates over %s, buckets %s", self._channel.address, how)
 
     async def begin_update(self, version: int) -> None:
+        self._rounds += 1
         if self._channel is not None:
             await self._over_channel("begin", lambda c: c.call(BeginRequest(version=version)))
         else:
             await self._post("begin", _dumps({"version": version}))
 
     async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        if not 0 <= slot < len(self._slots):
+            raise EngineError("bad_slot", f"slot {slot} not attached ({len(self._slots)} slots)")
+        if self.copies_here:
+            staged = await self._over_channel(f"stage slot {slot}", lambda c: c.stage(tensors))
+            if not isinstance(staged, Staged):  # a refusal raised already
+                raise EngineError("bad_reply", "stage answered without an arena")
+            arena = await self._arena(staged)
+            if arena is not None:
+                await self._copy(self._slots[slot], arena, staged.copies)
+                return
         if self._channel is not None:
             await self._over_channel(f"load slot {slot}", lambda c: c.load(slot, tensors))
         else:
             await self._post("load", _dumps({"slot": slot, "tensors": rows(tensors)}))
+
+    async def _arena(self, staged: Staged) -> torch.Tensor | None:
+        """The staged arena mapped here; None (and loads from now on) if it cannot be."""
+        arena = self._arenas.get(staged.arena)
+        if arena is None:
+            handle = staged.handle
+            if handle is None:  # we let its mapping go: ask again
+                reply = await self._over_channel("handle", lambda c: c.handle(staged.arena))
+                handle = reply.handle
+            if handle is None:
+                raise EngineError("bad_reply", f"no handle for arena {staged.arena}")
+            try:
+                arena = open_slots(SlotHandles(slots=[handle]))[0]
+            except (SlotError, RuntimeError) as exc:
+                log.warning("cannot map the engine's arenas, the engine copies instead: %s", exc)
+                self._push = False
+                return None
+            self._arenas[staged.arena] = arena
+        self._arena_round[staged.arena] = self._rounds
+        return arena
+
+    async def _copy(
+        self, source: torch.Tensor, arena: torch.Tensor, copies: list[tuple[int, int, int]]
+    ) -> None:
+        for start, at, nbytes in copies:
+            if start < 0 or start + nbytes > source.numel() or at + nbytes > arena.numel():
+                raise EngineError("bad_bucket", f"copy [{start}, +{nbytes}) does not fit")
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="ref-adapter-copy")
+        stream = None
+        if source.is_cuda:
+            stream = self._streams.get(source.device)
+            if stream is None:
+                stream = self._streams[source.device] = torch.cuda.Stream(source.device)  # type: ignore[no-untyped-call]
+        loop = asyncio.get_running_loop()
+        # A cancelled wait leaves the copy to finish on the stream; the next copy into
+        # this arena is queued behind it on the same stream, so it never lands late.
+        await loop.run_in_executor(
+            self._copier, partial(_copy_spans, source, arena, copies, stream)
+        )
+
+    def _forget_unused_arenas(self) -> None:
+        """Let go of arenas no round used lately (an old layout's): the engine frees them."""
+        for arena_id, used in list(self._arena_round.items()):
+            if used < self._rounds - 1:
+                del self._arena_round[arena_id]
+                self._arenas.pop(arena_id, None)
 
     async def finish_update(self, version: int) -> None:
         if self._channel is not None:
             await self._over_channel("finish", lambda c: c.call(FinishRequest(version=version)))
         else:
             await self._post("finish", _dumps({"version": version}))
+        self._forget_unused_arenas()
 
     async def abort_update(self, version: int, reason: str) -> None:
         if self._channel is not None:
@@ -153,9 +246,35 @@ class ReferenceEngineAdapter(EngineAdapter):
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+        self._arenas.clear()
+        self._arena_round.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _copy_spans(
+    source: torch.Tensor,
+    arena: torch.Tensor,
+    copies: list[tuple[int, int, int]],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Copy the spans of a slot into an arena; return once the copy is complete."""
+    destinations = [arena[at : at + nbytes] for _, at, nbytes in copies]
+    sources = [source[start : start + nbytes] for start, _, nbytes in copies]
+    if stream is None:
+        copy_tensors(destinations, sources)
+        return
+    # After whatever the agent queued that writes the slot (the receive, its holder copy).
+    stream.wait_stream(torch.cuda.current_stream(source.device))
+    with torch.cuda.stream(stream):
+        copy_tensors(destinations, sources)
+    stream.synchronize()
+    if arena.device != source.device:
+        torch.cuda.synchronize(arena.device)
 
 
 def _dumps(body: dict[str, Any]) -> str:

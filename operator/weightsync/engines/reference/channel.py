@@ -11,11 +11,18 @@ tensor list crosses once per connection and later loads name it by number.
     agent (adapter)                              engine
     {"op":"begin","version":v}          ->
                                         <-       {"ok":true,"version":<served>}
-    {"op":"load","slot":s,"bucket":b,"tensors":[...]}   (tensors the first time only)
-    {"op":"load","slot":s,"bucket":b}   ->       copy, then reply
+    {"op":"stage","bucket":b,"tensors":[...]}   (tensors the first time only)
+                                        <-       {"ok":true,"arena":id,"handle":{...},
+                                                  "copies":[[slot_off, arena_off, n]]}
+    (the agent copies its slot into the arena, in its own process, then the next bucket)
     {"op":"finish","version":v} / {"op":"abort",...}
 
-Errors are replies with `ok: false`, a `reason` (an `EngineError` label) and a message.
+`stage` hands out the bucket's staging arena (a handle the first time this connection
+sees that arena, the copy spans the first time it sees the bucket): the agent does the
+copy, so on a GPU all of a round's GPU work stays in the agent's process. `load` (the
+engine copies from the slot itself, replying when done) serves engines whose arenas
+cannot be shared. Errors are replies with `ok: false`, a `reason` (an `EngineError`
+label) and a message.
 The engine announces the channel's address in its attach reply; `@name` is a Linux
 abstract socket name, which needs no shared volume between the containers of a pod
 (they share a network namespace), anything else a filesystem path. An adapter that
@@ -31,6 +38,7 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -38,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from weightsync.engines.base import EngineError, TensorSlice
 from weightsync.engines.reference.engine import BucketPlan, ReferenceEngine
+from weightsync.transfer.buffers import SlotError, SlotHandle
 from weightsync.transfer.handoff import ProtocolError, frame, read_frame, recv_frame
 
 log = logging.getLogger(__name__)
@@ -62,6 +71,19 @@ class LoadRequest(_Request):
     tensors: list[TensorRow] | None = None  # sent with a bucket number's first use
 
 
+class StageRequest(_Request):
+    op: Literal["stage"] = "stage"
+    bucket: int = Field(ge=0)
+    tensors: list[TensorRow] | None = None
+
+
+class HandleRequest(_Request):
+    """The handle of an arena again (the agent let its mapping go)."""
+
+    op: Literal["handle"] = "handle"
+    arena: int = Field(ge=1)
+
+
 class FinishRequest(_Request):
     op: Literal["finish"] = "finish"
     version: int = Field(ge=0)
@@ -74,7 +96,8 @@ class AbortRequest(_Request):
 
 
 Request = Annotated[
-    BeginRequest | LoadRequest | FinishRequest | AbortRequest, Field(discriminator="op")
+    BeginRequest | LoadRequest | StageRequest | HandleRequest | FinishRequest | AbortRequest,
+    Field(discriminator="op"),
 ]
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
 
@@ -86,6 +109,18 @@ class Reply(BaseModel):
     version: int | None = None
     reason: str = ""
     message: str = ""
+    arena: int | None = None  # stage: the arena to fill
+    handle: SlotHandle | None = None  # stage: how to map it, the first time
+    copies: list[tuple[int, int, int]] | None = None  # stage: spans, the first time
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """Where the agent copies a bucket: an arena (mapped once) and the spans to copy."""
+
+    arena: int
+    handle: SlotHandle | None
+    copies: list[tuple[int, int, int]]  # (slot offset, arena offset, bytes)
 
 
 def socket_name(address: str) -> str:
@@ -152,30 +187,38 @@ class UpdateChannelServer:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        plans: dict[int, BucketPlan] = {}  # this connection's bucket numbers
+        state = _Connection()
         with conn:
             while not self._closed.is_set():
                 try:
                     body = recv_frame(conn)
                 except (ProtocolError, OSError):
                     return
-                reply = self.handle(body, plans)
+                reply = self.handle(body, state)
                 try:
                     conn.sendall(frame(reply.model_dump_json().encode()))
                 except OSError:
                     return
 
-    def handle(self, body: bytes, plans: dict[int, BucketPlan]) -> Reply:
+    def handle(self, body: bytes, state: _Connection) -> Reply:
         """One request; every failure is a reply, never an exception."""
         engine = self.engine
         try:
             request = _REQUEST.validate_json(body)
+            if isinstance(request, StageRequest):
+                return self._stage(request, state)
+            if isinstance(request, HandleRequest):
+                arena = engine.find_arena(request.arena)
+                state.shared.add(arena.id)
+                return Reply(
+                    ok=True,
+                    version=engine.version,
+                    arena=arena.id,
+                    handle=engine.arena_handle(arena),
+                )
             if isinstance(request, LoadRequest):
-                if request.tensors is not None:
-                    if len(plans) >= _MAX_BUCKETS_PER_CONNECTION:
-                        plans.clear()
-                    plans[request.bucket] = engine.plan(slices(request.tensors))
-                engine.load_plan(request.slot, _described(plans, request.bucket))
+                plan = state.plan(engine, request.bucket, request.tensors)
+                engine.load_plan(request.slot, plan)
             elif isinstance(request, BeginRequest):
                 engine.begin(request.version)
             elif isinstance(request, FinishRequest):
@@ -187,14 +230,45 @@ class UpdateChannelServer:
             return Reply(ok=False, version=engine.version, reason=exc.reason, message=str(exc))
         except ValidationError as exc:
             return Reply(ok=False, version=engine.version, reason="bad_request", message=str(exc))
+        except SlotError as exc:  # an arena that cannot be described for another process
+            return Reply(ok=False, version=engine.version, reason="unsupported", message=str(exc))
         return Reply(ok=True, version=engine.version)
 
+    def _stage(self, request: StageRequest, state: _Connection) -> Reply:
+        engine = self.engine
+        plan = state.plan(engine, request.bucket, request.tensors)
+        arena = engine.stage(plan)
+        handle = None
+        if arena.id not in state.shared:
+            handle = engine.arena_handle(arena)
+            state.shared.add(arena.id)
+        return Reply(
+            ok=True,
+            version=engine.version,
+            arena=arena.id,
+            handle=handle,
+            copies=arena.copies(plan) if request.tensors is not None else None,
+        )
 
-def _described(plans: dict[int, BucketPlan], bucket: int) -> BucketPlan:
-    plan = plans.get(bucket)
-    if plan is None:
-        raise EngineError("bad_bucket", f"bucket {bucket} was never described")
-    return plan
+
+class _Connection:
+    """What one agent connection has been told: bucket numbers, arenas it can map."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, BucketPlan] = {}
+        self.shared: set[int] = set()
+
+    def plan(
+        self, engine: ReferenceEngine, bucket: int, tensors: list[TensorRow] | None
+    ) -> BucketPlan:
+        if tensors is not None:
+            if len(self.plans) >= _MAX_BUCKETS_PER_CONNECTION:
+                self.plans.clear()
+            self.plans[bucket] = engine.plan(slices(tensors))
+        plan = self.plans.get(bucket)
+        if plan is None:
+            raise EngineError("bad_bucket", f"bucket {bucket} was never described")
+        return plan
 
 
 # ----------------------------------------------------------------------------- agent side
@@ -212,6 +286,7 @@ class UpdateChannelClient:
         self._writer: asyncio.StreamWriter | None = None
         self._by_identity: dict[int, tuple[Sequence[TensorSlice], int]] = {}
         self._by_content: dict[tuple[TensorSlice, ...], int] = {}
+        self._copies: dict[int, list[tuple[int, int, int]]] = {}
 
     async def call(self, request: _Request) -> Reply:
         async with self._lock:
@@ -223,6 +298,27 @@ class UpdateChannelClient:
             number, new = self._number(tensors)
             described = rows(tensors) if new else None
             return await self._call(LoadRequest(slot=slot, bucket=number, tensors=described))
+
+    async def stage(self, tensors: Sequence[TensorSlice]) -> Reply | Staged:
+        """The arena to copy a bucket into, or the engine's refusal."""
+        async with self._lock:
+            await self._ensure()
+            number, new = self._number(tensors)
+            described = rows(tensors) if new else None
+            reply = await self._call(StageRequest(bucket=number, tensors=described))
+            if not reply.ok:
+                return reply
+            if reply.copies is not None:
+                self._copies[number] = reply.copies
+            copies = self._copies.get(number)
+            if reply.arena is None or copies is None:
+                self._drop()
+                raise ProtocolError("stage reply without an arena or copy spans")
+            return Staged(reply.arena, reply.handle, copies)
+
+    async def handle(self, arena: int) -> Reply:
+        """An arena's handle again, for an adapter that no longer maps it."""
+        return await self.call(HandleRequest(arena=arena))
 
     def _number(self, tensors: Sequence[TensorSlice]) -> tuple[int, bool]:
         """This connection's number for a tensor list, and whether the engine lacks it."""
@@ -276,6 +372,7 @@ class UpdateChannelClient:
         writer, self._reader, self._writer = self._writer, None, None
         self._by_identity.clear()
         self._by_content.clear()
+        self._copies.clear()
         if writer is not None:
             writer.close()
 

@@ -9,9 +9,16 @@ either the old version or the new one, and an aborted round leaves the old one
 untouched. The arenas freed by a commit become the next round's staging arenas: two
 copies of the weights, no allocation per round once a layout has been seen.
 
-Copies run on a stream of their own, so a load neither waits behind generation work
-queued on the default stream nor makes generation wait; it returns once its copy is
-complete, as the adapter contract asks (the agent then reuses the slot).
+Two ways to fill an arena:
+* `stage` (the agent copies): the engine picks the bucket's staging arena and shares it
+  (CUDA IPC, or shared memory on CPU) with the agent, which copies from its slot into it
+  in its own process. On a GPU this keeps the round's GPU work in one process: kernels of
+  different processes on one GPU are time-sliced, not overlapped, so an engine-side copy
+  stalled the agent's NCCL receive of the next bucket (and was itself ~5x slower).
+* `load` (the engine copies): for adapters that cannot map the arenas. Copies run on a
+  stream of their own, so a load neither waits behind generation work queued on the
+  default stream nor makes generation wait; it returns once its copy is complete, as the
+  adapter contract asks (the agent then reuses the slot).
 """
 
 from __future__ import annotations
@@ -30,8 +37,11 @@ import torch
 from weightsync.engines.base import EngineError, EngineHealth, TensorSlice
 from weightsync.engines.reference.model import LlamaForCausalLM, greedy_generate
 from weightsync.transfer.buffers import (
+    BucketSlots,
+    SlotHandle,
     SlotHandles,
     copy_tensors,
+    describe_slots,
     dtype_name,
     open_slots,
     torch_dtype,
@@ -74,9 +84,26 @@ class BucketPlan:
 
 
 @dataclass(eq=False)
-class _Arena:
+class Arena:
+    """One bucket's staging (later served) bytes, and each tensor's view into them."""
+
+    id: int
     buffer: torch.Tensor  # 1-D uint8 on the engine's device
-    views: dict[str, torch.Tensor]  # each tensor's typed view into `buffer`
+    views: dict[str, torch.Tensor]
+    shared: BucketSlots | None = None  # a CPU arena's shared memory, unlinked when dropped
+
+    def copies(self, plan: BucketPlan) -> list[tuple[int, int, int]]:
+        """(slot offset, arena offset, bytes) spans that fill this arena from a slot."""
+        if plan.dense:
+            return [(plan.start, 0, plan.arena_bytes)]
+        return [
+            (item.offset, at, item.nbytes)
+            for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
+        ]
+
+    def release(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
 
 
 @dataclass
@@ -97,7 +124,15 @@ class UpdateStats:
 
 
 class ReferenceEngine:
-    def __init__(self, model: LlamaForCausalLM, version: int | None = None) -> None:
+    """The weights a reference server serves and their staged updates.
+
+    `shm_dir`: where CPU arenas live in shared memory so an agent can fill them (`stage`);
+    None keeps CPU arenas private (loads only). GPU arenas are always shareable.
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, version: int | None = None, *, shm_dir: str | None = None
+    ) -> None:
         self.model = model
         self.version = version
         self.params = dict(model.named_parameters())
@@ -106,11 +141,13 @@ class ReferenceEngine:
         self._update_lock = threading.Lock()  # update calls from HTTP and the update channel
         self._slots: list[torch.Tensor] = []
         self._plans: dict[tuple[TensorSlice, ...], BucketPlan] = {}
-        self._served: dict[BucketPlan, _Arena] = {}  # arenas the parameters point into
-        self._spare: dict[BucketPlan, _Arena] = {}
-        self._staged: dict[BucketPlan, _Arena] = {}
+        self._served: dict[BucketPlan, Arena] = {}  # arenas the parameters point into
+        self._spare: dict[BucketPlan, Arena] = {}
+        self._staged: dict[BucketPlan, Arena] = {}
         self._staged_names: dict[str, BucketPlan] = {}
         self._staging_version: int | None = None
+        self._shm_dir = shm_dir
+        self._arena_ids = itertools.count(1)
         self._stats = UpdateStats()
         self.last_update: UpdateStats | None = None  # the last committed or aborted update
         self._copy_stream = (
@@ -140,6 +177,11 @@ class ReferenceEngine:
             return self.version, {name: tensor_digest(p) for name, p in self.params.items()}
 
     # --------------------------------------------------------------- updates
+    @property
+    def shares_arenas(self) -> bool:
+        """Whether `stage` can hand arenas to another process."""
+        return self.device.type == "cuda" or self._shm_dir is not None
+
     def attach(self, handles: SlotHandles) -> None:
         slots = open_slots(handles)
         with self._update_lock:
@@ -153,9 +195,9 @@ class ReferenceEngine:
             self._staging_version = version
             self._stats = UpdateStats()
             if self._copy_stream is not None:
-                # Spare arenas were served until the last commit: let reads queued before it
-                # finish before this update's copies overwrite them.
-                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                # Spare arenas were served until the last commit: reads queued before it
+                # finish before this update's copies (ours, or an agent's) overwrite them.
+                torch.cuda.current_stream(self.device).synchronize()
 
     def plan(self, tensors: Sequence[TensorSlice]) -> BucketPlan:
         """Check a bucket's tensors against the model once; later loads reuse the plan."""
@@ -210,6 +252,36 @@ class ReferenceEngine:
     def load(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
         self.load_plan(slot, self.plan(tensors))
 
+    def stage(self, plan: BucketPlan) -> Arena:
+        """The arena the agent fills with this bucket; it counts as loaded from now on.
+
+        The caller must finish its copy before it asks for `commit` (the adapter contract
+        has `load_bucket` return only then), so the engine never copies anything here.
+        """
+        started = time.perf_counter()
+        with self._update_lock:
+            if not self.shares_arenas:
+                raise EngineError("unsupported", "this engine's arenas cannot be shared")
+            arena = self._take_arena(plan)
+            self._stats.add(plan.payload_bytes, time.perf_counter() - started)
+            return arena
+
+    def _take_arena(self, plan: BucketPlan) -> Arena:
+        """This update's arena for `plan` (its staged one, a spare, or a new one)."""
+        if self._staging_version is None:
+            raise EngineError("no_update", "load before begin")
+        for item in plan.tensors:
+            other = self._staged_names.get(item.name)
+            if other is not None and other is not plan:
+                raise EngineError("tensor_mismatch", f"{item.name} was loaded twice")
+        arena = self._staged.get(plan) or self._spare.pop(plan, None)
+        if arena is None:
+            arena = self._allocate(plan)
+        self._staged[plan] = arena
+        for item in plan.tensors:
+            self._staged_names[item.name] = plan
+        return arena
+
     def load_plan(self, slot: int, plan: BucketPlan) -> None:
         """Copy one bucket from slot `slot` into its staging arena; return once copied."""
         started = time.perf_counter()
@@ -225,29 +297,37 @@ class ReferenceEngine:
                 raise EngineError(
                     "bad_bucket", f"bytes up to {plan.end} lie outside the {source.numel()} B slot"
                 )
-            for item in plan.tensors:
-                other = self._staged_names.get(item.name)
-                if other is not None and other is not plan:
-                    raise EngineError("tensor_mismatch", f"{item.name} was loaded twice")
-            arena = self._staged.get(plan) or self._spare.pop(plan, None)
-            if arena is None:
-                arena = self._allocate(plan)
+            arena = self._take_arena(plan)
             self._copy(plan, arena, source)
-            self._staged[plan] = arena
-            for item in plan.tensors:
-                self._staged_names[item.name] = plan
             self._stats.add(plan.payload_bytes, time.perf_counter() - started)
 
-    def _allocate(self, plan: BucketPlan) -> _Arena:
-        buffer = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=self.device)
+    def _allocate(self, plan: BucketPlan) -> Arena:
+        shared: BucketSlots | None = None
+        if self.device.type == "cpu" and self._shm_dir is not None:
+            shared = BucketSlots(1, plan.arena_bytes, self.device, self._shm_dir)
+            buffer = shared.slots[0]
+        else:
+            buffer = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=self.device)
         self._stats.allocated_bytes += plan.arena_bytes
         views = {
             item.name: buffer[at : at + item.nbytes].view(torch_dtype(item.dtype)).view(item.shape)
             for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
         }
-        return _Arena(buffer, views)
+        return Arena(next(self._arena_ids), buffer, views, shared)
 
-    def _copy(self, plan: BucketPlan, arena: _Arena, source: torch.Tensor) -> None:
+    def find_arena(self, arena_id: int) -> Arena:
+        with self._update_lock:
+            for arenas in (self._staged, self._spare, self._served):
+                for arena in arenas.values():
+                    if arena.id == arena_id:
+                        return arena
+        raise EngineError("bad_bucket", f"no arena {arena_id}")
+
+    def arena_handle(self, arena: Arena) -> SlotHandle:
+        """How another process maps `arena` (CUDA IPC, or its shared-memory file)."""
+        return describe_slots([arena.buffer]).slots[0]
+
+    def _copy(self, plan: BucketPlan, arena: Arena, source: torch.Tensor) -> None:
         if plan.dense:
             destinations = [arena.buffer[: plan.arena_bytes]]
             sources = [source[plan.start : plan.end]]
@@ -284,9 +364,13 @@ class ReferenceEngine:
                     for name, view in arena.views.items():
                         self.params[name].data = view
                 self.version = version
-            # The arenas served until now are free; keep those of the plans now served.
-            previous, self._served = self._served, staged
+            # The arenas served until now are free: they are the next round's staging for
+            # the plans now served; arenas of other plans (an old layout) are let go.
+            previous, unused, self._served = self._served, self._spare, staged
             self._spare = {plan: arena for plan, arena in previous.items() if plan in staged}
+            for plan, arena in [*previous.items(), *unused.items()]:
+                if self._spare.get(plan) is not arena:
+                    arena.release()
             self._staged, self._staged_names = {}, {}
             self._staging_version = None
             fresh = [plan for plan in staged if plan not in self._spare]
@@ -307,6 +391,13 @@ class ReferenceEngine:
     def _drop_staged(self) -> None:
         self._spare.update(self._staged)
         self._staged, self._staged_names = {}, {}
+
+    def close(self) -> None:
+        """Unlink shared-memory arenas (their mappings stay valid while in use)."""
+        with self._update_lock:
+            for arenas in (self._served, self._spare, self._staged):
+                for arena in arenas.values():
+                    arena.release()
 
     def _log_update(self, version: int, outcome: str) -> None:
         stats = self.last_update = self._stats

@@ -6,7 +6,8 @@ Routes:
 * `GET  /health`            -> {"healthy", "version", "torn", "detail"}
 * `GET  /v1/weights/digest` -> {"version", "tensors": {name: sha256}}
 * `POST /v1/update/attach`  `SlotHandles`            (once, or when the slots change)
-                            -> {"ok", "version", "update_channel": address | null}
+                            -> {"ok", "version", "update_channel": address | null,
+                                "staging": "shared" | null}
 * `POST /v1/update/begin`   {"version"}
 * `POST /v1/update/load`    {"slot", "tensors": [[name, dtype, shape, offset, nbytes]]}
 * `POST /v1/update/finish`  {"version"}              (atomic swap to the new version)
@@ -149,7 +150,10 @@ async def update(request: web.Request) -> web.Response:
         return _engine_error(exc)
     body: dict[str, Any] = {"ok": True, "version": engine.version}
     if action == "attach":
-        body["update_channel"] = request.app[CHANNEL_KEY] or None
+        channel = request.app[CHANNEL_KEY] or None
+        body["update_channel"] = channel
+        # The agent may fill the staging arenas itself (`stage` on the channel).
+        body["staging"] = "shared" if channel and engine.shares_arenas else None
     return web.json_response(body)
 
 
@@ -186,6 +190,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
+        "--shm-dir",
+        default="/dev/shm",  # noqa: S108 - POSIX shared memory, not a temp dir
+        help="where a CPU engine keeps its staging arenas so the agent can fill them; "
+        "'none' keeps them private",
+    )
+    parser.add_argument(
         "--update-socket",
         default=None,
         help="update channel address: @name (abstract) or a path; 'none' for HTTP only "
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=torch_dtype(args.dtype),
         device=args.device,
     )
-    engine = ReferenceEngine(model)
+    engine = ReferenceEngine(model, shm_dir=None if args.shm_dir == "none" else args.shm_dir)
     address = args.update_socket or f"@weightsync-reference-{args.host}-{args.port}"
     channel: UpdateChannelServer | None = None
     if address != "none":
@@ -216,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if channel is not None:
             channel.close()
+        engine.close()
 
 
 if __name__ == "__main__":

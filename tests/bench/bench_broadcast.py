@@ -1,6 +1,6 @@
 """Broadcast benchmark: an 8B-shaped bf16 state dict from one trainer GPU to N-1 engines.
 
-    python -m tests.bench.bench_broadcast [--gpus N] [--bucket-mib 512 --bucket-mib 1024]
+    python -m tests.bench.bench_broadcast [--gpus N] [--configs 512x2,1024x2,512x3]
                                           [--reps 5] [--skip naive|colocated|http]
 
 One run measures, on the same GPUs:
@@ -9,12 +9,15 @@ One run measures, on the same GPUs:
 * cold/warm: the first full broadcast on a fresh communicator, without and with the
              agent's pre-warm (barrier + small broadcast), and the pre-warm itself;
 * weightsync: `Publisher.publish()` until every reference engine serves the version
-             (real agents and engines, one process each), per bucket size, plus the
-             same rounds with the engines' update channel off (HTTP per bucket);
+             (real agents and engines, one process each), per configuration (bucket
+             MiB x pipeline depth), plus the first configuration with the engines'
+             update channel off (HTTP per bucket, the engine copies from the slot);
 * naive:     one broadcast plus one HTTP engine update request per tensor;
 * colocated: trainer, agent and engine on GPU 0 (CUDA IPC hand-off) vs a D2D copy.
 Ratios are to the floors measured in this run; a phase breakdown of each configuration's
-median round follows the table. NVLink multicast stays off.
+median round follows the table. NVLink multicast stays off. Agents run without a P2P
+holder (WEIGHTSYNC_HOLDER=false): a holder copies every bucket to pinned host memory
+during the round, a cost of the recovery feature measured by `bench_p2p`, not here.
 
 `--smoke` runs the weightsync and colocated parts on CPU (gloo, a small model): a check
 of the benchmark's own machinery, not a measurement.
@@ -56,6 +59,8 @@ from weightsync.transfer.buffers import torch_dtype
 
 PRESET = "llama3-8b"
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]
+AGENT_ENV = {"WEIGHTSYNC_HOLDER": "false"}  # see the module doc
+WARMUP_ROUNDS = 2  # per configuration: new slots, staging arenas, and their mappings
 DISAGGREGATED_TARGET = 1.25
 COLOCATED_TARGET = 2.0
 
@@ -87,6 +92,25 @@ class Setup:
     def sync(self) -> None:
         if self.backend == Backend.NCCL:
             torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One configuration of the transfer: bucket size and pipeline depth."""
+
+    bucket_mib: int
+    depth: int
+
+    @classmethod
+    def parse(cls, text: str) -> list[Shape]:
+        shapes = []
+        for item in text.split(","):
+            mib, _, depth = item.strip().partition("x")
+            shapes.append(cls(int(mib), int(depth or 2)))
+        return shapes
+
+    def label(self) -> str:
+        return f"{self.bucket_mib} MiB buckets, depth {self.depth}"
 
 
 @dataclass
@@ -149,7 +173,7 @@ def plan_for(
     port: int,
     *,
     generation: int,
-    bucket: int,
+    shape: Shape,
     mode: Mode,
 ) -> MembershipPlan:
     return MembershipPlan(
@@ -163,7 +187,11 @@ def plan_for(
             PlanMember(rank=i, pod=p, host="127.0.0.1", role=Role.SOURCE if i == 0 else Role.SINK)
             for i, p in enumerate(pods)
         ],
-        transfer=TransferOptions(bucket_size_bytes=bucket, pipeline_depth=2, timeout_seconds=120),
+        transfer=TransferOptions(
+            bucket_size_bytes=shape.bucket_mib << 20,
+            pipeline_depth=shape.depth,
+            timeout_seconds=120,
+        ),
         prewarm_timeout_seconds=120,
     )
 
@@ -184,13 +212,21 @@ def start_engines_and_agents(
     if colocated:
         engine = st.start_engine("engine-0", preset=setup.preset, seed=0, device=trainer_device)
         engines.append(engine)
-        source = st.start_agent("source-0", role="source", device=trainer_device, engine=engine)
+        source = st.start_agent(
+            "source-0", role="source", device=trainer_device, engine=engine, extra_env=AGENT_ENV
+        )
     else:
         for i, device in enumerate(setup.devices[1:], start=1):
             engine = st.start_engine(f"engine-{i}", preset=setup.preset, seed=0, device=device)
             engines.append(engine)
-            sinks.append(st.start_agent(f"sink-{i}", role="sink", device=device, engine=engine))
-        source = st.start_agent("source-0", role="source", device=trainer_device)
+            sinks.append(
+                st.start_agent(
+                    f"sink-{i}", role="sink", device=device, engine=engine, extra_env=AGENT_ENV
+                )
+            )
+        source = st.start_agent(
+            "source-0", role="source", device=trainer_device, extra_env=AGENT_ENV
+        )
     st.wait_ready([source, *sinks], engines)
     return source, sinks, engines
 
@@ -205,8 +241,9 @@ def run_weightsync(
 ) -> tuple[list[Config], float | None]:
     """Rounds through real agents and engines, one group generation per bucket size.
 
-    Returns each bucket size's timed rounds and generation 1's pre-warm time. The first
-    round of each bucket size (new slots, new staging arenas in the engines) is not timed.
+    Returns each configuration's timed rounds and generation 1's pre-warm time. The first
+    rounds of each configuration (new slots, new staging arenas in the engines, their
+    mappings in the agents) are not timed.
     """
     engine_args = ENGINE_ARGS + (["--update-socket", "none"] if http else [])
     st = Stack(Path(tempfile.mkdtemp(prefix="ws-bench-")), engine_args=engine_args)
@@ -221,7 +258,7 @@ def run_weightsync(
         version = 0
         assert source.socket_path is not None
         with Publisher(source.socket_path, timeout=600) as publisher:
-            for generation, mib in enumerate(args.bucket_mib, start=1):
+            for generation, shape in enumerate(args.shapes, start=1):
                 for rank, agent in enumerate(agents):
                     agent.put_plan(
                         plan_for(
@@ -230,7 +267,7 @@ def run_weightsync(
                             pods,
                             port,
                             generation=generation,
-                            bucket=mib << 20,
+                            shape=shape,
                             mode=mode,
                         )
                     )
@@ -239,7 +276,7 @@ def run_weightsync(
                     millis = source.status().generations[0].prewarm_millis
                     prewarm = None if millis is None else millis / 1000
                 records: list[RoundRecord] = []
-                for rep in range(args.reps + 1):
+                for rep in range(args.reps + WARMUP_ROUNDS):
                     version += 1
                     setup.sync()
                     wall, started = time.time(), time.perf_counter()
@@ -247,10 +284,10 @@ def run_weightsync(
                     elapsed = time.perf_counter() - started
                     check_served(engines, version, result)
                     timings = publisher.last_timings
-                    if rep and timings is not None:  # rep 0 allocates: not timed
+                    if rep >= WARMUP_ROUNDS and timings is not None:
                         records.append(RoundRecord(version, elapsed, wall, timings))
-                kind = "HTTP hand-off, " if http else ""
-                configs.append(Config(f"{mib} MiB buckets, {kind}depth 2", records))
+                kind = ", HTTP hand-off" if http else ""
+                configs.append(Config(shape.label() + kind, records))
         time.sleep(0.5)  # the sinks' last trace lines
         attach_logs(
             [r for c in configs for r in c.records],
@@ -340,17 +377,21 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gpus", type=int, default=None)
-    parser.add_argument("--bucket-mib", type=int, action="append", default=None)
+    parser.add_argument(
+        "--configs",
+        default="512x2,1024x2,512x3",
+        help="bucket MiB x pipeline depth, comma-separated; the first is the headline",
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--skip", action="append", default=[], choices=["naive", "colocated", "http"]
     )
     parser.add_argument("--smoke", action="store_true", help="CPU check of the bench itself")
     args = parser.parse_args()
-    args.bucket_mib = args.bucket_mib or [512, 1024]
+    args.shapes = Shape.parse(args.configs)
     if args.smoke:
         args.gpus = args.gpus or 3
-        args.bucket_mib = [1, 4]
+        args.shapes = [Shape(1, 2), Shape(4, 3)]
         smoke(args)
         return
     args.gpus = args.gpus or torch.cuda.device_count()
@@ -363,11 +404,12 @@ def main() -> None:
         print(line)
     print(
         f"{len(metas)} tensors, {nbytes / 1e9:.2f} GB bf16; "
-        f"1 trainer GPU -> {args.gpus - 1} engines; buckets {args.bucket_mib} MiB, depth 2",
+        f"1 trainer GPU -> {args.gpus - 1} engines; configurations: {args.configs}",
         flush=True,
     )
 
-    chunks = [mib << 20 for mib in args.bucket_mib]
+    sizes = sorted({shape.bucket_mib for shape in args.shapes})
+    chunks = [mib << 20 for mib in sizes]
     raw = spawn_workers(raw_worker, args.gpus, {"reps": args.reps, "chunks": chunks})
     print({k: round(v, 4) for k, v in raw.items()}, flush=True)
     floor = raw["floor"]
@@ -380,7 +422,7 @@ def main() -> None:
                 nbytes,
                 floor,
             )
-            for mib, c in zip(args.bucket_mib, chunks, strict=True)
+            for mib, c in zip(sizes, chunks, strict=True)
         ),
         Row("first broadcast, cold communicator", raw["cold_first"], nbytes, floor),
         Row("pre-warm (barrier + small broadcast)", raw["prewarm"], 0),
@@ -404,7 +446,7 @@ def main() -> None:
         rows.append(Row("agent pre-warm of generation 1", agent_prewarm, 0))
     http: list[Config] = []
     if "http" not in args.skip:
-        http_args = argparse.Namespace(**{**vars(args), "bucket_mib": args.bucket_mib[:1]})
+        http_args = argparse.Namespace(**{**vars(args), "shapes": args.shapes[:1]})
         http, _ = run_weightsync(http_args, setup, state, colocated=False, http=True)
         print_breakdowns("weightsync", http)
         rows += [

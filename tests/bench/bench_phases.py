@@ -138,7 +138,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
         ("issue", "issue a broadcast (collective thread)", ""),
         ("drain", "drain: last buckets on the wire", ""),
         ("engine_begin", "local engine: begin", ""),
-        ("engine_load", "local engine: load (round trip)", "overlaps fills"),
+        ("engine_load", "local engine: stage + copy (round trip)", "overlaps fills"),
         ("engine_wait", "slot held by the local engine", ""),
         ("engine_drain", "local engine: after the last fill", ""),
         ("vote_transfer", "vote 1: every rank received", ""),
@@ -149,7 +149,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
     sink_rows = [
         ("engine_begin", "engine begin (beside the first receives)", ""),
         ("recv_wait", "recv_wait: bucket not yet arrived", "wire-bound"),
-        ("engine_load", "engine load: hand-off round trip", ""),
+        ("engine_load", "engine load: stage + copy (round trip)", ""),
         ("engine_wait", "slot still with the engine", "engine-bound"),
         ("issue", "issue a receive", ""),
         ("engine_drain", "after the last bucket arrived", ""),
@@ -164,7 +164,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
             lines.append(
                 _row(
                     "engines",
-                    "load inside the engine: memcpy + stream sync",
+                    "inside the engine: staging (+ copy if HTTP)",
                     (
                         int(loads[0]["loads"]),
                         statistics.fmean(float(e["load_ms"]) for e in loads),
@@ -176,7 +176,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
             if handoff is not None:
                 inside = statistics.fmean(float(e["load_ms"]) for e in loads)
                 lines.append(
-                    f"  {'engines':<9} {'hand-off overhead (round trip - inside)':<44} "
+                    f"  {'engines':<9} {'round trip minus time inside the engine':<44} "
                     f"{handoff[0]:>5} {handoff[1] - inside:>9.2f}"
                 )
     lines = [line for line in lines if line]

@@ -175,6 +175,9 @@ class PodRunner:
         while not self.stopping.is_set():
             with self.lock:
                 snapshot = dict(self.latest)
+            # Stop deleted pods first: KWOK may already have given their IP to a new pod.
+            for uid in set(self.pods) - set(snapshot):
+                self._stop(self.pods.pop(uid))
             for uid, pod in snapshot.items():
                 try:
                     self._supervise(uid, pod)
@@ -182,8 +185,6 @@ class PodRunner:
                     log.exception(
                         "pod %s/%s", pod["metadata"]["namespace"], pod["metadata"]["name"]
                     )
-            for uid in set(self.pods) - set(snapshot):
-                self._stop(self.pods.pop(uid))
             time.sleep(PROBE_INTERVAL_SECONDS / 2)
 
     def _supervise(self, uid: str, pod: dict[str, Any]) -> None:
@@ -202,6 +203,8 @@ class PodRunner:
         if local is None:
             if status.get("phase") != "Running" or not status.get("podIP"):
                 return
+            if self._ip_in_use(status["podIP"]):
+                return  # a finished pod's processes still hold it; they are being stopped
             local = self._start(uid, pod)
             self.pods[uid] = local
         if local.failed:
@@ -221,6 +224,12 @@ class PodRunner:
             self._succeed(local, pod)
             return
         self._write_readiness(local, pod)
+
+    def _ip_in_use(self, ip: str) -> bool:
+        return any(
+            other.ip == ip and any(c.process.poll() is None for c in other.containers)
+            for other in self.pods.values()
+        )
 
     def _start(self, uid: str, pod: dict[str, Any]) -> LocalPod:
         meta = pod["metadata"]

@@ -200,14 +200,8 @@ class PodRunner:
             if local:
                 self._stop(local)
             return
-        if local is None:
-            if status.get("phase") != "Running" or not status.get("podIP"):
-                return
-            if self._ip_in_use(status["podIP"]):
-                return  # a finished pod's processes still hold it; they are being stopped
-            local = self._start(uid, pod)
-            self.pods[uid] = local
-        if local.failed:
+        local = local or self._start_when_possible(uid, pod)
+        if local is None or local.failed:
             return
         runs_to_completion = pod["spec"].get("restartPolicy", "Always") != "Always"
         for container in local.containers:
@@ -225,13 +219,24 @@ class PodRunner:
             return
         self._write_readiness(local, pod)
 
+    def _start_when_possible(self, uid: str, pod: dict[str, Any]) -> LocalPod | None:
+        status = pod.get("status") or {}
+        if status.get("phase") != "Running" or not status.get("podIP"):
+            return None
+        if self._ip_in_use(status["podIP"]):
+            return None  # a finished pod's processes still hold it; they are being stopped
+        started = self._start(uid, pod)  # None while a Secret or ConfigMap is missing
+        if started is not None:
+            self.pods[uid] = started
+        return started
+
     def _ip_in_use(self, ip: str) -> bool:
         return any(
             other.ip == ip and any(c.process.poll() is None for c in other.containers)
             for other in self.pods.values()
         )
 
-    def _start(self, uid: str, pod: dict[str, Any]) -> LocalPod:
+    def _start(self, uid: str, pod: dict[str, Any]) -> LocalPod | None:
         meta = pod["metadata"]
         local = LocalPod(uid, meta["namespace"], meta["name"], pod["status"]["podIP"])
         pod_dir = self.pods_dir / f"{meta['namespace']}_{meta['name']}_{uid[:8]}"
@@ -248,6 +253,12 @@ class PodRunner:
                 podspec.launch_spec(c, pod, volumes, self.reader, base)
                 for c in [*sidecars, *pod["spec"]["containers"]]
             ]
+        except client.ApiException as error:
+            if error.status != 404:
+                raise
+            log.info("%s/%s waits for a volume's source: %s", *(meta["namespace"], meta["name"]),
+                     error.reason)  # fmt: skip
+            return None
         except podspec.PodSpecError as error:
             log.error(  # noqa: TRY400 - the message is the whole story
                 "cannot run %s/%s: %s", local.namespace, local.name, error

@@ -268,6 +268,12 @@ class Demo:
                     and digest["tensors"] == trainer["tensors"]
                 )
 
+    def close(self) -> None:
+        """Stop everything this demo started (what `make demo-down` does from outside)."""
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        self.cluster.down()
+
     def start_prometheus(self) -> prom.Prometheus:
         operator_pods = self.get("pods", "-n", SYSTEM_NAMESPACE)["items"]
         operators = [
@@ -303,10 +309,11 @@ class Demo:
         return found
 
 
-def run(state_dir: Path, *, rounds: int, kill_at: int, console: Console) -> DemoResult:
+def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
+    """The scenario; everything it starts keeps running until `demo.close()` or `down`."""
     if not 1 <= kill_at < rounds:
         raise DemoError(f"--kill-at must be between 1 and {rounds - 1}")
-    demo = Demo(state_dir, console)
+    console = demo.console
     result = DemoResult()
     demo.start_cluster()
     demo.install_chart()
@@ -342,7 +349,7 @@ def run(state_dir: Path, *, rounds: int, kill_at: int, console: Console) -> Demo
     with console.step("Checking every engine against the trainer's weights"):
         eventually(all_identical, timeout=ROUND_SECONDS, interval=1, message="bit-identical")
     with console.step("Starting Prometheus and reading round latencies"):
-        server = demo.start_prometheus()
+        server = demo.prometheus = demo.start_prometheus()
         result.latency_quantiles_ms = demo.quantiles(server)
         result.prometheus_url = server.url
     _summary(result, demo, console)
@@ -401,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         LocalCluster(state_dir=args.state_dir).down()
         print("demo stopped")
         return 0
-    result = run(args.state_dir, rounds=args.rounds, kill_at=args.kill_at, console=Console())
+    result = run(Demo(args.state_dir, Console()), rounds=args.rounds, kill_at=args.kill_at)
     healthy = all(result.identical.values()) and not result.ready_at_stale_version
     return 0 if healthy else 1
 

@@ -13,15 +13,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 def test_demo_scenario(tmp_path: Path) -> None:
     state_dir = tmp_path / "demo"
+    stack = demo.Demo(state_dir, demo.Console(quiet=True))
     try:
-        result = demo.run(state_dir, rounds=6, kill_at=2, console=demo.Console(quiet=True))
+        result = demo.run(stack, rounds=6, kill_at=2)
         logs = {
             str(path.relative_to(state_dir)): path.read_text(errors="replace")
             for pattern in ("logs/*.log", "pods/*/*.log")
             for path in state_dir.glob(pattern)
         }
     finally:
-        demo.LocalCluster(state_dir=state_dir).down()
+        stack.close()
 
     assert [r.version for r in result.rounds] == list(range(1, 7))
     assert result.rounds[0].ok, result.rounds[0]

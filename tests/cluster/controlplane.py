@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,15 @@ class LocalCluster:
     _children: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
 
     @property
+    def pod_octet(self) -> int:
+        """The second octet of this cluster's pod IPs, 1..200, derived from its state dir.
+
+        Two clusters on one machine (the tests' and the demo's, say) share the loopback
+        network: distinct ranges keep their pods' processes from fighting over an address.
+        """
+        return 1 + zlib.crc32(str(self.state_dir.resolve()).encode()) % 200
+
+    @property
     def kubeconfig(self) -> Path:
         return self.state_dir / "kubeconfig"
 
@@ -153,25 +163,38 @@ class LocalCluster:
 
     def down(self) -> None:
         """Stop the processes this cluster started (and only those, by their PID files)."""
-        if self.pid_dir.exists():
-            pids = []
-            for pid_file in self.pid_dir.glob("*.pid"):
-                pids.append(int(pid_file.read_text()))
-                pid_file.unlink()
-            for pid in pids:
-                _signal_group(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            for pid in pids:
-                while _alive(pid) and time.monotonic() < deadline:
-                    self._reap()
-                    time.sleep(0.05)
-                if _alive(pid):
-                    _signal_group(pid, signal.SIGKILL)
+        # Workloads first (the pod runner, pods' processes, Prometheus), then the control
+        # plane from the top down, so an operator shutting down still reaches its API server.
+        for stage in _SHUTDOWN_ORDER:
+            self._stop_recorded(stage)
         for child in self._children:
             child.wait()
         self._children.clear()
         # etcd's data is disposable: every `up` starts from an empty cluster.
         subprocess.run(["rm", "-rf", str(self.state_dir / "etcd")], check=True)
+
+    def _stop_recorded(self, names: tuple[str, ...]) -> None:
+        """Stop the recorded processes named (PID-file stems); "*": all but the control plane."""
+        if not self.pid_dir.exists():
+            return
+        files = [
+            f
+            for f in self.pid_dir.glob("*.pid")
+            if f.stem in names or ("*" in names and f.stem not in _CONTROL_PLANE)
+        ]
+        pids = []
+        for pid_file in files:
+            pids.append(int(pid_file.read_text()))
+            pid_file.unlink()
+        for pid in pids:
+            _signal_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for pid in pids:
+            while _alive(pid) and time.monotonic() < deadline:
+                self._reap()
+                time.sleep(0.05)
+            if _alive(pid):
+                _signal_group(pid, signal.SIGKILL)
 
     def _reap(self) -> None:
         # Our own children linger as zombies (still "alive" to kill -0) until waited on.
@@ -352,7 +375,7 @@ class LocalCluster:
                 "--manage-all-nodes=false",
                 "--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake",
                 "--node-ip", "127.0.0.1",
-                "--cidr", "127.1.0.1/24",
+                "--cidr", f"127.{self.pod_octet}.0.1/24",
                 "--server-address", f"127.0.0.1:{free_port()}",
             ],
         )  # fmt: skip
@@ -376,8 +399,9 @@ class LocalCluster:
         _wait_until(all_ready, NODES_READY_SECONDS, "KWOK nodes", self.log_dir / "kwok.log")
 
     def node_manifest(self, index: int) -> dict[str, object]:
-        """A fake GPU node; its pods get IPs in 127.1.<index+1>.0/24."""
+        """A fake GPU node; its pods get IPs in 127.<pod_octet>.<index+1>.0/24."""
         name = f"gpu-node-{index}"
+        cidr = f"127.{self.pod_octet}.{index + 1}.0/24"
         resources = {
             "cpu": "64",
             "memory": "512Gi",
@@ -398,13 +422,23 @@ class LocalCluster:
                     "type": "kwok",
                 },
             },
-            "spec": {"podCIDR": f"127.1.{index + 1}.0/24", "podCIDRs": [f"127.1.{index + 1}.0/24"]},
+            "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
             "status": {
                 "capacity": resources,
                 "allocatable": resources,
                 "addresses": [{"type": "InternalIP", "address": f"127.0.{index + 1}.1"}],
             },
         }
+
+
+_CONTROL_PLANE = {"kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"}
+_SHUTDOWN_ORDER: tuple[tuple[str, ...], ...] = (
+    ("podrunner",),
+    ("*",),  # what the pod runner started, Prometheus, anything else recorded
+    ("kwok", "kube-scheduler", "kube-controller-manager"),
+    ("kube-apiserver",),
+    ("etcd",),
+)
 
 
 def _alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -31,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tests.cluster.controlplane import REPO_ROOT, LocalCluster, build_binaries
 from tests.e2e import prometheus as prom
@@ -107,7 +110,10 @@ class DemoResult:
     ready_at_stale_version: list[str] = field(default_factory=list)
     latency_quantiles_ms: dict[str, float] = field(default_factory=dict)
     prometheus_url: str = ""
-    logs: dict[str, str] = field(default_factory=dict)
+    panels_with_data: list[str] = field(default_factory=list)
+    panels_without_data: list[str] = field(default_factory=list)
+    alerts_evaluated: dict[str, int] = field(default_factory=dict)  # alert -> series returned
+    dashboard_png: Path | None = None
 
 
 def _http(method: str, url: str, timeout: float = 120.0) -> Any:
@@ -268,16 +274,23 @@ class Demo:
                     and digest["tensors"] == trainer["tensors"]
                 )
 
-    def close(self) -> None:
-        """Stop everything this demo started (what `make demo-down` does from outside)."""
+    def stop_prometheus(self) -> None:
         if self.prometheus is not None:
             self.prometheus.stop()
+            self.prometheus = None
+
+    def close(self) -> None:
+        """Stop everything this demo started (what `make demo-down` does from outside)."""
+        self.stop_prometheus()
         self.cluster.down()
 
-    def start_prometheus(self) -> prom.Prometheus:
+    def scrape_jobs(self) -> list[prom.ScrapeJob]:
+        """The operator and every running agent, labelled as the chart's monitors would."""
         operator_pods = self.get("pods", "-n", SYSTEM_NAMESPACE)["items"]
         operators = [
-            f"{p['status']['podIP']}:19090" for p in operator_pods if p["status"].get("podIP")
+            f"{p['status']['podIP']}:19090"
+            for p in operator_pods
+            if p["status"].get("phase") == "Running" and p["status"].get("podIP")
         ]
         agents = [
             prom.agent_target(
@@ -289,13 +302,52 @@ class Demo:
             for p in self.get("pods", "-n", NAMESPACE)["items"]
             if p["status"].get("phase") == "Running" and p["status"].get("podIP")
         ]
-        jobs = [prom.operator_job(operators, SYSTEM_NAMESPACE), prom.agent_job(agents)]
-        server = prom.Prometheus(self.cluster.state_dir / "prometheus", jobs).start()
-        pid = server.pid
-        if pid is not None:  # `down` stops it with the rest of the demo
-            (self.cluster.pid_dir / "prometheus.pid").write_text(str(pid))
+        return [prom.operator_job(operators, SYSTEM_NAMESPACE), prom.agent_job(agents)]
+
+    def start_prometheus(self) -> prom.Prometheus:
+        server = prom.Prometheus(self.cluster.state_dir / "prometheus", self.scrape_jobs()).start()
+        if server.pid is not None:  # `down` stops it with the rest of the demo
+            (self.cluster.pid_dir / "prometheus.pid").write_text(str(server.pid))
         server.wait_targets_up()
+        self.prometheus = server
         return server
+
+    def retarget_prometheus(self) -> None:
+        """Scrape the pods running now (a replaced pod has a new IP): rewrite and reload."""
+        server = self.prometheus
+        if server is None or server.pid is None:
+            return
+        jobs = self.scrape_jobs()
+        server.config = prom.scrape_config(jobs, scrape_interval="1s")
+        server.expected_targets = sum(len(job.targets) for job in jobs)
+        server.config_file.write_text(yaml.safe_dump(server.config, sort_keys=False))
+        os.kill(server.pid, signal.SIGHUP)
+        server.wait_targets_up()
+
+    def observe(self, result: DemoResult, since: float) -> None:
+        """Every dashboard panel and alert against Prometheus, and the dashboard as a PNG."""
+        server = self.prometheus
+        if server is None:
+            raise DemoError("Prometheus is not running")
+        dashboards = _dashboard_script()
+        dashboard = json.loads(dashboards.DASHBOARD.read_text())
+        end = time.time()
+        recording = dashboards.record(
+            dashboard,
+            server.url,
+            start=since,
+            end=end,
+            step=2.0,
+            variables={"namespace": NAMESPACE, "weightsync": WEIGHTSYNC},
+        )
+        for title, targets in recording["panels"].items():
+            has_data = any(target["result"] for target in targets.values())
+            (result.panels_with_data if has_data else result.panels_without_data).append(title)
+        result.dashboard_png = dashboards.render(
+            recording, dashboard, self.cluster.state_dir / "dashboard.png"
+        )
+        for alert, expr in _alert_expressions(self.cluster.bin_dir / "helm").items():
+            result.alerts_evaluated[alert] = len(server.query(expr))
 
     def quantiles(self, server: prom.Prometheus) -> dict[str, float]:
         found: dict[str, float] = {}
@@ -309,6 +361,36 @@ class Demo:
         return found
 
 
+def _dashboard_script() -> Any:
+    """docs/scripts/render_dashboard.py, the project's own dashboard renderer."""
+    path = REPO_ROOT / "docs" / "scripts" / "render_dashboard.py"
+    spec = importlib.util.spec_from_file_location("render_dashboard", path)
+    if spec is None or spec.loader is None:
+        raise DemoError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _alert_expressions(helm: Path) -> dict[str, str]:
+    """The chart's alert rules, as `helm template` renders them where monitors exist."""
+    rendered = subprocess.run(
+        [str(helm), "template", "weightsync", str(CHART), "--namespace", SYSTEM_NAMESPACE,
+         "--api-versions", "monitoring.coreos.com/v1"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    for item in yaml.safe_load_all(rendered):
+        if item and item.get("kind") == "PrometheusRule":
+            return {
+                rule["alert"]: rule["expr"]
+                for group in item["spec"]["groups"]
+                for rule in group["rules"]
+                if "alert" in rule
+            }
+    raise DemoError("the chart rendered no PrometheusRule")
+
+
 def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
     """The scenario; everything it starts keeps running until `demo.close()` or `down`."""
     if not 1 <= kill_at < rounds:
@@ -318,6 +400,9 @@ def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
     demo.start_cluster()
     demo.install_chart()
     demo.apply_workloads()
+    with console.step("Starting Prometheus (scraping the operator and every agent)"):
+        demo.start_prometheus()
+    watching_since = time.time()
     console.say("round  version  ok  reason            duration  bytes      generation")
     killed_at = 0.0
     for index in range(1, rounds + 1):
@@ -348,10 +433,15 @@ def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
 
     with console.step("Checking every engine against the trainer's weights"):
         eventually(all_identical, timeout=ROUND_SECONDS, interval=1, message="bit-identical")
-    with console.step("Starting Prometheus and reading round latencies"):
-        server = demo.prometheus = demo.start_prometheus()
+    with console.step("Reading round latencies, every dashboard panel and alert from Prometheus"):
+        demo.retarget_prometheus()  # the replacement pod has an IP of its own
+        time.sleep(3)  # a few scrapes of the final state
+        server = demo.prometheus
+        if server is None:
+            raise DemoError("Prometheus is not running")
         result.latency_quantiles_ms = demo.quantiles(server)
         result.prometheus_url = server.url
+        demo.observe(result, watching_since)
     _summary(result, demo, console)
     return result
 
@@ -360,6 +450,7 @@ def _note_recovery(demo: Demo, result: DemoResult, killed_at: float, console: Co
     if not demo.replacement_ready("engine-b", result.killed_pod, result):
         return False
     result.recovery_seconds = time.monotonic() - killed_at
+    demo.retarget_prometheus()  # scrape the replacement's agent from now on
     console.say(
         f"{result.replacement_pod} replaced {result.killed_pod}: recovered from the trainer's "
         f"host copy and Ready {result.recovery_seconds:.1f}s after the kill"
@@ -388,6 +479,10 @@ def _summary(result: DemoResult, demo: Demo, console: Console) -> None:
         f"  kubectl:    export KUBECONFIG={demo.cluster.kubeconfig}; "
         f"kubectl get wsync -n {NAMESPACE}",
         f"  Prometheus: {result.prometheus_url}  (weightsync_round_duration_seconds, ...)",
+        f"  dashboard:  {result.dashboard_png}  ({len(result.panels_with_data)} panels with"
+        f" data; none yet: {', '.join(result.panels_without_data) or '-'})",
+        f"  alerts:     {len(result.alerts_evaluated)} rules evaluated, "
+        f"{sum(1 for n in result.alerts_evaluated.values() if n)} firing",
         f"  logs:       {demo.cluster.state_dir}/logs, {demo.cluster.state_dir}/pods",
         "  stop:       make demo-down",
     ]

@@ -34,5 +34,20 @@ def test_demo_scenario(tmp_path: Path) -> None:
     assert set(result.versions.values()) == {6}
     assert all(result.identical.values()), result.identical
     assert result.latency_quantiles_ms["p50"] > 0
+    # Every panel's queries ran against the live Prometheus (an error raises); only the
+    # failure panels may be empty, since a clean run has no failures to count.
+    assert set(result.panels_without_data) <= {
+        "Round failures by reason",
+        "Recovery failures by reason",
+    }, result.panels_without_data
+    assert "Recovery duration p50 / p99" in result.panels_with_data
+    assert set(result.alerts_evaluated) == {
+        "WeightSyncSyncStalled",
+        "WeightSyncVersionLag",
+        "WeightSyncRecoveryFailing",
+        "WeightSyncPrewarmSlow",
+    }
+    assert result.dashboard_png is not None
+    assert result.dashboard_png.stat().st_size > 10_000
     with_traceback = [name for name, text in logs.items() if "Traceback" in text]
     assert with_traceback == [], {name: logs[name][-2000:] for name in with_traceback}

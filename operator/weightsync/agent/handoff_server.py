@@ -79,5 +79,10 @@ async def serve_publisher(
                 )
     except (ConnectionError, ProtocolError) as exc:
         log.info("Publisher connection closed: %s", exc)
+    except asyncio.CancelledError:
+        # The agent is shutting down. asyncio's start_unix_server asks a cancelled
+        # connection task for its exception and logs a traceback unless the handler ends
+        # normally; the connection is closed below either way.
+        log.info("Publisher connection closed: the agent is stopping")
     finally:
         writer.close()

@@ -24,14 +24,18 @@ def test_demo_scenario(tmp_path: Path) -> None:
     finally:
         stack.close()
 
-    assert [r.version for r in result.rounds] == list(range(1, 7))
+    versions = [r.version for r in result.rounds]
+    assert versions == list(range(1, len(versions) + 1))
+    assert len(versions) >= 6
     assert result.rounds[0].ok, result.rounds[0]
     assert result.rounds[-1].ok, result.rounds[-1]
+    failed = [r for r in result.rounds if not r.ok]
+    assert all(r.reason for r in failed), failed  # a failed round always says why
     assert result.killed_pod
     assert result.replacement_pod not in ("", result.killed_pod)
     assert result.ready_at_stale_version == []
     assert len(result.versions) == 2
-    assert set(result.versions.values()) == {6}
+    assert set(result.versions.values()) == {versions[-1]}
     assert all(result.identical.values()), result.identical
     assert result.latency_quantiles_ms["p50"] > 0
     # Every panel's queries ran against the live Prometheus (an error raises); only the

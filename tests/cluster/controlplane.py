@@ -143,6 +143,10 @@ class LocalCluster:
         if not self.bin_dir.name:
             self.bin_dir = build_binaries()
         self.down()
+        # A fresh cluster: the previous one's pod folders would only mislead.
+        subprocess.run(
+            ["rm", "-rf", str(self.state_dir / "pods"), str(self.state_dir / "nodes")], check=True
+        )
         for directory in (self.state_dir, self.log_dir, self.pid_dir):
             directory.mkdir(parents=True, exist_ok=True)
         ports = {name: free_port() for name in ("etcd", "etcd_peer", "apiserver")}

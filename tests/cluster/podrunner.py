@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from kubernetes import client, config, watch
 
 from tests.cluster import kwok_stages, podspec
+from tests.cluster.controlplane import REPO_ROOT
 
 log = logging.getLogger("podrunner")
 
@@ -450,17 +452,33 @@ class PodRunner:
 _STAGE = "/.weightsync-podrunner"
 
 
-def mount_script(launch: podspec.ContainerLaunch) -> str:
-    """The shell that builds a container's mounts (parents before children) and execs it."""
+def host_paths() -> list[Path]:
+    """What a local container needs from the host: the repository and the Python running it.
+
+    An image would carry these; here a volume mounted over, say, /tmp would hide them
+    when the checkout or the virtualenv lives below it, so they are bound back on top.
+    """
+    found = {REPO_ROOT, Path(sys.prefix), Path(sys.base_prefix)}
+    return sorted(found, key=lambda path: path.parts)
+
+
+def mount_script(launch: podspec.ContainerLaunch, keep: Sequence[Path] = ()) -> str:
+    """The shell that builds a container's mounts (parents before children) and execs it.
+
+    Host paths in `keep` that a mount would hide are bound back at the same place.
+    """
     lines = ["set -e"]
     if launch.mounts:
         Path(_STAGE).mkdir(exist_ok=True)  # an empty mountpoint on the host, made once
         lines.append(f"mount -t tmpfs podrunner {_STAGE}")
         mounts = sorted(launch.mounts, key=lambda mount: Path(mount[1]).parts)
-        for index, (source, _) in enumerate(mounts):
+        targets = [Path(target) for _, target in mounts]
+        hidden = [p for p in keep if any(p.is_relative_to(t) and p != t for t in targets)]
+        sources = [str(source) for source, _ in mounts] + [str(p) for p in hidden]
+        for index, source in enumerate(sources):
             lines.append(f"mkdir {_STAGE}/{index}")
-            lines.append(f"mount --bind {shlex.quote(str(source))} {_STAGE}/{index}")
-        for index, (_, target) in enumerate(mounts):
+            lines.append(f"mount --bind {shlex.quote(source)} {_STAGE}/{index}")
+        for index, target in enumerate([*map(str, targets), *map(str, hidden)]):
             lines.append(f"mkdir -p {shlex.quote(target)}")
             lines.append(f"mount --bind {_STAGE}/{index} {shlex.quote(target)}")
     if launch.working_dir:
@@ -472,9 +490,10 @@ def mount_script(launch: podspec.ContainerLaunch) -> str:
 def _spawn(launch: podspec.ContainerLaunch, log_path: Path) -> subprocess.Popen[bytes]:
     """Start one container: a private mount namespace with its volumes bound, then exec."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    script = mount_script(launch, host_paths())
     with log_path.open("ab") as output:
         return subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount_script(launch)],
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
             env=launch.env,
             stdout=output,
             stderr=subprocess.STDOUT,

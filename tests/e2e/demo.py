@@ -249,7 +249,8 @@ class Demo:
                 continue
             version = self.engine_version(pod)
             current = self.weightsync()["status"].get("currentVersion")
-            if version != current:
+            # The WeightSync's status may lag a round behind the engines; only behind is stale.
+            if version is None or (current is not None and version < current):
                 result.ready_at_stale_version.append(f"{name}@{version}<{current}")
             result.replacement_pod = name
             return True

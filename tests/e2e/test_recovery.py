@@ -7,7 +7,6 @@ the local control plane (`tests/cluster/test_operator_support.py`), Mooncake ove
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -138,47 +137,4 @@ def test_engines_killed_between_rounds_recover_from_the_holder(
     assert set(replacements) <= set(answered)
     stale = {name: vc for name, vc in answered.items() if vc[0] != vc[1]}
     assert stale == {}
-    no_tracebacks(cluster, operator, namespace)
-
-
-def test_a_holder_killed_during_a_recovery_is_replaced_by_the_other(
-    cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any, tmp_path: Path
-) -> None:
-    trainer_ip = start_stack(cluster, namespace, holders=2)
-    assert step(trainer_ip)["ok"]  # the sink holder stages a committed copy in this round
-    eventually(
-        lambda: ready(cluster, namespace, "engine", 2), timeout=ROUND_UP, message="ready at v2"
-    )
-    expected = trainer_digest(trainer_ip)
-    status = sync_status(cluster, namespace)
-    ranks = {m["pod"]: m["rank"] for m in status["members"]}
-    holder = min((p for p in ranks if ranks[p] > 0), key=ranks.__getitem__)
-    other = next(p for p in ranks if ranks[p] > 0 and p != holder)
-    (victim,) = [p for p in pods(cluster, namespace, "engine") if p["metadata"]["name"] == other]
-    kill_container(cluster.pid_dir, victim, "engine")
-
-    def recovering(_type: str, pod: dict[str, Any]) -> bool:
-        return pod["metadata"]["name"] not in ranks and pod["status"].get("phase") == "Running"
-
-    newcomer = watch_pods_until(
-        k8s, namespace, recovering, timeout=PODS_UP, label_selector="app=engine"
-    )
-    eventually(
-        lambda: ("Normal", "RecoveryStarted") in events(cluster, namespace),
-        timeout=PODS_UP,
-        message="recovery started",
-    )
-    (holder_pod,) = [
-        p for p in pods(cluster, namespace, "engine") if p["metadata"]["name"] == holder
-    ]
-    kill_container(cluster.pid_dir, holder_pod, "weightsync-agent")
-    name = newcomer["metadata"]["name"]
-    replacement = watch_pods_until(
-        k8s,
-        namespace,
-        lambda _type, p: p["metadata"]["name"] == name and condition(p, "Ready") == "True",
-        timeout=PODS_UP,
-        label_selector="app=engine",
-    )
-    assert engine_digest(replacement, ENGINE_PORT) == expected
     no_tracebacks(cluster, operator, namespace)

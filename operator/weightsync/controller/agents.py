@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from weightsync.api.control import (
     AgentStatus,
@@ -23,6 +24,8 @@ from weightsync.api.control import (
     RecoveryStatus,
 )
 from weightsync.controller import metrics
+
+ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,23 +55,42 @@ class AgentClient:
         if self._session is not None:
             await self._session.close()
 
-    async def status(self, agent: AgentAddress, token: str) -> AgentStatus | str:
-        """The agent's status, or why it could not be had."""
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        token: str,
+        reply_model: type[ReplyT],
+        *,
+        label: str,
+        expect: int,
+        body: str | None = None,
+    ) -> ReplyT | str:
+        """One control-API request; the parsed reply, or why there is none (counted by label)."""
+        headers = _auth(token)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         try:
-            async with self._client().get(f"{agent.url}/v1/status", headers=_auth(token)) as reply:
-                body = await reply.read()
-                if reply.status != 200:
-                    metrics.AGENT_REQUESTS.labels("status", "error").inc()
-                    return _describe_error(reply.status, body)
-            result = AgentStatus.model_validate_json(body)
+            async with self._client().request(method, url, data=body, headers=headers) as reply:
+                raw = await reply.read()
+                if reply.status != expect:
+                    metrics.AGENT_REQUESTS.labels(label, "rejected").inc()
+                    return _describe_error(reply.status, raw)
+            parsed = reply_model.model_validate_json(raw)
         except (aiohttp.ClientError, TimeoutError) as error:
-            metrics.AGENT_REQUESTS.labels("status", "unreachable").inc()
+            metrics.AGENT_REQUESTS.labels(label, "unreachable").inc()
             return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         except ValidationError as error:
-            metrics.AGENT_REQUESTS.labels("status", "invalid").inc()
-            return f"unexpected status body: {error.error_count()} errors"
-        metrics.AGENT_REQUESTS.labels("status", "ok").inc()
-        return result
+            metrics.AGENT_REQUESTS.labels(label, "invalid").inc()
+            return f"unexpected reply to {method} {url}: {error.error_count()} errors"
+        metrics.AGENT_REQUESTS.labels(label, "ok").inc()
+        return parsed
+
+    async def status(self, agent: AgentAddress, token: str) -> AgentStatus | str:
+        """The agent's status, or why it could not be had."""
+        return await self._call(
+            "GET", f"{agent.url}/v1/status", token, AgentStatus, label="status", expect=200
+        )
 
     async def statuses(
         self, agents: Iterable[AgentAddress], token: str
@@ -87,52 +109,25 @@ class AgentClient:
 
     async def put_plan(self, agent: AgentAddress, plan: MembershipPlan, token: str) -> str | None:
         """Deliver `plan`; None when accepted, else why not."""
-        try:
-            async with self._client().put(
-                f"{agent.url}/v1/plan",
-                data=plan.model_dump_json(),
-                headers={**_auth(token), "Content-Type": "application/json"},
-            ) as reply:
-                body = await reply.read()
-                if reply.status != 202:
-                    metrics.AGENT_REQUESTS.labels("plan", "rejected").inc()
-                    return _describe_error(reply.status, body)
-            accepted = PlanAccepted.model_validate_json(body)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            metrics.AGENT_REQUESTS.labels("plan", "unreachable").inc()
-            return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        except ValidationError:
-            metrics.AGENT_REQUESTS.labels("plan", "invalid").inc()
-            return "unexpected reply to PUT /v1/plan"
+        accepted = await self._call(
+            "PUT", f"{agent.url}/v1/plan", token, PlanAccepted,
+            label="plan", expect=202, body=plan.model_dump_json(),
+        )  # fmt: skip
+        if isinstance(accepted, str):
+            return accepted
         if (accepted.generation, accepted.rank) != (plan.generation, plan.rank):
             metrics.AGENT_REQUESTS.labels("plan", "invalid").inc()
             return f"accepted generation {accepted.generation} rank {accepted.rank} instead"
-        metrics.AGENT_REQUESTS.labels("plan", "ok").inc()
         return None
 
     async def recover(
         self, agent: AgentAddress, request: RecoverRequest, token: str
     ) -> RecoveryStatus | str:
         """Ask a sink agent to pull `request.version` from holders; its status, or why not."""
-        try:
-            async with self._client().post(
-                f"{agent.url}/v1/recover",
-                data=request.model_dump_json(),
-                headers={**_auth(token), "Content-Type": "application/json"},
-            ) as reply:
-                body = await reply.read()
-                if reply.status != 202:
-                    metrics.AGENT_REQUESTS.labels("recover", "rejected").inc()
-                    return _describe_error(reply.status, body)
-            started = RecoveryStatus.model_validate_json(body)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            metrics.AGENT_REQUESTS.labels("recover", "unreachable").inc()
-            return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        except ValidationError:
-            metrics.AGENT_REQUESTS.labels("recover", "invalid").inc()
-            return "unexpected reply to POST /v1/recover"
-        metrics.AGENT_REQUESTS.labels("recover", "ok").inc()
-        return started
+        return await self._call(
+            "POST", f"{agent.url}/v1/recover", token, RecoveryStatus,
+            label="recover", expect=202, body=request.model_dump_json(),
+        )  # fmt: skip
 
     async def deliver(
         self, plans: Mapping[str, tuple[AgentAddress, MembershipPlan]], token: str

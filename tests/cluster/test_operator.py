@@ -151,7 +151,7 @@ def test_injection_prewarm_rounds_scaling_restart_and_deletion(
     eventually(
         lambda: cluster.kubectl("get", "secret", secret, "-n", namespace, check=False).returncode
         != 0,
-        timeout=Timeouts.API, message="token Secret garbage-collected",
+        timeout=Timeouts.GARBAGE_COLLECTION, message="token Secret garbage-collected",
     )  # fmt: skip
     assert all(g[0] == "True" for g in gates(cluster, namespace).values())
     leftovers = cluster.kubectl(

@@ -17,6 +17,7 @@ class Timeouts:
     POD_REPLACED = 30.0  # a controller replacing a failed or deleted pod
     WEBHOOK = 15.0  # the API server noticing a webhook came or went
     ROUND = 60.0  # a weight-sync round end to end
+    GARBAGE_COLLECTION = 30.0  # the controller-manager deleting an owner's dependents
 
 
 class EventuallyTimeoutError(AssertionError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from weightsync.api import parse_weightsync
@@ -23,17 +23,25 @@ from weightsync.controller.workloads import PodView, parse_time, pods_to_recreat
 
 # Pods created this long before their WeightSync were applied together with it.
 APPLIED_TOGETHER_SECONDS = 300
+# How long after the operator starts the API server may still admit pods without calling
+# its webhook (it learns webhook configurations through a watch, a little later).
+WEBHOOK_SETTLE_SECONDS = 15
 
 EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
 
 
 async def recreate_uninjected(
-    kube: Kube, post_event: EventPoster, raw: Mapping[str, Any], pods: list[PodView]
+    kube: Kube,
+    post_event: EventPoster,
+    raw: Mapping[str, Any],
+    pods: list[PodView],
+    webhook_settled: datetime,
 ) -> None:
-    """Delete opted-in pods that predate the WeightSync; their controller recreates them."""
+    """Delete opted-in pods the webhook missed and would inject now (`pods_to_recreate`);
+    their controller recreates them."""
     created = parse_time(raw["metadata"].get("creationTimestamp"))
     window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
-    for pod in pods_to_recreate(pods, created, window):
+    for pod in pods_to_recreate(pods, created, window, webhook_settled):
         await asyncio.to_thread(kube.delete_pod, raw["metadata"]["namespace"], pod.name, pod.uid)
         kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
         message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.name, kind=kind)

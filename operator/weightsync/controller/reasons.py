@@ -52,8 +52,8 @@ WEIGHTSYNC_DELETED_MESSAGE: Final = (
 # Events that are not condition transitions.
 POD_RECREATED: Final = "PodRecreated"
 POD_RECREATED_MESSAGE: Final = (
-    "Deleted pod {pod}: it was created before this WeightSync, without the agent sidecar;"
-    " its {kind} creates it again with the sidecar."
+    "Deleted pod {pod}: it was created without the agent sidecar (before this WeightSync,"
+    " or before the operator's webhook took effect); its {kind} creates it again with it."
 )
 GENERATION_PLANNED: Final = "GenerationPlanned"
 GENERATION_PLANNED_MESSAGE: Final = "Planned group generation {generation}: {count} ranks ({pods})."

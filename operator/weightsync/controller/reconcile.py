@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -132,6 +133,8 @@ class Reconciler:
         self.settings = settings
         self.post_event = post_event
         self._memory: dict[tuple[str, str], Memory] = {}
+        # Pods admitted before then may have met no webhook of ours (`pods_to_recreate`).
+        self.webhook_settled = utc_now() + timedelta(seconds=pod_actions.WEBHOOK_SETTLE_SECONDS)
 
     def forget(self, namespace: str, name: str) -> None:
         memory = self._memory.pop((namespace, name), None)
@@ -211,7 +214,9 @@ class Reconciler:
             self.kube.ensure_token, namespace, raw, self.settings.agent_token_bytes
         )
         pods = sync_pods(sync, world)
-        await pod_actions.recreate_uninjected(self.kube, self.post_event, raw, pods)
+        await pod_actions.recreate_uninjected(
+            self.kube, self.post_event, raw, pods, self.webhook_settled
+        )
         statuses, errors = await self.agents.statuses(self._addresses(pods), token)
 
         now = time.monotonic()

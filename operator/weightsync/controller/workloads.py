@@ -161,22 +161,30 @@ def parse_time(value: object) -> datetime | None:
 
 
 def pods_to_recreate(
-    pods: Sequence[PodView], sync_created: datetime | None, window: timedelta
+    pods: Sequence[PodView],
+    sync_created: datetime | None,
+    window: timedelta,
+    webhook_settled: datetime | None = None,
 ) -> list[PodView]:
-    """Opted-in pods the webhook could not inject because they predate the WeightSync.
+    """Opted-in pods the webhook could not inject, whose re-creation will inject them.
 
-    When a WeightSync and its workloads are applied together (GitOps, `kubectl apply -f
-    dir/`), the controllers may create pods before the WeightSync exists; the webhook
-    then finds nothing selecting them. Deleting those pods lets their controller create
-    them again, injected. Only pods created at most `window` before the WeightSync are
-    deleted: an older, serving workload is never restarted behind its owner's back (the
-    reconcile reports it as Degraded instead), and a pod created after the WeightSync
-    missed the sidecar for another reason (the webhook was down) that deleting would not
-    fix by itself. Timestamps have whole seconds, so a pod created in the WeightSync's
-    second counts as applied together with it.
+    * Pods that predate the WeightSync: when a WeightSync and its workloads are applied
+      together (GitOps, `kubectl apply -f dir/`), the controllers may create pods before
+      the WeightSync exists, and the webhook then finds nothing selecting them. Only pods
+      created at most `window` before the WeightSync count: an older, serving workload is
+      never restarted behind its owner's back (the reconcile reports it as Degraded).
+    * Pods created after the WeightSync but before `webhook_settled` (this operator's
+      start plus the time the API server takes to see its webhook configuration): they
+      were admitted while no webhook of ours was effective, and it is now.
+
+    A pod created later than both missed the sidecar while the webhook was supposed to
+    work (unreachable: `failurePolicy: Ignore`); deleting it would not fix that by itself,
+    so it is reported, not deleted, and nothing loops. Timestamps have whole seconds, so
+    a pod created in the WeightSync's second counts as applied together with it.
     """
     if sync_created is None:
         return []
+    latest = sync_created if webhook_settled is None else max(sync_created, webhook_settled)
     return [
         pod
         for pod in pods
@@ -184,7 +192,7 @@ def pods_to_recreate(
         and not pod.has_agent
         and not pod.terminating
         and pod.created is not None
-        and sync_created - window <= pod.created <= sync_created
+        and sync_created - window <= pod.created <= latest
     ]
 
 

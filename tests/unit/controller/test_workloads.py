@@ -133,7 +133,7 @@ def test_validating_webhook_refuses_only_new_claims_on_taken_workloads() -> None
     assert claim_errors(deleting, None, [older]) == []
 
 
-def test_only_opted_in_pods_applied_together_with_the_weightsync_are_recreated() -> None:
+def test_only_opted_in_pods_the_webhook_missed_and_would_inject_now_are_recreated() -> None:
     made = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
     def view(name: str, created: datetime, **changes: Any) -> PodView:
@@ -151,6 +151,14 @@ def test_only_opted_in_pods_applied_together_with_the_weightsync_are_recreated()
     chosen = pods_to_recreate(pods, made, timedelta(minutes=5))
     assert [p.name for p in chosen] == ["together", "same-second"]
     assert pods_to_recreate(pods, None, timedelta(minutes=5)) == []
+    # An operator that started just now: pods admitted before its webhook took effect
+    # met no webhook at all, and are recreated; later ones are left to the report.
+    settled = made + timedelta(seconds=10)
+    chosen = pods_to_recreate(pods, made, timedelta(minutes=5), settled)
+    assert [p.name for p in chosen] == ["together", "same-second", "after"]
+    earlier = made - timedelta(seconds=1)  # settled before the WeightSync: no change
+    chosen = pods_to_recreate(pods, made, timedelta(minutes=5), earlier)
+    assert [p.name for p in chosen] == ["together", "same-second"]
 
 
 def test_timestamps_in_both_spellings() -> None:

@@ -132,6 +132,11 @@ def inject(kube: Kube, template: AgentTemplate, body: Mapping[str, Any], patch: 
         return
     if not ops:
         metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
+        log.info(
+            "admitting %s/%s unchanged: no WeightSync selects it, or it has the agent",
+            namespace,
+            meta.get("name") or meta.get("generateName"),
+        )
         return
     patch.fns.append(apply_patch(ops))
     metrics.ADMISSIONS.labels("inject-agent", "injected").inc()

@@ -163,24 +163,33 @@ POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.
 
 
 def template(
-    app: str, containers: list[dict[str, Any]], *, inject: bool, local: bool
+    app: str,
+    containers: list[dict[str, Any]],
+    *,
+    inject: bool,
+    local: bool,
+    annotations: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     labels = {"app": app}
     if inject:
         labels[names.INJECT_LABEL] = names.INJECT_VALUE
-    annotations = {kwok_stages.RUN_LOCAL: "true"} if local else {}
+    annotations = dict(annotations or {})
+    if local:
+        annotations[kwok_stages.RUN_LOCAL] = "true"
     return {
         "metadata": {"labels": labels, "annotations": annotations},
         "spec": {"containers": containers, "terminationGracePeriodSeconds": 1},
     }
 
 
-def trainer(name: str = "trainer", *, inject: bool = True, local: bool = True) -> dict[str, Any]:
+def trainer(
+    name: str = "trainer", *, inject: bool = True, local: bool = True, preset: str = "tiny"
+) -> dict[str, Any]:
     container = {
         "name": "trainer",
         "image": "weightsync/reference-trainer",
         "command": ["python", "-m", "weightsync.engines.reference.trainer", "--host", "$(POD_IP)",
-                    "--port", str(TRAINER_PORT), "--interval", "0"],
+                    "--port", str(TRAINER_PORT), "--interval", "0", "--preset", preset],
         "env": [POD_IP_ENV],
     }  # fmt: skip
     return {
@@ -197,16 +206,29 @@ def trainer(name: str = "trainer", *, inject: bool = True, local: bool = True) -
 
 
 def engines(
-    name: str = "engine", replicas: int = 2, *, inject: bool = True, local: bool = True
+    name: str = "engine",
+    replicas: int = 2,
+    *,
+    inject: bool = True,
+    local: bool = True,
+    preset: str = "tiny",
+    bucket_delay_seconds: float = 0.0,
 ) -> dict[str, Any]:
+    """A Deployment of reference engines; `bucket_delay_seconds` slows their agents' rounds
+    and recoveries (per bucket) so a test can act while one runs."""
     container: dict[str, Any] = {"name": "engine", "image": "weightsync/reference-engine"}
     if local:
         container |= {
             "command": ["weightsync-reference-engine", "--host", "$(POD_IP)",
-                        "--port", str(ENGINE_PORT), "--preset", "tiny"],
+                        "--port", str(ENGINE_PORT), "--preset", preset],
             "env": [POD_IP_ENV],
             "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}},
         }  # fmt: skip
+    slow = (
+        {names.DEBUG_BUCKET_DELAY_ANNOTATION: str(bucket_delay_seconds)}
+        if bucket_delay_seconds
+        else {}
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -214,7 +236,7 @@ def engines(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": {"app": name}},
-            "template": template(name, [container], inject=inject, local=local),
+            "template": template(name, [container], inject=inject, local=local, annotations=slow),
         },
     }
 

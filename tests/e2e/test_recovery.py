@@ -7,9 +7,13 @@ the local control plane (`tests/cluster/test_operator_support.py`), Mooncake ove
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from tests.cluster.controlplane import LocalCluster
 from tests.cluster.test_operator_support import (
@@ -31,19 +35,44 @@ from tests.cluster.test_operator_support import (
 )
 from tests.support.eventually import eventually
 from tests.support.kube import condition, watch_pods_until
-from tests.support.recovery import ReadyWatch, engine_digest, http_json, kill_container
+from tests.support.recovery import (
+    ReadyWatch,
+    agent_token,
+    engine_digest,
+    http_json,
+    kill_container,
+)
+from weightsync.controller import names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 KILLS = 10
 ROUND_UP = 120.0
+SLOW_BUCKET_BYTES = 4 << 20  # the small preset in 27 buckets
+BUCKET_DELAY_SECONDS = 0.05  # per bucket on the engines' agents: rounds of ~1.5 s
+TRANSFER_TIMEOUT_SECONDS = 30  # `weightsync()`'s transfer.timeoutSeconds
+AGENT_HTTP_PORT = 8470  # the operator's default for the agents' control API
 
 
-def start_stack(cluster: LocalCluster, namespace: str, *, holders: int = 1) -> str:
-    """Trainer, two engines, a WeightSync with TCP recovery; version 1 synced. The trainer IP."""
+def start_stack(
+    cluster: LocalCluster,
+    namespace: str,
+    *,
+    holders: int = 1,
+    preset: str = "tiny",
+    bucket_delay_seconds: float = 0.0,
+) -> str:
+    """Trainer, two engines, a WeightSync with TCP recovery; version 1 synced. The trainer IP.
+
+    `preset` "small" (111 MB) with `SLOW_BUCKET_BYTES` buckets and a per-bucket delay on the
+    engines' agents makes rounds and recoveries last long enough to kill something in them.
+    """
     sync = weightsync()
     sync["spec"]["recovery"] = {"protocol": "TCP", "holders": holders}
-    apply(cluster, namespace, trainer(), engines(replicas=2), sync)
+    if preset != "tiny":
+        sync["spec"]["transfer"]["bucketSizeBytes"] = SLOW_BUCKET_BYTES
+    slow = engines(replicas=2, preset=preset, bucket_delay_seconds=bucket_delay_seconds)
+    apply(cluster, namespace, trainer(preset=preset), slow, sync)
     eventually(lambda: in_group(cluster, namespace, 3), timeout=PODS_UP, message="group warm")
     (source,) = pods(cluster, namespace, "trainer")
     ip: str = source["status"]["podIP"]
@@ -107,8 +136,12 @@ def test_engines_killed_between_rounds_recover_from_the_holder(
     trainer_ip = start_stack(cluster, namespace)
     rng = random.Random(6)
     replacements = []
-    trainer_url = f"http://{trainer_ip}:{TRAINER_PORT}"
-    with ReadyWatch(k8s, namespace, "app=engine", ENGINE_PORT, trainer_url) as watcher:
+
+    def trainer_version() -> int:
+        version: int = trainer_digest(trainer_ip)["version"]
+        return version
+
+    with ReadyWatch(k8s, namespace, "app=engine", ENGINE_PORT, trainer_version) as watcher:
         for _ in range(KILLS):
             expected = trainer_digest(trainer_ip)
             replacement = replace_one(cluster, k8s, namespace, rng)
@@ -137,4 +170,171 @@ def test_engines_killed_between_rounds_recover_from_the_holder(
     assert set(replacements) <= set(answered)
     stale = {name: vc for name, vc in answered.items() if vc[0] != vc[1]}
     assert stale == {}
+    no_tracebacks(cluster, operator, namespace)
+
+
+def engine_health(pod: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = http_json(
+        "GET", f"http://{pod['status']['podIP']}:{ENGINE_PORT}/health", timeout=5
+    )
+    return result
+
+
+def agent_url(pod: dict[str, Any]) -> str:
+    return f"http://{pod['status']['podIP']}:{AGENT_HTTP_PORT}"
+
+
+def agent_status(pod: dict[str, Any], token: str) -> dict[str, Any]:
+    status: dict[str, Any] = http_json("GET", f"{agent_url(pod)}/v1/status", 5, token)
+    return status
+
+
+def finished(recovery: dict[str, Any]) -> dict[str, Any] | None:
+    return recovery if recovery.get("state") in ("done", "failed") else None
+
+
+def current_version(k8s: Any, namespace: str) -> Callable[[], int | None]:
+    """The WeightSync's `status.currentVersion`: what a Ready engine must serve."""
+    api = client.CustomObjectsApi(k8s)
+
+    def read() -> int | None:
+        sync = api.get_namespaced_custom_object(
+            "weightsync.io", "v1alpha1", namespace, "weightsyncs", "sync"
+        )
+        version: int | None = (sync.get("status") or {}).get("currentVersion")
+        return version
+
+    return read
+
+
+def test_engines_killed_mid_round_fail_the_round_together_or_miss_it(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
+) -> None:
+    """A round either fails on every rank (no engine keeps a partial update; the survivor
+    serves the old or, if it had committed before the kill, the new version, never a mix)
+    or completes without the killed pod; `publish` says which; then everyone converges."""
+    trainer_ip = start_stack(
+        cluster, namespace, preset="small", bucket_delay_seconds=BUCKET_DELAY_SECONDS
+    )
+    rng = random.Random(16)
+    outcomes: list[str] = []
+    with ReadyWatch(
+        k8s, namespace, "app=engine", ENGINE_PORT, current_version(k8s, namespace)
+    ) as watcher:
+        for _ in range(KILLS):
+            old = trainer_digest(trainer_ip)
+            victim, survivor = rng.sample(ready(cluster, namespace, "engine", 2), 2)
+            container = rng.choice(["engine", names.AGENT_CONTAINER])
+            with ThreadPoolExecutor(1) as pool:
+                publish = pool.submit(step, trainer_ip)
+                eventually(
+                    lambda: engine_health(victim)["detail"] == "updating",  # noqa: B023
+                    timeout=ROUND_UP,
+                    interval=0.01,
+                    message="the round reached the victim's engine",
+                )
+                time.sleep(rng.uniform(0.0, 27 * BUCKET_DELAY_SECONDS))
+                kill_container(cluster.pid_dir, victim, container)
+                result = publish.result(timeout=ROUND_UP)
+            new = trainer_digest(trainer_ip)
+            assert result["version"] == new["version"] == old["version"] + 1
+            assert result["duration_seconds"] < TRANSFER_TIMEOUT_SECONDS, result
+            left = engine_digest(survivor, ENGINE_PORT)
+            if result["ok"]:
+                assert left == new  # completed without the victim
+                outcomes.append("completed")
+            else:
+                assert result["reason"], result
+                assert result["message"], result
+                assert left in (old, new)  # whole versions only: aborted, or had committed
+                outcomes.append(result["reason"])
+            converge(cluster, namespace, k8s, trainer_ip, victim)
+    assert any(o != "completed" for o in outcomes), outcomes  # the kills landed in rounds
+    answered = {name: (v, cur) for name, v, cur in watcher.seen if v is not None}
+    stale = {name: vc for name, vc in answered.items() if vc[0] != vc[1]}
+    assert stale == {}
+    no_tracebacks(cluster, operator, namespace)
+
+
+def converge(
+    cluster: LocalCluster, namespace: str, k8s: Any, trainer_ip: str, victim: dict[str, Any]
+) -> None:
+    """The victim's replacement Ready and in the group; the next round reaches everyone."""
+    gone = victim["metadata"]["name"]
+    known = {p["metadata"]["name"] for p in pods(cluster, namespace, "engine")} | {gone}
+    replacement = watch_pods_until(
+        k8s,
+        namespace,
+        lambda _type, p: p["metadata"]["name"] not in known and condition(p, "Ready") == "True",
+        timeout=PODS_UP,
+        label_selector="app=engine",
+    )
+    name = replacement["metadata"]["name"]
+    eventually(
+        lambda: in_group(cluster, namespace, 3, name),
+        timeout=ROUND_UP,
+        message=f"{name} planned into the group",
+    )
+    result = step(trainer_ip)
+    assert result["ok"], result
+    current = trainer_digest(trainer_ip)
+    serving = eventually(
+        lambda: ready(cluster, namespace, "engine", 2), timeout=ROUND_UP, message="both Ready"
+    )
+    assert [engine_digest(e, ENGINE_PORT) == current for e in serving] == [True, True]
+
+
+def test_a_holder_killed_during_a_recovery_is_replaced_by_the_other(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
+) -> None:
+    trainer_ip = start_stack(
+        cluster, namespace, holders=2, preset="small", bucket_delay_seconds=BUCKET_DELAY_SECONDS
+    )
+    assert step(trainer_ip)["ok"]  # the sink holder commits a copy in this round too
+    eventually(
+        lambda: ready(cluster, namespace, "engine", 2), timeout=ROUND_UP, message="ready at v2"
+    )
+    expected = trainer_digest(trainer_ip)
+    token = agent_token(k8s, namespace, names.token_secret_name("sync"))
+    engine_pods = {p["metadata"]["name"]: p for p in pods(cluster, namespace, "engine")}
+    holding = {name: agent_status(pod, token).get("holding") for name, pod in engine_pods.items()}
+    (holder,) = [name for name, version in holding.items() if version == expected["version"]]
+    (other,) = set(engine_pods) - {holder}
+    kill_container(cluster.pid_dir, engine_pods[other], "engine")
+
+    def pulling(_type: str, pod: dict[str, Any]) -> bool:
+        if pod["metadata"]["name"] in engine_pods or not pod["status"].get("podIP"):
+            return False
+        try:
+            recovery = agent_status(pod, token).get("recovery") or {}
+        except OSError:
+            return False
+        return recovery.get("state") == "running" and recovery.get("bytes", 0) > 0
+
+    newcomer = eventually(
+        lambda: next((p for p in pods(cluster, namespace, "engine") if pulling("", p)), None),
+        timeout=PODS_UP,
+        interval=0.02,
+        message="the replacement pulling",
+    )
+    kill_container(cluster.pid_dir, engine_pods[holder], names.AGENT_CONTAINER)
+    name = newcomer["metadata"]["name"]
+    recovered = eventually(
+        lambda: finished(agent_status(newcomer, token).get("recovery") or {}),
+        timeout=ROUND_UP,
+        message=f"{name} finished its recovery",
+    )
+    assert recovered["state"] == "done", recovered
+    assert agent_url(engine_pods[holder]) in recovered["holders_failed"], recovered
+    (source,) = pods(cluster, namespace, "trainer")
+    assert agent_url(source) in recovered["holders_used"], recovered
+    assert recovered["bytes"] == sync_status(cluster, namespace)["lastRound"]["bytes"]
+    replacement = watch_pods_until(
+        k8s,
+        namespace,
+        lambda _type, p: p["metadata"]["name"] == name and condition(p, "Ready") == "True",
+        timeout=PODS_UP,
+        label_selector="app=engine",
+    )
+    assert engine_digest(replacement, ENGINE_PORT) == expected
     no_tracebacks(cluster, operator, namespace)

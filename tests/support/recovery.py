@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,10 @@ from kubernetes import client, watch
 from tests.support.kube import condition
 
 
-def http_json(method: str, url: str, timeout: float = 60.0) -> Any:
+def http_json(method: str, url: str, timeout: float = 60.0, token: str = "") -> Any:
     request = urllib.request.Request(url, method=method)  # noqa: S310 - test URLs
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310 - test URLs
         return json.loads(reply.read())
 
@@ -39,16 +43,28 @@ def engine_digest(pod: dict[str, Any], port: int) -> dict[str, Any]:
     return result
 
 
+def agent_token(api: client.ApiClient, namespace: str, secret: str) -> str:
+    """The agents' control API token, from the Secret the operator made for the sync."""
+    data = client.CoreV1Api(api).read_namespaced_secret(secret, namespace).data
+    return base64.b64decode(data["token"]).decode()
+
+
 class ReadyWatch:
     """Watches pods in the background and records every pod seen Ready=True, with the
-    engine's version read at that moment (no polling: a poll can miss a short Ready)."""
+    engine's version read at that moment and the version it should serve then, from
+    `current()` (no polling: a poll can miss a short Ready)."""
 
     def __init__(
-        self, api: client.ApiClient, namespace: str, selector: str, port: int, trainer_url: str
+        self,
+        api: client.ApiClient,
+        namespace: str,
+        selector: str,
+        port: int,
+        current: Callable[[], int | None],
     ) -> None:
         self.api, self.namespace, self.selector, self.port = api, namespace, selector, port
-        self.trainer_url = trainer_url
-        # (pod, engine version, trainer version) when first seen Ready; None: no answer
+        self.current = current
+        # (pod, engine version, current version) when first seen Ready; None: no answer
         self.seen: list[tuple[str, int | None, int | None]] = []
         self._ready: set[str] = set()
         self._stop = threading.Event()
@@ -90,7 +106,7 @@ class ReadyWatch:
         except OSError:
             version = None  # the pod is going away (killed just now)
         try:
-            current = http_json("GET", f"{self.trainer_url}/digest")["version"]
+            current = self.current()
         except OSError:
             current = None
         self.seen.append((name, version, current))

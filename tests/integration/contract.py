@@ -21,7 +21,7 @@ from tests.integration.stack import AgentProc, Engine, Stack, free_port, stack, 
 from tests.support.eventually import eventually
 from weightsync.api.control import (
     Backend,
-    EngineStatus,
+    LocalEngine,
     MembershipPlan,
     Mode,
     PlanMember,
@@ -64,8 +64,13 @@ def make_plan(
     port: int,
     *,
     mode: Mode = Mode.DISAGGREGATED,
+    local_engine: Engine | None = None,
 ) -> MembershipPlan:
+    local = None
+    if local_engine is not None:
+        local = LocalEngine(pod=local_engine.proc.name, engine="Reference", url=local_engine.url)
     return MembershipPlan(
+        local_engine=local,
         sync_name="contract",
         generation=generation,
         rank=rank,
@@ -220,22 +225,32 @@ def publish_while_killing(
 
 
 def run_colocated(workdir: Path, device: str, rounds: int = 3) -> None:
-    """Colocated mode: the engine reads the source agent's own slots; no broadcast."""
+    """Colocated mode: the engine the plan names reads the source agent's own slots; no
+    broadcast. A new generation naming another engine (its pod was replaced) moves the
+    hand-off there at the next round."""
     config = ContractConfig(
         backend=Backend.NCCL if device.startswith("cuda") else Backend.GLOO, devices=[device]
     )
     with stack(workdir) as st:
-        engine = st.start_engine("engine-0", preset=config.preset, seed=0, device=device)
-        source = st.start_agent("source-0", role="source", device=device, engine=engine)
-        st.wait_ready([source], [engine])
-        source.put_plan(make_plan(config, 1, 0, ["source-0"], free_port(), mode=Mode.COLOCATED))
-        wait_warm([source], 1, timeout=30.0)
+        first = st.start_engine("engine-0", preset=config.preset, seed=0, device=device)
+        second = st.start_engine("engine-1", preset=config.preset, seed=0, device=device)
+        source = st.start_agent("source-0", role="source", device=device)
+        st.wait_ready([source], [first, second])
         trainer = build_model(PRESETS[config.preset], seed=0, device=device)
         assert source.socket_path is not None
         with Publisher(source.socket_path, timeout=60.0) as publisher:
-            for version in range(1, rounds + 1):
-                randomize(trainer, seed=2000 + version)
-                result = publisher.publish(trainer.named_parameters(), version=version)
-                assert result.ok, result
-                expect_served(trainer, [engine], version)
-        assert source.status().engine == EngineStatus(healthy=True, version=rounds)
+            for generation, engine in enumerate([first, second], start=1):
+                plan = make_plan(
+                    config, generation, 0, ["source-0"], free_port(),
+                    mode=Mode.COLOCATED, local_engine=engine,
+                )  # fmt: skip
+                source.put_plan(plan)
+                wait_warm([source], generation, timeout=30.0)
+                for step in range(1, rounds + 1):
+                    version = (generation - 1) * rounds + step
+                    randomize(trainer, seed=2000 + version)
+                    result = publisher.publish(trainer.named_parameters(), version=version)
+                    assert result.ok, result
+                    expect_served(trainer, [engine], version)
+        assert first.digests()["version"] == rounds  # left alone once replaced
+        assert second.health()["version"] == 2 * rounds

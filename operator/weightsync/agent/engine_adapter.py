@@ -1,4 +1,4 @@
-"""Build the agent's engine adapter from its settings, with the WeightSync's engine options.
+"""Build the agent's engine adapters: its own (settings), or a Colocated plan's local engine.
 
 SGLang and vLLM adapters take their settings model (`SGLangSettings`, `VLLMSettings`),
 built from the entry's `pauseMode` and `flushCache` by `from_weightsync`; every other
@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from weightsync.agent.settings import AgentSettings
+from weightsync.api.engines import EngineOptions
 from weightsync.engines import ADAPTERS, adapter_class
 from weightsync.engines.base import EngineAdapter
 
@@ -20,15 +21,17 @@ def build_adapter(settings: AgentSettings) -> EngineAdapter | None:
     """The adapter for `settings.engine`, or None for an agent without an engine."""
     if settings.engine is None:
         return None
-    cls = adapter_class(settings.engine)
-    options = settings.engine_options
-    settings_class = SETTINGS_CLASSES.get(settings.engine)
+    return adapter_for(settings.engine, settings.engine_url, settings.engine_options)
+
+
+def adapter_for(engine: str, url: str, options: EngineOptions | None) -> EngineAdapter:
+    """An adapter for `engine` at `url`; `options` reach SGLang and vLLM only."""
+    cls = adapter_class(engine)
+    settings_class = SETTINGS_CLASSES.get(engine)
     if options is None or settings_class is None:
-        return cls(settings.engine_url)  # type: ignore[call-arg]
-    module = importlib.import_module(ADAPTERS[settings.engine][0])
+        return cls(url)  # type: ignore[call-arg]
+    module = importlib.import_module(ADAPTERS[engine][0])
     engine_settings = getattr(module, settings_class).from_weightsync(
-        settings.engine_url,
-        pause_mode=options.pause_mode.value,
-        flush_cache=options.flush_cache,
+        url, pause_mode=options.pause_mode.value, flush_cache=options.flush_cache
     )
     return cls(engine_settings)  # type: ignore[call-arg]

@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from weightsync.agent.engine_adapter import build_adapter
+from weightsync.agent.engine_adapter import adapter_for, build_adapter
 from weightsync.agent.generations import Generation, Generations, PlanRejectedError
 from weightsync.agent.handoff_server import serve_publisher
 from weightsync.agent.holder import Holder
@@ -37,6 +37,7 @@ from weightsync.api.control import (
     EngineStatus,
     ErrorResponse,
     GenerationState,
+    LocalEngine,
     MembershipPlan,
     PlanAccepted,
     RecoverRequest,
@@ -69,6 +70,8 @@ class Agent:
         self.round_in_progress = False
         self._round_lock = asyncio.Lock()
         self._local_epoch = -1  # the slot epoch the local (Colocated) engine attached
+        # A Colocated plan's engine (in another pod on this GPU) and its adapter.
+        self._planned_engine: tuple[LocalEngine, EngineAdapter] | None = None
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
         self._tasks: list[asyncio.Task[None]] = []
         self.endpoints = Endpoints(settings.p2p_address, settings.p2p_devices)
@@ -134,6 +137,8 @@ class Agent:
         await self.generations.close()
         if self.adapter is not None:
             await self.adapter.close()
+        if self._planned_engine is not None:
+            await self._planned_engine[1].close()
         self.pool.close()
         self.holder.close()
         self.endpoints.close()
@@ -322,10 +327,11 @@ class Agent:
         slots = self.pool.ensure(layout, transfer.pipeline_depth)
         if self.pool.epoch != self._publisher_epoch:
             raise RoundFailed("layout_mismatch", "the bucket slots changed: attach again")
-        if self.adapter is not None and self._local_epoch != self.pool.epoch:
+        local = await self._local_engine(generation.plan.local_engine)
+        if local is not None and self._local_epoch != self.pool.epoch:
             try:
                 await asyncio.wait_for(
-                    self.adapter.attach_buffers(slots.slots), self.settings.engine_timeout_seconds
+                    local.attach_buffers(slots.slots), self.settings.engine_timeout_seconds
                 )
             except (EngineError, TimeoutError) as exc:
                 raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
@@ -337,11 +343,27 @@ class Agent:
             slots,
             request.version,
             channel,
-            local_engine=self.adapter,
+            local_engine=local,
             engine_timeout_seconds=self.settings.engine_timeout_seconds,
             holder=self.holder,
         )
         return await runner.run()
+
+    async def _local_engine(self, planned: LocalEngine | None) -> EngineAdapter | None:
+        """The engine a source round hands buckets to: the plan's (Colocated), else the
+        agent's own, if any. A new planned engine (its pod was replaced) attaches anew."""
+        if planned is None:
+            return self.adapter
+        if self._planned_engine is not None:
+            known, adapter = self._planned_engine
+            if known == planned:
+                return adapter
+            await adapter.close()
+        log.info("colocated engine: %s of pod %s at %s", planned.engine, planned.pod, planned.url)
+        adapter = adapter_for(planned.engine, planned.url, planned.options)
+        self._planned_engine = (planned, adapter)
+        self._local_epoch = -1
+        return adapter
 
 
 # -------------------------------------------------------------------- HTTP

@@ -22,6 +22,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
 MiB = 1 << 20
@@ -67,6 +68,19 @@ class PlanMember(_Message):
     role: Role
 
 
+class LocalEngine(_Message):
+    """The engine a Colocated source hands its buckets to: on the same GPU, another pod.
+
+    The operator picks the inference pod on the trainer's node; when it is replaced, the
+    new pod's engine comes in a new generation's plan.
+    """
+
+    pod: str = Field(min_length=1)
+    engine: str = Field(min_length=1)  # "Reference" | "SGLang" | "VLLM"
+    url: str = Field(min_length=1)  # its HTTP base URL (pod IP and the entry's port)
+    options: EngineOptions = EngineOptions()
+
+
 class MembershipPlan(_Message):
     """Generation `generation` of the sync group, addressed to the member with `rank`."""
 
@@ -83,6 +97,7 @@ class MembershipPlan(_Message):
     # The trainer's source agent holds by default (`WEIGHTSYNC_HOLDER`); the operator
     # names further holders here.
     holder: bool = False
+    local_engine: LocalEngine | None = None  # Colocated only: where the source hands off
 
     @model_validator(mode="after")
     def _check_members(self) -> Self:
@@ -98,6 +113,8 @@ class MembershipPlan(_Message):
             raise ValueError(f"rank {self.rank} is not a member of the plan")
         if self.mode == Mode.COLOCATED and len(self.members) != 1:
             raise ValueError("a Colocated plan has only the source member")
+        if self.local_engine is not None and self.mode != Mode.COLOCATED:
+            raise ValueError("only a Colocated plan names a local engine")
         return self
 
     @property

@@ -10,6 +10,11 @@ write lost after a plan was delivered can never make the operator reuse a number
 Ranks are kept stable across generations: continuing members keep their relative
 order and newcomers are appended, so a scale-up does not reshuffle the group.
 
+Colocated groups have the source as their only member, and name the engine it hands
+buckets to (`LocalEngine`): a joinable inference pod on the source's node (the webhook
+gives inference pods a required affinity to it), the one planned before while it stays
+joinable. A new engine pod is a new generation, as a new member would be.
+
 Holders (P2P recovery): the source agent always keeps the latest committed version in
 host memory; `spec.recovery.holders` > 1 asks the lowest-ranked sinks for the rest. The
 lowest ranks are the longest-serving members, so the choice changes only when a holder
@@ -25,6 +30,7 @@ from weightsync.api.control import (
     AgentStatus,
     Backend,
     GenerationState,
+    LocalEngine,
     MembershipPlan,
     Mode,
     PlanMember,
@@ -32,6 +38,7 @@ from weightsync.api.control import (
     Role,
     TransferOptions,
 )
+from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import MemberRole, SyncMode, WeightSyncSpec
 from weightsync.controller.workloads import PodView
 
@@ -53,6 +60,11 @@ class Desired:
 
     members: tuple[PodView, ...]
     waiting_for: str = ""  # non-empty: no group can be formed yet, and why
+    engine: PodView | None = None  # Colocated: the inference pod the source hands off to
+
+    @property
+    def engine_pod(self) -> str | None:
+        return self.engine.name if self.engine is not None else None
 
     @property
     def formable(self) -> bool:
@@ -72,14 +84,16 @@ def desired_members(
     pods: Sequence[PodView],
     answering: Collection[str],
     previous: Sequence[Slot],
+    *,
     excluded: Collection[str] = (),
+    previous_engine: str | None = None,
 ) -> Desired:
     """The next generation's members: the source-rank trainer pod, then every joinable sink.
 
     `answering` names the pods whose agents answered `GET /v1/status` this pass;
     `excluded` names pods held out for a while (a failed plan delivery or a member that
-    did not warm in time). Colocated groups have only the source member: the hand-off to
-    the engine on the same GPU is the source agent's own business.
+    did not warm in time). Colocated groups have only the source member, and the
+    engine it hands off to: the one planned before (`previous_engine`) while joinable.
     """
 
     def eligible(pod: PodView) -> bool:
@@ -89,9 +103,14 @@ def desired_members(
     sources = [p for p in pods if p.role is Role.SOURCE and p.ordinal == source_rank]
     if not sources or not eligible(sources[0]):
         return Desired((), waiting_for=f"the source agent of trainer rank {source_rank}")
-    if spec.mode is SyncMode.COLOCATED:
-        return Desired((sources[0],))
     sinks = [p for p in pods if p.role is Role.SINK and eligible(p)]
+    if spec.mode is SyncMode.COLOCATED:
+        source = sources[0]
+        local = [p for p in sinks if p.node is not None and p.node == source.node]
+        local.sort(key=lambda p: (p.name != previous_engine, p.inference_index or 0, p.name))
+        if not local:
+            return Desired((), waiting_for=f"a ready inference pod on node {source.node}")
+        return Desired((source,), engine=local[0])
     if not sinks:
         return Desired((), waiting_for="a ready inference pod whose agent answers")
     order = {slot.pod: slot.rank for slot in previous}
@@ -123,15 +142,19 @@ def needs_new_generation(
     statuses: Mapping[str, AgentStatus],
     *,
     planned_from_older_spec: bool = False,
+    planned_engine: str | None = None,
 ) -> bool:
     """Whether the planned generation no longer describes the group the operator wants.
 
     `planned_from_older_spec`: the spec changed since the group was planned (transfer
-    options, timeouts), and agents only learn those from a new plan.
+    options, timeouts), and agents only learn those from a new plan. `planned_engine`:
+    the Colocated engine pod the planned generation hands off to.
     """
     if not desired.formable:
         return False
     if planned_generation is None or planned_from_older_spec:
+        return True
+    if desired.engine_pod != planned_engine:
         return True
     if slots(desired.members) != tuple(planned):
         return True
@@ -181,8 +204,10 @@ def build_plans(
     generation: int,
     members: Sequence[PodView],
     rendezvous_port: int,
+    engine: PodView | None = None,
 ) -> list[MembershipPlan]:
-    """One `MembershipPlan` per member (each addressed to its own rank)."""
+    """One `MembershipPlan` per member (each addressed to its own rank); `engine`: the
+    Colocated inference pod the source hands off to."""
     hosts = [p.ip for p in members]
     if any(host is None for host in hosts):
         raise ValueError("every member of a plan needs a pod IP")
@@ -209,6 +234,20 @@ def build_plans(
             transfer=transfer,
             prewarm_timeout_seconds=float(spec.prewarm.timeout_seconds),
             holder=rank in holding,
+            local_engine=local_engine(spec, engine) if engine is not None else None,
         )
         for rank in range(len(members))
     ]
+
+
+def local_engine(spec: WeightSyncSpec, pod: PodView) -> LocalEngine:
+    """How a Colocated source reaches `pod`'s engine: its entry's engine, port, options."""
+    if pod.ip is None or pod.inference_index is None:
+        raise ValueError(f"pod {pod.name} is no addressable inference pod")
+    entry = spec.inference[pod.inference_index]
+    return LocalEngine(
+        pod=pod.name,
+        engine=entry.engine.value,
+        url=f"http://{pod.ip}:{entry.port}",
+        options=EngineOptions(pause_mode=entry.pause_mode, flush_cache=entry.flush_cache),
+    )

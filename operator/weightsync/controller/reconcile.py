@@ -43,6 +43,7 @@ from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.kube import Kube
 from weightsync.controller.plan import (
+    Desired,
     Slot,
     build_plans,
     cold_members,
@@ -102,6 +103,7 @@ class Memory:
     recoveries: dict[str, Tracker] = field(default_factory=dict)  # by pod uid
     poll_soon: bool = False  # the last pass left a recovery in flight
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass
+    planned_engine: str | None = None  # Colocated: the engine pod the planned group feeds
 
 
 def stored_status(raw: Mapping[str, Any]) -> WeightSyncStatus:
@@ -226,28 +228,17 @@ class Reconciler:
             raw, sync, pods, (statuses, old), token=token, memory=memory
         )
         excluded |= recovering.held_out
-        planned = [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members]
-        planned_generation = old.group_generation
-        desired = desired_members(spec, pods, statuses.keys(), planned, excluded)
-        plan_errors: dict[str, str] = {}
-        # Prewarmed is written only by passes that planned (or kept) a group, so its
-        # observedGeneration is the spec generation the current group was planned from.
-        prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)
-        older_spec = prewarmed is not None and prewarmed.observed_generation != generation
-        if needs_new_generation(
-            desired, planned, planned_generation, statuses, planned_from_older_spec=older_spec
-        ):
-            planned_generation = next_generation(planned_generation, statuses)
-            plan_errors = await self._deliver(
-                raw,
-                sync,
-                generation=planned_generation,
-                members=desired.members,
-                token=token,
-                memory=memory,
-            )
-            planned = list(slots(desired.members))
-            memory.planned_at = {planned_generation: now}  # older ones no longer matter
+        desired = desired_members(
+            spec,
+            pods,
+            statuses.keys(),
+            [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members],
+            excluded=excluded,
+            previous_engine=memory.planned_engine,
+        )
+        planned, planned_generation, plan_errors = await self._plan(
+            raw, sync, old, desired, statuses, token=token, memory=memory
+        )
         timed_out = self._prewarm_timed_out(
             sync, (planned, planned_generation), statuses, pods, memory
         )
@@ -361,23 +352,60 @@ class Reconciler:
             if p.has_agent and p.ip and p.running and not p.terminating
         ]
 
+    async def _plan(
+        self,
+        raw: Mapping[str, Any],
+        sync: WeightSync,
+        old: WeightSyncStatus,
+        desired: Desired,
+        statuses: Mapping[str, AgentStatus],
+        *,
+        token: str,
+        memory: Memory,
+    ) -> tuple[list[Slot], int | None, dict[str, str]]:
+        """Plan a new generation if the group must change: (slots, generation, refusals)."""
+        planned = [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members]
+        # Prewarmed is written only by passes that planned (or kept) a group, so its
+        # observedGeneration is the spec generation the current group was planned from.
+        prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)
+        generation = int(raw["metadata"].get("generation") or 0)
+        older_spec = prewarmed is not None and prewarmed.observed_generation != generation
+        if not needs_new_generation(
+            desired,
+            planned,
+            old.group_generation,
+            statuses,
+            planned_from_older_spec=older_spec,
+            planned_engine=memory.planned_engine,
+        ):
+            return planned, old.group_generation, {}
+        number = next_generation(old.group_generation, statuses)
+        errors = await self._deliver(
+            raw, sync, generation=number, desired=desired, token=token, memory=memory
+        )
+        memory.planned_engine = desired.engine_pod
+        memory.planned_at = {number: time.monotonic()}  # older ones no longer matter
+        return list(slots(desired.members)), number, errors
+
     async def _deliver(
         self,
         raw: Mapping[str, Any],
         sync: WeightSync,
         *,
         generation: int,
-        members: tuple[PodView, ...],
+        desired: Desired,
         token: str,
         memory: Memory,
     ) -> dict[str, str]:
         meta = raw["metadata"]
+        members = desired.members
         plans = build_plans(
             sync_name=f"{meta['namespace']}/{meta['name']}",
             spec=sync.spec,
             generation=generation,
             members=members,
             rendezvous_port=self.settings.rendezvous_port,
+            engine=desired.engine,
         )
         deliveries = {
             pod.name: (

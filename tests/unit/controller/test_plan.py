@@ -88,10 +88,64 @@ def test_no_group_without_a_source_or_a_sink(
     assert not needs_new_generation(desired, [], None, {})
 
 
-def test_colocated_groups_hold_only_the_source() -> None:
-    pods = [source_view(), sink_view("e-1")]
-    desired = desired_members(sync(spec__mode="Colocated").spec, pods, {"trainer-0", "e-1"}, [])
+def test_colocated_groups_hold_only_the_source_and_name_an_engine_on_its_node() -> None:
+    spec = sync(spec__mode="Colocated").spec
+    pods = [
+        source_view(),
+        sink_view("e-far", node="node-b"),  # another node: no CUDA IPC to it
+        sink_view("e-2", ip="10.0.1.2"),
+        sink_view("e-1", ip="10.0.1.1"),
+        sink_view("e-0", ip="10.0.1.0", running=False),  # not joinable
+    ]
+    answering = {p.name for p in pods}
+    desired = desired_members(spec, pods, answering, [])
     assert names_of(desired.members) == ["trainer-0"]
+    assert desired.engine_pod == "e-1"  # by entry, then name
+    kept = desired_members(spec, pods, answering, [], previous_engine="e-2")
+    assert kept.engine_pod == "e-2"  # the planned engine stays while joinable
+    # A different engine pod is a new generation, like a different member.
+    planned = list(slots(desired.members))
+    statuses = {"trainer-0": agent("trainer-0", Role.SOURCE, generations={3: (W, 0)})}
+    assert not needs_new_generation(desired, planned, 3, statuses, planned_engine="e-1")
+    assert needs_new_generation(kept, planned, 3, statuses, planned_engine="e-1")
+    # No engine on the node: no group (the source alone would sync nothing).
+    alone = desired_members(spec, [source_view(), pods[1]], answering, [])
+    assert not alone.formable
+    assert "node-a" in alone.waiting_for
+
+
+def test_a_colocated_plan_tells_the_source_where_its_engine_listens() -> None:
+    spec = sync(
+        spec__mode="Colocated",
+        spec__inference=[
+            {
+                "deploymentRef": {"name": "engine-a"},
+                "engine": "SGLang",
+                "port": 30000,
+                "pauseMode": "Keep",
+                "flushCache": False,
+            }
+        ],
+    ).spec
+    engine = sink_view("e-1", ip="10.0.1.1")
+    (plan,) = build_plans(
+        sync_name="ns/sync",
+        spec=spec,
+        generation=2,
+        members=[source_view()],
+        rendezvous_port=29470,
+        engine=engine,
+    )
+    assert plan.mode is Mode.COLOCATED
+    local = plan.local_engine
+    assert local is not None
+    assert (local.pod, local.engine, local.url) == ("e-1", "SGLang", "http://10.0.1.1:30000")
+    assert (local.options.pause_mode.value, local.options.flush_cache) == ("Keep", False)
+    disaggregated = build_plans(
+        sync_name="ns/sync", spec=sync().spec, generation=2, members=[source_view(), engine],
+        rendezvous_port=29470,
+    )  # fmt: skip
+    assert [p.local_engine for p in disaggregated] == [None, None]
 
 
 def test_excluded_pods_sit_out() -> None:

@@ -1,0 +1,107 @@
+"""Colocated mode end to end: the operator names the engine on the trainer's node in the
+source agent's plan, and the hand-off reaches it through the shared slots (shared memory
+here, CUDA IPC on GPUs); a replaced engine pod is named in the next generation.
+
+Real operator, webhook (hostIPC, node-local directory, affinity to the trainer's node),
+scheduler, and agents, reference engine and trainer as pod-runner processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.cluster.controlplane import LocalCluster
+from tests.cluster.test_operator_support import (
+    ENGINE_PORT,
+    PODS_UP,
+    TRAINER_PORT,
+    OperatorProcess,
+    apply,
+    crd_installed,  # noqa: F401 - fixture
+    engines,
+    gates,
+    operator_process,  # noqa: F401 - fixture
+    pods,
+    ready,
+    step,
+    sync_status,
+    trainer,
+    weightsync,
+)
+from tests.support.eventually import Timeouts, eventually
+from tests.support.kube import condition, watch_pods_until
+from tests.support.recovery import engine_digest, http_json, kill_container
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+
+def prewarmed_generation(cluster: LocalCluster, namespace: str, after: int = 0) -> int | None:
+    """The planned generation once it is newer than `after` and warm."""
+    status = sync_status(cluster, namespace)
+    warm = any(
+        c["type"] == "Prewarmed" and c["status"] == "True" for c in status.get("conditions") or []
+    )
+    generation: int | None = status.get("groupGeneration")
+    return generation if warm and generation is not None and generation > after else None
+
+
+def trainer_digest(ip: str) -> dict[str, Any]:
+    result: dict[str, Any] = http_json("GET", f"http://{ip}:{TRAINER_PORT}/digest")
+    return result
+
+
+def test_the_colocated_engine_is_synced_through_the_plan_and_followed_when_replaced(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
+) -> None:
+    sync = weightsync()
+    sync["spec"]["mode"] = "Colocated"
+    apply(cluster, namespace, trainer(), engines(replicas=1), sync)
+    first = eventually(
+        lambda: prewarmed_generation(cluster, namespace), timeout=PODS_UP, message="group warm"
+    )
+    members = sync_status(cluster, namespace)["members"]
+    assert [(m["pod"], m["role"]) for m in members] == [("trainer-0", "Source")]
+    (source,) = pods(cluster, namespace, "trainer")
+    (engine,) = pods(cluster, namespace, "engine")
+    assert engine["spec"]["nodeName"] == source["spec"]["nodeName"]  # the webhook's affinity
+    assert engine["spec"]["hostIPC"] is True
+    ip = source["status"]["podIP"]
+    eventually(lambda: trainer_digest(ip), timeout=PODS_UP, message="trainer serving")
+
+    result = step(ip)
+    assert result["ok"], result
+    (serving,) = eventually(
+        lambda: ready(cluster, namespace, "engine", 1), timeout=Timeouts.ROUND, message="Ready"
+    )
+    assert engine_digest(serving, ENGINE_PORT) == trainer_digest(ip)  # bit-identical
+
+    # The engine dies: its replacement lands on the trainer's node and is planned in.
+    kill_container(cluster.pid_dir, engine, "engine")
+    gone = engine["metadata"]["name"]
+
+    def started(_type: str, pod: dict[str, Any]) -> bool:
+        return pod["metadata"]["name"] != gone and condition(pod, "ContainersReady") == "True"
+
+    replacement = watch_pods_until(
+        k8s, namespace, started, timeout=PODS_UP, label_selector="app=engine"
+    )
+    name = replacement["metadata"]["name"]
+    assert replacement["spec"]["nodeName"] == source["spec"]["nodeName"]
+    eventually(
+        lambda: prewarmed_generation(cluster, namespace, after=first),
+        timeout=PODS_UP,
+        message="a new generation naming the replacement",
+    )
+    # No round reached it yet: held out of traffic (Colocated has no P2P recovery).
+    assert gates(cluster, namespace)[name] == ("False", "False")
+    result = step(ip)
+    assert result["ok"], result
+    eventually(
+        lambda: gates(cluster, namespace).get(name) == ("True", "True"),
+        timeout=Timeouts.ROUND,
+        message=f"{name} Ready at the new version",
+    )
+    assert engine_digest(replacement, ENGINE_PORT) == trainer_digest(ip)
+    assert sync_status(cluster, namespace)["currentVersion"] == result["version"]

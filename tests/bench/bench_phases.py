@@ -126,14 +126,14 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
         f"  {'trainer':<9} {'publish() wall time':<44} {1:>5} {record.seconds * 1000:>9.2f}",
         _row(
             "trainer",
-            "pack: D2D copy into slots, until complete",
+            "pack: D2D copy into slots (0: the agent packs)",
             (pub.buckets, pub.pack * 1000, pub.longest_pack * 1000),
             "overlaps earlier buckets",
         ),
     ]
     source_rows = [
         ("announce", "doorbell + layout key in the TCPStore", ""),
-        ("fill", "fill: ask the Publisher, await Filled", "incl. pack"),
+        ("fill", "fill: queue the pack here, or await Filled", "GPU: agent packs"),
         ("slot_wait", "slot_wait: slot's last bucket still sending", "wire-bound"),
         ("issue", "issue a broadcast (collective thread)", ""),
         ("drain", "drain: last buckets on the wire", ""),

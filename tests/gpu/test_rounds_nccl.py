@@ -2,11 +2,13 @@
 
 Run on a machine with GPUs: `pytest -m gpu tests/gpu` (2 GPUs: one source, one sink;
 4 GPUs: one source, three sinks). Engines hold their weights on their own GPU; the
-Publisher copies device to device into the source agent's CUDA IPC slots.
+Publisher shares its tensors once by CUDA IPC and the source agent packs its slots.
 """
 
 from __future__ import annotations
 
+import hashlib
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import torch
 
 from tests.integration.contract import ContractConfig, run_colocated, run_contract
 from weightsync.api.control import Backend
+from weightsync.transfer.buffers import TensorSources, describe_sources, open_sources
 
 pytestmark = pytest.mark.gpu
 
@@ -47,3 +50,43 @@ def test_colocated_cuda_ipc(tmp_path: Path) -> None:
     if gpus() < 1:
         pytest.skip("needs a GPU")
     run_colocated(tmp_path, "cuda:0")
+
+
+Names = list[tuple[str, tuple[int, ...], str]]
+
+
+def _digests(sources_json: str, names: Names, queue: object) -> None:
+    tensors = open_sources(TensorSources.model_validate_json(sources_json), names)
+    queue.put([_digest(t) for t in tensors])  # type: ignore[attr-defined]
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
+@pytest.mark.timeout(120)
+def test_publisher_tensors_are_read_by_another_process_through_shared_sources() -> None:
+    if gpus() < 1:
+        pytest.skip("needs a GPU")
+    flat = torch.randn(1 << 20, device="cuda:0")  # tensors sharing one storage, as in FSDP
+    tensors = {
+        "a": flat[: 1 << 19].view(512, 1024),
+        "b": flat[1 << 19 :],
+        "c": torch.randn(3, 5, device="cuda:0").to(torch.bfloat16),
+        "empty": torch.empty(0, 7, device="cuda:0"),
+    }
+    sources = describe_sources(list(tensors.values()))
+    assert sources is not None
+    assert len(sources.storages) == 2  # `a` and `b` share one; `empty` needs none
+    assert sources.tensors[-1] == (-1, 0)
+    assert describe_sources([flat.view(1024, 1024).t()]) is None  # not contiguous
+    names = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_digests, args=(sources.model_dump_json(), names, queue))
+    child.start()
+    seen = queue.get(timeout=90)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert seen == [_digest(t) for t in tensors.values()]

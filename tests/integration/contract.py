@@ -99,6 +99,14 @@ def apply_plan(config: ContractConfig, agents: list[AgentProc], generation: int,
     wait_warm(agents, generation, timeout=40.0)
 
 
+def assert_packed_by_the_agent_on_gpu(publisher: Publisher, device: str) -> None:
+    """On GPU the agent packs from the shared tensors (the Publisher fills no bucket);
+    on CPU the Publisher fills every bucket itself."""
+    timings = publisher.last_timings
+    assert timings is not None
+    assert (timings.buckets == 0) == device.startswith("cuda"), timings
+
+
 def expect_served(trainer: LlamaForCausalLM, engines: list[Engine], version: int) -> None:
     """Every engine serves `version`, bit-identical to the trainer, same greedy output."""
     want = {name: tensor_digest(p) for name, p in trainer.named_parameters()}
@@ -150,6 +158,7 @@ def run_contract(config: ContractConfig, workdir: Path) -> None:
                 assert result.ok, result
                 assert result.version == version
                 assert result.generation == 1
+                assert_packed_by_the_agent_on_gpu(publisher, config.devices[0])
                 assert result.bytes >= sum(
                     p.numel() * p.element_size() for p in trainer.parameters()
                 )
@@ -251,6 +260,7 @@ def run_colocated(workdir: Path, device: str, rounds: int = 3) -> None:
                     randomize(trainer, seed=2000 + version)
                     result = publisher.publish(trainer.named_parameters(), version=version)
                     assert result.ok, result
+                    assert_packed_by_the_agent_on_gpu(publisher, device)
                     expect_served(trainer, [engine], version)
         assert first.digests()["version"] == rounds  # left alone once replaced
         assert second.health()["version"] == 2 * rounds

@@ -63,7 +63,8 @@ async def serve_publisher(
             if isinstance(message, Attach):
                 try:
                     metas = [TensorMeta(n, tuple(s), d) for n, s, d in message.tensors]
-                    await write_message(writer, await agent.attach_publisher(metas))
+                    attached = await agent.attach_publisher(metas, message.sources)
+                    await write_message(writer, attached)
                 except (LayoutError, RoundFailed) as exc:
                     reason = exc.reason if isinstance(exc, RoundFailed) else "bad_layout"
                     await write_message(writer, HandoffError(reason=reason, message=str(exc)))

@@ -27,6 +27,7 @@ from weightsync.agent.generations import Generation, Generations, PlanRejectedEr
 from weightsync.agent.handoff_server import serve_publisher
 from weightsync.agent.holder import Holder
 from weightsync.agent.metrics import AgentMetrics
+from weightsync.agent.packing import SourcePacker
 from weightsync.agent.recovery import Recovery, RecoveryFailed
 from weightsync.agent.rounds import RoundFailed, RoundHeader, RoundOutcome, SlotPool, SwitchNotice
 from weightsync.agent.settings import AgentSettings
@@ -46,6 +47,7 @@ from weightsync.api.control import (
     RoundReport,
 )
 from weightsync.engines.base import EngineAdapter, EngineError
+from weightsync.transfer.buffers import SlotError, TensorSources, open_sources
 from weightsync.transfer.handoff import Attached, Publish, RoundResult
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
 from weightsync.transfer.p2p import Endpoints
@@ -73,6 +75,7 @@ class Agent:
         # A Colocated plan's engine (in another pod on this GPU) and its adapter.
         self._planned_engine: tuple[LocalEngine, EngineAdapter] | None = None
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
+        self._packer: SourcePacker | None = None  # the Publisher's tensors, when shared
         self._tasks: list[asyncio.Task[None]] = []
         self.endpoints = Endpoints(settings.p2p_address, settings.p2p_devices)
         self.holder = Holder(
@@ -237,7 +240,9 @@ class Agent:
             finished_at_unix_millis=int(outcome.finished_at * 1000),
         )
 
-    async def attach_publisher(self, metas: list[TensorMeta]) -> Attached:
+    async def attach_publisher(
+        self, metas: list[TensorMeta], sources: TensorSources | None = None
+    ) -> Attached:
         plan = self.generations.newest_plan()
         if plan is None:
             raise RoundFailed("no_plan", "the agent has no membership plan yet")
@@ -246,19 +251,39 @@ class Agent:
             slots = self.pool.ensure(layout, plan.transfer.pipeline_depth)
             self.layout = layout
             self._publisher_epoch = self.pool.epoch
+            self._packer = await self._map_sources(layout, sources)
         log.info(
-            "layout %s: %d tensors, %d buckets, %d bytes",
+            "layout %s: %d tensors, %d buckets, %d bytes, packed by the %s",
             layout.layout_hash[:12],
             len(metas),
             len(layout.buckets),
             layout.total_bytes,
+            "agent" if self._packer is not None else "Publisher",
         )
         return Attached(
             layout_hash=layout.layout_hash,
             bucket_size_bytes=layout.bucket_size_bytes,
             alignment=layout.alignment,
             slots=slots.handles,
+            agent_packs=self._packer is not None,
         )
+
+    async def _map_sources(
+        self, layout: BucketLayout, sources: TensorSources | None
+    ) -> SourcePacker | None:
+        """The Publisher's tensors mapped here, if shared and on this agent's GPU."""
+        if sources is None or self.device.type != "cuda":
+            return None
+        names = [(m.name, m.shape, m.dtype) for m in layout.tensors]
+        try:
+            tensors = await asyncio.to_thread(open_sources, sources, names)
+        except (SlotError, RuntimeError, SystemError) as exc:  # torch's IPC open: SystemError
+            log.warning("cannot map the Publisher's tensors, it packs them itself: %s", exc)
+            return None
+        if any(t.device != self.device for t in tensors):
+            log.warning("the Publisher's tensors are not on %s: it packs them itself", self.device)
+            return None
+        return SourcePacker(layout, tensors)
 
     async def _select_generation(self) -> Generation:
         """The newest warm generation; older ones are told to switch, then retired."""
@@ -336,6 +361,9 @@ class Agent:
             except (EngineError, TimeoutError) as exc:
                 raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
             self._local_epoch = self.pool.epoch
+        group = generation.group
+        if self._packer is not None and self._packer.layout is layout and group is not None:
+            channel = self._packer.channel(slots.slots, group.run)
         self.round_in_progress = True
         runner = SourceRound(
             generation,

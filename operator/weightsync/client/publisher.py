@@ -4,11 +4,16 @@
     publisher = Publisher()
     result = publisher.publish(model.named_parameters(), version=step)
 
-The first publish sends the tensor metadata; the agent plans the bucket layout and
-answers with its bucket slots (shared memory on CPU, CUDA IPC on GPU), which this
-process maps once. Every publish then copies bucket after bucket into the slots the
-agent names, in step with its broadcast; only small JSON messages cross the socket.
-A different tensor set (or new bucket settings from the operator) renegotiates.
+The first publish sends the tensor metadata; the agent plans the bucket layout.
+* On GPU the tensors themselves are shared once (CUDA IPC); the agent packs each bucket
+  in its own process, on the stream that broadcasts it, and a publish is one request
+  and its result. The Publisher synchronises the device first, and the agent is done
+  reading the tensors when `publish` returns; tensors that moved are shared again.
+* Otherwise (CPU, or tensors the agent cannot map) the agent answers with its bucket
+  slots (shared memory, or CUDA IPC), which this process maps once, and every publish
+  copies bucket after bucket into the slots the agent names, in step with its broadcast.
+Only small JSON messages cross the socket. A different tensor set (or new bucket
+settings from the operator) renegotiates.
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ from pathlib import Path
 
 import torch
 
-from weightsync.transfer.buffers import copy_tensors, dtype_name, open_slots, slot_views
+from weightsync.transfer.buffers import (
+    copy_tensors,
+    describe_sources,
+    dtype_name,
+    open_slots,
+    slot_views,
+)
 from weightsync.transfer.handoff import (
     Abandon,
     Attach,
@@ -105,6 +116,8 @@ class Publisher:
         self._slots: list[torch.Tensor] = []
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._signature: list[tuple[str, torch.Size, torch.dtype]] = []
+        # Set when the agent packs from our tensors (GPU): where they lay when shared.
+        self._shared_at: list[int] | None = None
         self._packed: list[float] = []
         self.last_timings: PublishTimings | None = None
 
@@ -143,10 +156,12 @@ class Publisher:
 
     def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
         metas, signature = self._metas_of(tensors)
+        if self._shared_at is not None and self._shared_at != _addresses(tensors):
+            self._layout = None  # the tensors moved: share them again
         for attempt in range(2):
             if self._layout is None or metas is not self._metas:
                 try:
-                    self._attach(metas)
+                    self._attach(metas, tensors)
                     self._signature = signature
                 except PublisherError as exc:
                     if exc.reason not in _NOT_YET:
@@ -199,8 +214,10 @@ class Publisher:
                 "agent_gone", f"the weightsync agent went away: {exc}"
             ) from exc
 
-    def _attach(self, metas: list[TensorMeta]) -> None:
-        reply = self._exchange(Attach(tensors=[(m.name, list(m.shape), m.dtype) for m in metas]))
+    def _attach(self, metas: list[TensorMeta], tensors: dict[str, torch.Tensor]) -> None:
+        sources = describe_sources([tensors[m.name] for m in metas])
+        names = [(m.name, list(m.shape), m.dtype) for m in metas]
+        reply = self._exchange(Attach(tensors=names, sources=sources))
         if isinstance(reply, HandoffError):
             raise PublisherError(reply.reason, reply.message)
         if not isinstance(reply, Attached):
@@ -208,7 +225,8 @@ class Publisher:
         layout = plan_layout(metas, reply.bucket_size_bytes, reply.alignment)
         if layout.layout_hash != reply.layout_hash:
             raise LayoutChangedError("layout_hash_mismatch", "the agent planned another layout")
-        self._slots = open_slots(reply.slots)
+        self._shared_at = _addresses(tensors) if reply.agent_packs else None
+        self._slots = [] if reply.agent_packs else open_slots(reply.slots)
         self._views.clear()
         self._metas, self._layout = metas, layout
 
@@ -216,6 +234,9 @@ class Publisher:
         layout = self._layout
         if layout is None:
             raise PublisherError("protocol", "publish before attach")
+        if self._shared_at is not None:  # the agent reads the tensors: they must be written
+            for device in {t.device for t in tensors.values()}:
+                torch.cuda.synchronize(device)
         message = self._exchange(Publish(version=version, layout_hash=layout.layout_hash))
         while True:
             if isinstance(message, RoundResult):
@@ -254,3 +275,7 @@ class Publisher:
         if slot.is_cuda:  # the agent broadcasts from another process: the copy must be done
             torch.cuda.current_stream(slot.device).synchronize()
         self._packed.append(time.perf_counter() - started)
+
+
+def _addresses(tensors: dict[str, torch.Tensor]) -> list[int]:
+    return [t.data_ptr() for t in tensors.values()]

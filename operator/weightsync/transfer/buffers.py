@@ -109,7 +109,10 @@ def describe_slots(slots: Sequence[torch.Tensor]) -> SlotHandles:
 
 
 def _describe_cuda(slot: torch.Tensor) -> CudaIpcSlotHandle:
-    storage = slot.untyped_storage()
+    return _describe_storage(slot.untyped_storage(), slot.numel())
+
+
+def _describe_storage(storage: torch.UntypedStorage, nbytes: int) -> CudaIpcSlotHandle:
     (
         device,
         storage_handle,
@@ -129,7 +132,7 @@ def _describe_cuda(slot: torch.Tensor) -> CudaIpcSlotHandle:
         ref_counter_offset=int(ref_counter_offset),
         event_handle=_b64(event_handle),
         event_sync_required=bool(event_sync_required),
-        nbytes=slot.numel(),
+        nbytes=nbytes,
     )
 
 
@@ -161,6 +164,70 @@ def _open_one(handle: ShmSlotHandle | CudaIpcSlotHandle) -> torch.Tensor:
     tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
     tensor.set_(storage, 0, (handle.nbytes,), (1,))
     return tensor
+
+
+class TensorSources(BaseModel):
+    """A Publisher's own tensors, shared once by CUDA IPC so the agent packs buckets itself.
+
+    One handle per distinct storage (a model's parameters often share few allocations);
+    per tensor, in the order of the `Attach` message: its storage's index and its byte
+    offset in that storage; index -1 for a tensor without bytes (CUDA IPC cannot name an
+    empty storage).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    storages: list[CudaIpcSlotHandle]
+    tensors: list[tuple[int, int]]
+
+
+def describe_sources(tensors: Sequence[torch.Tensor]) -> TensorSources | None:
+    """`tensors` as `TensorSources`, or None where they cannot be shared that way (on
+    CPU, non-contiguous, or spread over several GPUs): then the Publisher packs."""
+    if not tensors or len({t.device for t in tensors}) != 1:
+        return None
+    if any(not t.is_cuda or not t.is_contiguous() for t in tensors):
+        return None
+    index: dict[int, int] = {}
+    storages: list[CudaIpcSlotHandle] = []
+    entries: list[tuple[int, int]] = []
+    for tensor in tensors:
+        if tensor.nbytes == 0:
+            entries.append((-1, 0))
+            continue
+        storage = tensor.untyped_storage()
+        known = index.setdefault(storage.data_ptr(), len(storages))
+        if known == len(storages):
+            storages.append(_describe_storage(storage, storage.nbytes()))
+        entries.append((known, int(tensor.storage_offset()) * tensor.element_size()))
+    return TensorSources(storages=storages, tensors=entries)
+
+
+def open_sources(
+    sources: TensorSources, tensors: Sequence[tuple[str, tuple[int, ...], str]]
+) -> list[torch.Tensor]:
+    """Map another process's tensors (name, shape, dtype name, in `Attach` order)."""
+    if len(sources.tensors) != len(tensors):
+        raise SlotError(f"{len(sources.tensors)} shared tensors for {len(tensors)} names")
+    opened = [_open_one(handle) for handle in sources.storages]
+    views = []
+    for (name, shape, dtype), (storage, offset) in zip(tensors, sources.tensors, strict=True):
+        typed = torch_dtype(dtype)
+        count = 1
+        for dim in shape:
+            count *= dim
+        nbytes = count * typed.itemsize
+        if storage == -1 and nbytes == 0:
+            device = opened[0].device if opened else torch.device("cuda")
+            views.append(torch.empty(shape, dtype=typed, device=device))
+            continue
+        if not 0 <= storage < len(opened):
+            raise SlotError(f"tensor {name!r}: no shared storage {storage}")
+        base = opened[storage]
+        if offset < 0 or offset + nbytes > base.numel():
+            raise SlotError(f"tensor {name!r} lies outside its shared storage")
+        views.append(base[offset : offset + nbytes].view(typed).view(shape))
+    return views
 
 
 class BucketSlots:

@@ -12,6 +12,13 @@ Tensor bytes travel through the shared bucket slots (`buffers.SlotHandles`).
     ...                                                  (agent broadcasts k, frees slot)
                              <-  RoundResult(version, ok, duration, bytes, reason)
 
+On GPU the Publisher shares its tensors once in `Attach.sources` (CUDA IPC); when the agent
+can map them (`Attached.agent_packs`), it packs every bucket itself, in the process and on
+the GPU stream that broadcasts it (two processes' kernels on one GPU are time-sliced, not
+overlapped), and a round is just `Publish` -> `RoundResult`: the Publisher synchronises
+its device first, so the agent reads finished weights, and does not touch them until the
+result comes. A tensor set whose storages moved is attached again.
+
 A Publisher that cannot fill a bucket sends `Abandon`; the agent still drives the
 round to its end so every rank fails it together, then answers `RoundResult(ok=False)`.
 Any request may be answered by `HandoffError` (e.g. `layout_mismatch`, `no_group`).
@@ -26,7 +33,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from weightsync.transfer.buffers import SlotHandles
+from weightsync.transfer.buffers import SlotHandles, TensorSources
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20  # an 18k-tensor Attach is ~2 MB; anything near this is a bug
@@ -43,6 +50,7 @@ class _Msg(BaseModel):
 class Attach(_Msg):
     type: Literal["attach"] = "attach"
     tensors: list[tuple[str, list[int], str]]  # name, shape, dtype name
+    sources: TensorSources | None = None  # GPU: the tensors themselves, for the agent to pack
 
 
 class Attached(_Msg):
@@ -51,6 +59,7 @@ class Attached(_Msg):
     bucket_size_bytes: int
     alignment: int
     slots: SlotHandles
+    agent_packs: bool = False  # the agent mapped the sources: no Fill requests will come
 
 
 class Publish(_Msg):

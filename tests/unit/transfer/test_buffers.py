@@ -16,6 +16,7 @@ from weightsync.transfer.buffers import (
     SlotHandles,
     copy_tensors,
     describe_slots,
+    describe_sources,
     open_slots,
     slot_views,
 )
@@ -115,3 +116,9 @@ def test_large_and_small_tensors_are_copied_alike() -> None:
     assert all(torch.equal(d, s) for d, s in zip(destinations, sources, strict=True))
     with pytest.raises(ValueError, match=r"shorter|longer"):
         copy_tensors(destinations[:1], sources)
+
+
+def test_only_contiguous_tensors_on_one_gpu_are_shared_as_sources() -> None:
+    # On CPU (and for tensors CUDA IPC cannot name) the Publisher packs the buckets itself.
+    assert describe_sources([torch.zeros(4), torch.ones(2, 2)]) is None
+    assert describe_sources([]) is None

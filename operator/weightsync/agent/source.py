@@ -1,11 +1,12 @@
-"""The source side of a round: Publisher fills a slot, the agent broadcasts it.
+"""The source side of a round: a slot is filled, the agent broadcasts it.
 
-Bucket k is filled by the Publisher (a D2D copy into the agent's slot k % depth) while
-bucket k-1 is still on the wire; a slot is handed back to the Publisher only after
-its broadcast completed. In Colocated mode the source also drives a local engine,
-which reads the same slots: that is the whole transport (no peers, no broadcast). The
-engine loads bucket k on an `EngineLane` while the Publisher fills bucket k+1 into the
-other slot; a slot is refilled only once the engine is done with it.
+Bucket k is filled into slot k % depth (by the agent itself from the Publisher's shared
+tensors on GPU, `agent.packing`, else by the Publisher) while bucket k-1 is still on the
+wire; a slot is filled again only after its broadcast completed. In Colocated mode the
+source also drives a local engine, which reads the same slots: that is the whole
+transport (no peers, no broadcast). The engine loads bucket k on an `EngineLane` while
+bucket k+1 is filled into the other slot; a slot is refilled only once the engine is
+done with it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ log = logging.getLogger(__name__)
 
 class FillChannel(Protocol):
     async def fill(self, bucket: int, slot: int) -> None:
-        """Have the Publisher copy bucket `bucket` into slot `slot`; raise `RoundFailed`."""
+        """Have bucket `bucket` copied into slot `slot` (ordered before its broadcast);
+        raise `RoundFailed`."""
 
 
 class SourceRound:

@@ -21,7 +21,8 @@ def _nccl_defaults() -> None:
 
 
 async def _run(settings: AgentSettings) -> None:
-    from weightsync.agent.service import Agent, serve
+    from weightsync.agent.control_api import serve
+    from weightsync.agent.service import Agent
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,30 +1,22 @@
-"""The agent: control API for the operator, Publisher socket, rounds, metrics.
+"""The agent: what the control API, the Publisher socket and the sink loop act on.
 
-HTTP routes (bearer token on every route; messages in `weightsync.api.control`):
-* `PUT /v1/plan`   `MembershipPlan` -> 202 `PlanAccepted`; forms + pre-warms in the background
-* `GET /v1/status` -> `AgentStatus`
-* `GET /v1/holding` -> `Holding` (the version held for P2P pulls), 404 when none
-* `POST /v1/recover` `RecoverRequest` -> 202 `RecoveryStatus`; pulls in the background
-Metrics: `GET /metrics` on the metrics port (no token: Prometheus scrapes it).
+Plans and generations, source rounds (`publish`) and sink round bookkeeping, recovery
+requests, status and metrics. The HTTP listeners are in `agent.control_api`, the
+Publisher's socket protocol in `agent.handoff_server`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import torch
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from weightsync.agent.engine_adapter import adapter_for, build_adapter
 from weightsync.agent.generations import Generation, Generations, PlanRejectedError
-from weightsync.agent.handoff_server import serve_publisher
 from weightsync.agent.holder import Holder
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.packing import SourcePacker
@@ -36,7 +28,6 @@ from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.control import (
     AgentStatus,
     EngineStatus,
-    ErrorResponse,
     GenerationState,
     LocalEngine,
     MembershipPlan,
@@ -54,7 +45,6 @@ from weightsync.transfer.p2p import Endpoints
 
 log = logging.getLogger(__name__)
 
-AGENT_KEY: web.AppKey[Agent] = web.AppKey("agent")
 _HEALTH_TIMEOUT = 2.0
 
 
@@ -392,124 +382,3 @@ class Agent:
         self._planned_engine = (planned, adapter)
         self._local_epoch = -1
         return adapter
-
-
-# -------------------------------------------------------------------- HTTP
-@web.middleware
-async def _auth(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    expected = f"Bearer {request.app[AGENT_KEY].settings.bearer_token()}"
-    given = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        return _error(401, "unauthorized", "missing or wrong bearer token")
-    return await handler(request)
-
-
-def _error(status: int, error: str, detail: str) -> web.Response:
-    body = ErrorResponse(error=error, detail=detail).model_dump_json()
-    return web.Response(status=status, text=body, content_type="application/json")
-
-
-async def put_plan(request: web.Request) -> web.Response:
-    agent = request.app[AGENT_KEY]
-    try:
-        plan = MembershipPlan.model_validate_json(await request.read())
-    except ValidationError as exc:
-        return _error(400, "invalid_plan", str(exc))
-    try:
-        accepted = agent.apply_plan(plan)
-    except PlanRejectedError as exc:
-        return _error(409, "plan_rejected", str(exc))
-    return web.Response(
-        status=202, text=accepted.model_dump_json(), content_type="application/json"
-    )
-
-
-async def get_status(request: web.Request) -> web.Response:
-    status = await request.app[AGENT_KEY].status()
-    return web.Response(text=status.model_dump_json(), content_type="application/json")
-
-
-async def get_holding(request: web.Request) -> web.Response:
-    try:
-        holding = await request.app[AGENT_KEY].holder.holding()
-    except TimeoutError:
-        return _error(503, "checksums_pending", "the held version's checksums are not ready")
-    if holding is None:
-        return _error(404, "not_holding", "this agent holds no version")
-    return web.Response(text=holding.model_dump_json(), content_type="application/json")
-
-
-async def post_recover(request: web.Request) -> web.Response:
-    try:
-        recover = RecoverRequest.model_validate_json(await request.read())
-    except ValidationError as exc:
-        return _error(400, "invalid_request", str(exc))
-    try:
-        started = request.app[AGENT_KEY].start_recovery(recover)
-    except RecoveryFailed as exc:
-        return _error(409, exc.reason, str(exc))
-    return web.Response(status=202, text=started.model_dump_json(), content_type="application/json")
-
-
-async def get_metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[AGENT_KEY].metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def make_control_app(agent: Agent) -> web.Application:
-    app = web.Application(middlewares=[_auth])
-    app[AGENT_KEY] = agent
-    app.router.add_put("/v1/plan", put_plan)
-    app.router.add_get("/v1/status", get_status)
-    app.router.add_get("/v1/holding", get_holding)
-    app.router.add_post("/v1/recover", post_recover)
-    return app
-
-
-def make_metrics_app(agent: Agent) -> web.Application:
-    app = web.Application()
-    app[AGENT_KEY] = agent
-    app.router.add_get("/metrics", get_metrics)
-    return app
-
-
-async def serve(agent: Agent, stop: asyncio.Event) -> None:
-    """Run the control API, the metrics listener and (source) the Publisher socket."""
-    settings = agent.settings
-    runners = [web.AppRunner(make_control_app(agent), access_log=None)]
-    sites: list[tuple[web.AppRunner, str, int]] = [
-        (runners[0], settings.http_host, settings.http_port)
-    ]
-    if settings.metrics_port:
-        metrics_runner = web.AppRunner(make_metrics_app(agent), access_log=None)
-        runners.append(metrics_runner)
-        sites.append((metrics_runner, settings.http_host, settings.metrics_port))
-    server: asyncio.base_events.Server | None = None
-    try:
-        for runner, host, port in sites:
-            await runner.setup()
-            await web.TCPSite(runner, host, port).start()
-        if settings.role == Role.SOURCE:
-            settings.socket.parent.mkdir(parents=True, exist_ok=True)
-            settings.socket.unlink(missing_ok=True)
-            server = await asyncio.start_unix_server(
-                lambda r, w: serve_publisher(agent, r, w), path=str(settings.socket)
-            )
-        agent.start()
-        log.info(
-            "agent %s (%s) serving on %s:%d",
-            settings.pod_name,
-            settings.role.value,
-            settings.http_host,
-            settings.http_port,
-        )
-        await stop.wait()
-    finally:
-        if server is not None:
-            server.close()
-            settings.socket.unlink(missing_ok=True)
-        await agent.close()
-        for runner in runners:
-            await runner.cleanup()

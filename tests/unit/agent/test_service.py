@@ -10,7 +10,8 @@ from pathlib import Path
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.integration.stack import free_port
-from weightsync.agent.service import Agent, make_control_app, make_metrics_app
+from weightsync.agent.control_api import make_control_app, make_metrics_app
+from weightsync.agent.service import Agent
 from weightsync.agent.settings import AgentSettings
 from weightsync.api.control import AgentStatus, GenerationState, MembershipPlan
 

@@ -148,21 +148,7 @@ def test_engines_killed_between_rounds_recover_from_the_holder(
             name = replacement["metadata"]["name"]
             replacements.append(name)
             assert engine_digest(replacement, ENGINE_PORT) == expected  # bit-identical
-            eventually(
-                lambda: in_group(cluster, namespace, 3, name),  # noqa: B023 - called at once
-                timeout=ROUND_UP,
-                message=f"{name} planned into the group",
-            )
-            result = step(trainer_ip)
-            assert result["ok"], result
-            current = trainer_digest(trainer_ip)
-            serving = eventually(
-                lambda: ready(cluster, namespace, "engine", 2),
-                timeout=ROUND_UP,
-                message="both engines Ready after the round",
-            )
-            for engine in serving:
-                assert engine_digest(engine, ENGINE_PORT) == current  # every engine synced
+            joins_and_syncs(cluster, namespace, trainer_ip, name)
     assert ("Normal", "Recovered") in events(cluster, namespace)
     # Ready only ever at the version the trainer held at that moment (kills happen
     # between rounds, so nothing moves while a replacement turns Ready).
@@ -269,7 +255,12 @@ def converge(
         timeout=PODS_UP,
         label_selector="app=engine",
     )
-    name = replacement["metadata"]["name"]
+    joins_and_syncs(cluster, namespace, trainer_ip, replacement["metadata"]["name"])
+
+
+def joins_and_syncs(cluster: LocalCluster, namespace: str, trainer_ip: str, name: str) -> None:
+    """`name` is planned into the group, and the next round brings both engines to the
+    trainer's bytes."""
     eventually(
         lambda: in_group(cluster, namespace, 3, name),
         timeout=ROUND_UP,

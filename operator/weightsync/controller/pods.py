@@ -24,7 +24,7 @@ from weightsync.controller.workloads import PodView, parse_time, pods_to_recreat
 # Pods created this long before their WeightSync were applied together with it.
 APPLIED_TOGETHER_SECONDS = 300
 # How long after the operator starts the API server may still admit pods without calling
-# its webhook (it learns webhook configurations through a watch, a little later).
+# its webhook (it learns webhook configurations through a watch, a moment later).
 WEBHOOK_SETTLE_SECONDS = 15
 
 EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
@@ -35,13 +35,13 @@ async def recreate_uninjected(
     post_event: EventPoster,
     raw: Mapping[str, Any],
     pods: list[PodView],
-    webhook_settled: datetime,
+    webhook_settling: tuple[datetime, datetime],
 ) -> None:
     """Delete opted-in pods the webhook missed and would inject now (`pods_to_recreate`);
     their controller recreates them."""
     created = parse_time(raw["metadata"].get("creationTimestamp"))
     window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
-    for pod in pods_to_recreate(pods, created, window, webhook_settled):
+    for pod in pods_to_recreate(pods, created, window, webhook_settling):
         await asyncio.to_thread(kube.delete_pod, raw["metadata"]["namespace"], pod.name, pod.uid)
         kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
         message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.name, kind=kind)

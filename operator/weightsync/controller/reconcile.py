@@ -135,8 +135,12 @@ class Reconciler:
         self.settings = settings
         self.post_event = post_event
         self._memory: dict[tuple[str, str], Memory] = {}
-        # Pods admitted before then may have met no webhook of ours (`pods_to_recreate`).
-        self.webhook_settled = utc_now() + timedelta(seconds=pod_actions.WEBHOOK_SETTLE_SECONDS)
+        # Pods admitted meanwhile may have met no webhook of ours (`pods_to_recreate`).
+        started = utc_now()
+        self.webhook_settling = (
+            started,
+            started + timedelta(seconds=pod_actions.WEBHOOK_SETTLE_SECONDS),
+        )
 
     def forget(self, namespace: str, name: str) -> None:
         memory = self._memory.pop((namespace, name), None)
@@ -217,7 +221,7 @@ class Reconciler:
         )
         pods = sync_pods(sync, world)
         await pod_actions.recreate_uninjected(
-            self.kube, self.post_event, raw, pods, self.webhook_settled
+            self.kube, self.post_event, raw, pods, self.webhook_settling
         )
         statuses, errors = await self.agents.statuses(self._addresses(pods), token)
 

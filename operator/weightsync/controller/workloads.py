@@ -164,7 +164,7 @@ def pods_to_recreate(
     pods: Sequence[PodView],
     sync_created: datetime | None,
     window: timedelta,
-    webhook_settled: datetime | None = None,
+    webhook_settling: tuple[datetime, datetime] | None = None,
 ) -> list[PodView]:
     """Opted-in pods the webhook could not inject, whose re-creation will inject them.
 
@@ -173,18 +173,28 @@ def pods_to_recreate(
       the WeightSync exists, and the webhook then finds nothing selecting them. Only pods
       created at most `window` before the WeightSync count: an older, serving workload is
       never restarted behind its owner's back (the reconcile reports it as Degraded).
-    * Pods created after the WeightSync but before `webhook_settled` (this operator's
-      start plus the time the API server takes to see its webhook configuration): they
-      were admitted while no webhook of ours was effective, and it is now.
+    * Pods created while this operator's webhook was settling (`webhook_settling`: from
+      its start until the API server has surely seen its webhook configuration, which it
+      learns through a watch): admitted in that moment without a call, they would be
+      injected now.
 
-    A pod created later than both missed the sidecar while the webhook was supposed to
-    work (unreachable: `failurePolicy: Ignore`); deleting it would not fix that by itself,
-    so it is reported, not deleted, and nothing loops. Timestamps have whole seconds, so
-    a pod created in the WeightSync's second counts as applied together with it.
+    Any other pod without the sidecar missed it while no operator ran, or while its
+    webhook could not be reached (`failurePolicy: Ignore`); the reconcile reports it and
+    leaves restarting it to its owner, so nothing loops and an outage never turns into
+    a wave of deletions. Timestamps have whole seconds: a pod created in the
+    WeightSync's second counts as applied together with it.
     """
     if sync_created is None:
         return []
-    latest = sync_created if webhook_settled is None else max(sync_created, webhook_settled)
+
+    def missed(created: datetime) -> bool:
+        if sync_created - window <= created <= sync_created:
+            return True
+        if webhook_settling is None:
+            return False
+        since, until = webhook_settling
+        return since.replace(microsecond=0) <= created <= until
+
     return [
         pod
         for pod in pods
@@ -192,7 +202,7 @@ def pods_to_recreate(
         and not pod.has_agent
         and not pod.terminating
         and pod.created is not None
-        and sync_created - window <= pod.created <= latest
+        and missed(pod.created)
     ]
 
 

@@ -151,14 +151,17 @@ def test_only_opted_in_pods_the_webhook_missed_and_would_inject_now_are_recreate
     chosen = pods_to_recreate(pods, made, timedelta(minutes=5))
     assert [p.name for p in chosen] == ["together", "same-second"]
     assert pods_to_recreate(pods, None, timedelta(minutes=5)) == []
-    # An operator that started just now: pods admitted before its webhook took effect
-    # met no webhook at all, and are recreated; later ones are left to the report.
-    settled = made + timedelta(seconds=10)
-    chosen = pods_to_recreate(pods, made, timedelta(minutes=5), settled)
-    assert [p.name for p in chosen] == ["together", "same-second", "after"]
-    earlier = made - timedelta(seconds=1)  # settled before the WeightSync: no change
-    chosen = pods_to_recreate(pods, made, timedelta(minutes=5), earlier)
-    assert [p.name for p in chosen] == ["together", "same-second"]
+    # An operator that started 6.5 s after the WeightSync: pods admitted while its
+    # webhook settled met no webhook and are recreated; pods created before it started
+    # (an outage, like "after") or after it settled are left to the report.
+    settling = (made + timedelta(seconds=6.5), made + timedelta(seconds=21))
+    late = [
+        view("in-the-settling", made + timedelta(seconds=6)),  # whole seconds: 6.5 -> 6
+        view("during-the-outage", made + timedelta(seconds=2)),
+        view("after-it-settled", made + timedelta(seconds=22)),
+    ]
+    chosen = pods_to_recreate([*pods, *late], made, timedelta(minutes=5), settling)
+    assert [p.name for p in chosen] == ["together", "same-second", "in-the-settling"]
 
 
 def test_timestamps_in_both_spellings() -> None:

@@ -21,13 +21,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from weightsync.api.control import PlanMember
 from weightsync.engines.base import EngineError
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.layout import BucketLayout
@@ -75,6 +76,15 @@ class SwitchNotice(BaseModel):
 
 Doorbell = Annotated[RoundHeader | SwitchNotice, Field(discriminator="kind")]
 DOORBELL: TypeAdapter[Doorbell] = TypeAdapter(Doorbell)
+
+
+def naming_peers(message: str, members: Sequence[PlanMember], me: int) -> str:
+    """`message` with the pods behind the peer addresses it mentions (gloo names a peer
+    that went away by `[ip]:port`), so a failed round says which member left."""
+    named = [
+        f"{m.pod} (rank {m.rank})" for m in members if m.rank != me and f"[{m.host}]" in message
+    ]
+    return f"{message}; peer: {', '.join(named)}" if named else message
 
 
 class RoundFailed(Exception):  # noqa: N818 - an outcome carried up, named like the others

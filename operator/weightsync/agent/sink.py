@@ -39,6 +39,7 @@ from weightsync.agent.rounds import (
     doorbell_key,
     failure_key,
     layout_key,
+    naming_peers,
 )
 from weightsync.api.control import GenerationState
 from weightsync.engines.base import EngineAdapter, EngineError
@@ -196,9 +197,11 @@ class SinkRound:
                 )
         except (TransferError, dist.DistError) as exc:
             reason = exc.reason if isinstance(exc, TransferError) else "store_error"
-            await self._fail_hard(reason, str(exc))
+            plan = self.generation.plan
+            message = naming_peers(str(exc), plan.members, plan.rank)
+            await self._fail_hard(reason, message)
             self._log_trace(ok=False)
-            return RoundOutcome.failed(version, number, started, reason, str(exc))
+            return RoundOutcome.failed(version, number, started, reason, message)
         except RoundFailed as exc:
             await self._abort_engine(exc.reason)
             self._log_trace(ok=False)

@@ -33,6 +33,7 @@ from weightsync.agent.rounds import (
     doorbell_key,
     failure_key,
     layout_key,
+    naming_peers,
 )
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
@@ -219,9 +220,11 @@ class SourceRound:
                 )
         except (TransferError, dist.DistError) as exc:
             reason = exc.reason if isinstance(exc, TransferError) else "store_error"
-            await self._fail_hard(reason, str(exc))
+            plan = self.generation.plan
+            message = naming_peers(str(exc), plan.members, plan.rank)
+            await self._fail_hard(reason, message)
             self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)
-            return RoundOutcome.failed(self.version, number, started, reason, str(exc))
+            return RoundOutcome.failed(self.version, number, started, reason, message)
         except RoundFailed as exc:
             await self._abort_local(exc.reason)
             self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)

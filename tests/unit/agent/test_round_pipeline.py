@@ -13,7 +13,7 @@ import torch
 from tests.integration.stack import free_port
 from weightsync.agent.generations import Generation
 from weightsync.agent.group import GroupSpec, form_group
-from weightsync.agent.rounds import EngineLane, PhaseTrace
+from weightsync.agent.rounds import EngineLane, PhaseTrace, naming_peers
 from weightsync.agent.source import SourceRound
 from weightsync.api.control import (
     Backend,
@@ -228,3 +228,16 @@ def test_colocated_fill_overlaps_the_engine_and_never_refills_a_slot_in_use(
     # Fill k+1 was asked for while the engine held bucket k.
     for bucket in range(buckets - 1):
         assert events.index(("fill", bucket + 1)) < events.index(("loaded", bucket))
+
+
+def test_a_transport_error_names_the_member_behind_the_address_it_mentions() -> None:
+    members = [
+        PlanMember(rank=0, pod="trainer-0", host="10.0.0.1", role=Role.SOURCE),
+        PlanMember(rank=1, pod="engine-a", host="10.0.0.2", role=Role.SINK),
+        PlanMember(rank=2, pod="engine-b", host="10.0.0.20", role=Role.SINK),
+    ]
+    gloo = "collective failed: [pair.cc:547] Connection closed by peer [10.0.0.2]:65426"
+    assert naming_peers(gloo, members, me=0) == f"{gloo}; peer: engine-a (rank 1)"
+    # `[10.0.0.2]` is not `[10.0.0.20]`, and a rank never names itself.
+    assert naming_peers(gloo, members, me=1) == gloo
+    assert naming_peers("NCCL watchdog timeout", members, me=0) == "NCCL watchdog timeout"

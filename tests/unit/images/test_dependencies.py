@@ -1,6 +1,8 @@
-"""The images install the repository with `pip install .` and nothing else, so every
-third-party module the package imports at run time must come with [project.dependencies]
-(directly or through them). The dev extra is not in the images."""
+"""The images install the repository with `pip install '.[<extra>]'` and nothing else: the
+operator image the `operator` extra, the agent and reference-engine images the `agent`
+extra. So every third-party module a part of the package imports at run time must come
+with [project.dependencies] plus that part's extra (directly or through them); the dev
+extra is not in the images."""
 
 from __future__ import annotations
 
@@ -51,11 +53,31 @@ def runtime_imports() -> dict[str, list[str]]:
     return found
 
 
+# Which extra each subpackage's image installs (None: the base dependencies suffice).
+PART_EXTRAS: dict[str, str | None] = {
+    "api": None,
+    "controller": "operator",
+    "agent": "agent",
+    "transfer": "agent",
+    "engines": "agent",
+    "client": "agent",
+}
+
+
+def extra_of(path: str) -> str | None:
+    """The extra the image running `path` (a file of the package) installs."""
+    parts = Path(path).relative_to("operator/weightsync").parts
+    return PART_EXTRAS[parts[0]] if len(parts) > 1 else None
+
+
 @functools.cache
-def installed_by_pip_install_dot() -> frozenset[str]:
-    """Distributions `pip install .` brings: the dependencies and theirs, transitively."""
+def installed_by_pip_install(extra: str | None) -> frozenset[str]:
+    """Distributions `pip install '.[extra]'` brings: the dependencies, the extra's, and
+    theirs, transitively."""
     with (ROOT / "pyproject.toml").open("rb") as handle:
-        pending = [Requirement(r) for r in tomllib.load(handle)["project"]["dependencies"]]
+        project = tomllib.load(handle)["project"]
+    wanted = project["dependencies"] + (project["optional-dependencies"][extra] if extra else [])
+    pending = [Requirement(r) for r in wanted]
     seen: set[str] = set()
     while pending:
         requirement = pending.pop()
@@ -79,14 +101,21 @@ IMPORTS = runtime_imports()
 
 
 @pytest.mark.parametrize("module", sorted(IMPORTS))
-def test_every_imported_module_is_installed_by_the_images(module: str) -> None:
+def test_every_imported_module_is_installed_by_the_images_that_run_it(module: str) -> None:
     distributions = distributions_of().get(module, [])
     assert distributions, f"{module} (imported by {IMPORTS[module][0]}) is not installed here"
-    installed = installed_by_pip_install_dot()
-    assert any(_canonical(d) in installed for d in distributions), (
-        f"{module} ({', '.join(distributions)}), imported by {sorted(set(IMPORTS[module]))}, "
-        "does not come with [project.dependencies]: the images would fail to import it"
-    )
+    for path in sorted(set(IMPORTS[module])):
+        extra = extra_of(path)
+        installed = installed_by_pip_install(extra)
+        assert any(_canonical(d) in installed for d in distributions), (
+            f"{module} ({', '.join(distributions)}), imported by {path}, does not come with"
+            f" the dependencies plus the {extra!r} extra: its image would fail to import it"
+        )
+
+
+def test_the_operator_image_carries_no_torch_and_the_agent_image_no_kubernetes() -> None:
+    assert "torch" not in installed_by_pip_install("operator")
+    assert not {"kopf", "kubernetes"} & installed_by_pip_install("agent")
 
 
 def test_the_reader_sees_the_package_imports() -> None:

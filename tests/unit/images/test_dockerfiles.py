@@ -21,6 +21,8 @@ IMAGES = {
     "agent": "weightsync-agent",
     "reference-engine": "weightsync-reference-engine",
 }
+# The extra each image installs: the part of the package it runs (pyproject.toml).
+EXTRAS = {"operator": "operator", "agent": "agent", "reference-engine": "agent"}
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 # An exact version in the tag: at least major.minor.patch (python:3.12.12-slim-bookworm,
 # nvidia/cuda:13.0.0-base-ubuntu24.04), never a moving tag such as `latest` or `3.12-slim`.
@@ -207,10 +209,16 @@ def test_entrypoint_is_a_console_script_of_the_package(image: str, script: str) 
 
 
 @pytest.mark.parametrize("image", IMAGES)
-def test_installs_the_repository_exactly_as_ci_does(image: str) -> None:
+def test_installs_the_repository_as_ci_does_with_its_own_extra(image: str) -> None:
     ci = repo_installs(ci_commands())
     assert len(ci) == 1, f".ci/setup installs the repository {len(ci)} times"
     project, ci_extras, ci_options = ci[0]
+    assert ci_extras == {"dev"}
     installs = repo_installs(run_commands(image))
     assert len(installs) == 1, f"{image}: {len(installs)} pip installs of the repository"
-    assert installs[0] == (project, ci_extras - {"dev"}, ci_options)
+    assert installs[0] == (project, frozenset({EXTRAS[image]}), ci_options)
+    # CI tests what every image runs: its dev extra brings each image's extra.
+    with (ROOT / "pyproject.toml").open("rb") as handle:
+        dev = tomllib.load(handle)["project"]["optional-dependencies"]["dev"]
+    (itself,) = [r for r in dev if r.startswith("weightsync[")]
+    assert EXTRAS[image] in itself.removeprefix("weightsync[").removesuffix("]").split(",")

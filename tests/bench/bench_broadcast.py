@@ -2,6 +2,7 @@
 
     python -m tests.bench.bench_broadcast [--gpus N] [--configs 512x2,1024x2,512x3]
                                           [--reps 5] [--skip naive|colocated|http]
+                                          [--holder]
 
 One run measures, on the same GPUs:
 * floor:     NCCL broadcast tensor by tensor from a process that holds the tensors, and
@@ -36,7 +37,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -117,6 +118,9 @@ class Shape:
 class Config:
     label: str
     records: list[RoundRecord]
+    # The source agent's own round time (until every engine committed), per timed round:
+    # with a holder, publish() also waits for the holder's copy to finish.
+    served: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -205,7 +209,7 @@ def check_served(engines: list[Engine], version: int, result: PublishResult) -> 
 
 
 def start_engines_and_agents(
-    st: Stack, setup: Setup, colocated: bool
+    st: Stack, setup: Setup, colocated: bool, agent_env: dict[str, str]
 ) -> tuple[AgentProc, list[AgentProc], list[Engine]]:
     engines, sinks = [], []
     trainer_device = setup.devices[0]
@@ -213,7 +217,7 @@ def start_engines_and_agents(
         engine = st.start_engine("engine-0", preset=setup.preset, seed=0, device=trainer_device)
         engines.append(engine)
         source = st.start_agent(
-            "source-0", role="source", device=trainer_device, engine=engine, extra_env=AGENT_ENV
+            "source-0", role="source", device=trainer_device, engine=engine, extra_env=agent_env
         )
     else:
         for i, device in enumerate(setup.devices[1:], start=1):
@@ -221,11 +225,11 @@ def start_engines_and_agents(
             engines.append(engine)
             sinks.append(
                 st.start_agent(
-                    f"sink-{i}", role="sink", device=device, engine=engine, extra_env=AGENT_ENV
+                    f"sink-{i}", role="sink", device=device, engine=engine, extra_env=agent_env
                 )
             )
         source = st.start_agent(
-            "source-0", role="source", device=trainer_device, extra_env=AGENT_ENV
+            "source-0", role="source", device=trainer_device, extra_env=agent_env
         )
     st.wait_ready([source, *sinks], engines)
     return source, sinks, engines
@@ -238,6 +242,7 @@ def run_weightsync(
     *,
     colocated: bool,
     http: bool = False,
+    agent_env: dict[str, str] | None = None,
 ) -> tuple[list[Config], float | None]:
     """Rounds through real agents and engines, one group generation per bucket size.
 
@@ -250,7 +255,8 @@ def run_weightsync(
     configs: list[Config] = []
     prewarm: float | None = None
     try:
-        source, sinks, engines = start_engines_and_agents(st, setup, colocated)
+        env = AGENT_ENV if agent_env is None else agent_env
+        source, sinks, engines = start_engines_and_agents(st, setup, colocated, env)
         agents = [source, *sinks]
         pods = [a.proc.name for a in agents]
         port = free_port()
@@ -276,6 +282,7 @@ def run_weightsync(
                     millis = source.status().generations[0].prewarm_millis
                     prewarm = None if millis is None else millis / 1000
                 records: list[RoundRecord] = []
+                served: list[float] = []
                 for rep in range(args.reps + WARMUP_ROUNDS):
                     version += 1
                     setup.sync()
@@ -286,8 +293,9 @@ def run_weightsync(
                     timings = publisher.last_timings
                     if rep >= WARMUP_ROUNDS and timings is not None:
                         records.append(RoundRecord(version, elapsed, wall, timings))
+                        served.append(result.duration_seconds)
                 kind = ", HTTP hand-off" if http else ""
-                configs.append(Config(shape.label() + kind, records))
+                configs.append(Config(shape.label() + kind, records, served))
         time.sleep(0.5)  # the sinks' last trace lines
         attach_logs(
             [r for c in configs for r in c.records],
@@ -300,6 +308,31 @@ def run_weightsync(
     finally:
         st.close()
     return configs, prewarm
+
+
+def holder_rows(
+    args: argparse.Namespace,
+    setup: Setup,
+    state: dict[str, torch.Tensor],
+    nbytes: int,
+    floor: float,
+) -> list[Row]:
+    """The rounds again with the source agent holding for P2P recovery, as it does by
+    default (needs Mooncake): when publish() returns, and when every engine serves."""
+    if not args.holder:
+        return []
+    held, _ = run_weightsync(args, setup, state, colocated=False, agent_env={})
+    rows = []
+    for config in held:
+        walls = [round(r.seconds, 4) for r in config.records]
+        print(f"holding {config.label}: publish {walls}, engines serve {config.served}")
+        rows += [
+            Row(f"source holding, publish() returns, {config.label}", config.median,
+                nbytes, floor),
+            Row(f"source holding, every engine serves, {config.label}",
+                statistics.median(config.served), nbytes, floor),
+        ]  # fmt: skip
+    return rows
 
 
 def run_naive(args: argparse.Namespace) -> float:
@@ -365,6 +398,7 @@ def smoke(args: argparse.Namespace) -> None:
     configs, _ = run_weightsync(args, setup, state, colocated=False)
     colocated, _ = run_weightsync(args, setup, state, colocated=True)
     rows = [Row(f"weightsync publish(), {c.label}", c.median, nbytes) for c in configs]
+    rows += holder_rows(args, setup, state, nbytes, 1.0)
     rows += [Row(f"colocated publish(), {c.label}", c.median, nbytes) for c in colocated]
     for row in rows:
         print(row.line())
@@ -385,6 +419,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--skip", action="append", default=[], choices=["naive", "colocated", "http"]
+    )
+    parser.add_argument(
+        "--holder",
+        action="store_true",
+        help="also run with the source agent holding for P2P recovery (needs Mooncake)",
     )
     parser.add_argument("--smoke", action="store_true", help="CPU check of the bench itself")
     args = parser.parse_args()
@@ -453,6 +492,7 @@ def main() -> None:
             Row(f"weightsync publish() -> engines serve, {c.label}", c.median, nbytes, floor)
             for c in http
         ]
+    rows += holder_rows(args, setup, state, nbytes, floor)
     if "naive" not in args.skip:
         rows.append(
             Row("naive: broadcast + HTTP engine request per tensor", run_naive(args), nbytes, floor)

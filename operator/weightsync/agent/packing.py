@@ -27,7 +27,7 @@ class SourcePacker:
 
     def __init__(self, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
         self.layout = layout
-        self._by_name = {meta.name: t for meta, t in zip(layout.tensors, tensors, strict=True)}
+        self.by_name = {meta.name: t for meta, t in zip(layout.tensors, tensors, strict=True)}
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def channel(self, slots: Sequence[torch.Tensor], run: Run) -> PackingChannel:
@@ -40,7 +40,7 @@ class SourcePacker:
         if views is None:
             tensors = self.layout.buckets[bucket].tensors
             views = self._views[(slot, bucket)] = slot_views(slots[slot], tensors)
-        sources = [self._by_name[t.name] for t in self.layout.buckets[bucket].tensors]
+        sources = [self.by_name[t.name] for t in self.layout.buckets[bucket].tensors]
         copy_tensors(views, sources)
 
 

@@ -352,8 +352,9 @@ class Agent:
                 raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
             self._local_epoch = self.pool.epoch
         group = generation.group
-        if self._packer is not None and self._packer.layout is layout and group is not None:
-            channel = self._packer.channel(slots.slots, group.run)
+        packer = self._packer if self._packer and self._packer.layout is layout else None
+        if packer is not None and group is not None:
+            channel = packer.channel(slots.slots, group.run)
         self.round_in_progress = True
         runner = SourceRound(
             generation,
@@ -364,6 +365,7 @@ class Agent:
             local_engine=local,
             engine_timeout_seconds=self.settings.engine_timeout_seconds,
             holder=self.holder,
+            hold_from=packer.by_name if packer is not None else None,
         )
         return await runner.run()
 

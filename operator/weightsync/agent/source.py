@@ -16,9 +16,11 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 from functools import partial
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from weightsync.agent.generations import Generation
@@ -61,6 +63,7 @@ class SourceRound:
         local_engine: EngineAdapter | None,
         engine_timeout_seconds: float,
         holder: Holder | None = None,
+        hold_from: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         if generation.group is None:
             raise RoundFailed("no_group", f"generation {generation.number} is not formed")
@@ -73,6 +76,9 @@ class SourceRound:
         self.local_engine = local_engine
         self.engine_timeout = engine_timeout_seconds
         self.holder = holder
+        # The tensors being published, when this agent maps them: the holder copies from
+        # them beside the broadcast instead of from each slot before its reuse.
+        self.hold_from = hold_from
         self.timeout = generation.plan.transfer.timeout_seconds
         self.checksum = generation.plan.transfer.checksum
         self.seq = generation.next_seq
@@ -160,7 +166,7 @@ class SourceRound:
             started = self.trace.now()
             sends.append(await self.group.run(partial(transport.start_bucket, view)))
             self.trace.add("issue", started)
-            if self.holder is not None:  # copies the bucket out for P2P recovery
+            if self.holder is not None and self.hold_from is None:  # for P2P recovery
                 await self.holder.stage(self.version, self.layout, bucket, view, depth)
         while sends:
             await self._wait_sent(sends.popleft(), "drain")
@@ -201,6 +207,20 @@ class SourceRound:
         await lane.submit("finish", "engine_finish", lambda: engine.finish_update(self.version))
 
     async def run(self) -> RoundOutcome:
+        """The round; with `hold_from`, the holder's copy runs beside it, and the outcome
+        (its duration: until every engine serves) waits for that copy, so the Publisher
+        gets its tensors back only once nothing reads them."""
+        hold = None
+        if self.holder is not None and self.hold_from is not None:
+            copy = self.holder.stage_tensors(self.version, self.layout, self.hold_from)
+            hold = asyncio.create_task(copy, name=f"hold-v{self.version}")
+        try:
+            return await self._run()
+        finally:
+            if hold is not None:
+                await hold
+
+    async def _run(self) -> RoundOutcome:
         started = time.monotonic()
         number = self.generation.number
         try:

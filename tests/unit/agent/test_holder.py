@@ -197,3 +197,32 @@ def test_a_disabled_holder_stages_nothing_and_disabling_releases(endpoints: Endp
     assert asyncio.run(holder.holding()) is None
     assert held_gauge(metrics) == -1
     holder.close()
+
+
+def test_a_round_staged_from_the_published_tensors_holds_their_bytes(
+    endpoints: Endpoints,
+) -> None:
+    # The source agent that maps the Publisher's tensors copies them, not its slots.
+    holder, _ = new_holder(endpoints)
+    generator = torch.Generator().manual_seed(5)
+    tensors = {m.name: torch.randn(m.shape, generator=generator) for m in LAYOUT.tensors}
+    asyncio.run(holder.stage_tensors(3, LAYOUT, tensors))
+    assert holder.commit(3)
+    held = holder.held_bytes()
+    assert held is not None
+    for bucket, offset in zip(LAYOUT.buckets, held_offsets(LAYOUT), strict=True):
+        for t in bucket.tensors:
+            start = offset + t.offset
+            assert torch.equal(held[start : start + t.nbytes].view(torch.float32), tensors[t.name])
+    holding = asyncio.run(holder.holding())
+    assert holding is not None
+    offsets = held_offsets(LAYOUT)
+    regions = [held[o : o + b.nbytes] for b, o in zip(LAYOUT.buckets, offsets, strict=True)]
+    assert holding.checksums == [bucket_checksum(r) for r in regions]
+
+    # A tensor missing from the set: the staging copy is dropped, version 3 stays held.
+    del tensors["t2"]
+    asyncio.run(holder.stage_tensors(4, LAYOUT, tensors))
+    assert not holder.commit(4)
+    assert holder.held_version == 3
+    holder.close()

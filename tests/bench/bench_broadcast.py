@@ -322,6 +322,7 @@ def holder_rows(
     if not args.holder:
         return []
     held, _ = run_weightsync(args, setup, state, colocated=False, agent_env={})
+    print_breakdowns("source holding", held)
     rows = []
     for config in held:
         walls = [round(r.seconds, 4) for r in config.records]

@@ -51,6 +51,7 @@ from weightsync.transfer.p2p import Endpoints, P2PError, P2PProtocol, TransferEn
 log = logging.getLogger(__name__)
 
 _HOLDING_WAIT_SECONDS = 60.0  # how long GET /v1/holding waits for a fresh commit's checksums
+_HOLD_QUEUE_BYTES = 64 << 20  # device-to-host bytes `stage_tensors` keeps queued at most
 
 
 def held_offsets(layout: BucketLayout) -> list[int]:
@@ -183,45 +184,54 @@ class Holder:
         For a source agent that maps the Publisher's tensors: the device-to-host copies
         (PCIe-bound, about 6x the NVLink broadcast of the same bytes) then run on a side
         stream beside the broadcast instead of holding each slot until its bucket is out,
-        so the engines get the version at the broadcast's pace. The caller must keep the
-        tensors unwritten until this returns. Never raises, as `stage`.
+        so the engines get the version at the broadcast's pace. At most
+        `_HOLD_QUEUE_BYTES` are queued at a time: the GPU's copy engine takes
+        device-to-host copies in order, and the round's own small reads (the votes'
+        flags) must not wait behind the whole model. The caller keeps the tensors
+        unwritten until this returns. Never raises, as `stage`.
         """
         if not self._enabled:
             return
         try:
             staging = await self._begin(version, layout)
-            last: torch.cuda.Event | None = None
+            queued: deque[tuple[torch.cuda.Event, int]] = deque()
             for bucket in layout.buckets:
                 at = staging.offsets[bucket.index]
                 region = staging.buffer[at : at + bucket.nbytes]
                 targets = slot_views(region, bucket.tensors)
                 sources = [tensors[t.name] for t in bucket.tensors]
-                if sources and sources[0].is_cuda:
-                    last = await asyncio.to_thread(self._copies_on_side_stream, targets, sources)
-                    staging.checksums[bucket.index] = self._checksummer.submit(
-                        _checksum_after, last, region
-                    )
-                else:
+                if not (sources and sources[0].is_cuda):
                     await asyncio.to_thread(copy_tensors, targets, sources)
                     staging.checksums[bucket.index] = self._checksummer.submit(
                         bucket_checksum, region
                     )
-            if last is not None:
-                await asyncio.to_thread(last.synchronize)
+                    continue
+                done = None
+                for group in _copy_groups(targets, sources, _HOLD_QUEUE_BYTES // 2):
+                    done = await asyncio.to_thread(self._copies_on_side_stream, group)
+                    queued.append((done, sum(t.nbytes for t, _ in group)))
+                    while sum(n for _, n in queued) > _HOLD_QUEUE_BYTES:
+                        await asyncio.to_thread(queued.popleft()[0].synchronize)
+                if done is not None:
+                    staging.checksums[bucket.index] = self._checksummer.submit(
+                        _checksum_after, done, region
+                    )
+            if queued:
+                await asyncio.to_thread(queued[-1][0].synchronize)
         except (P2PError, RuntimeError, MemoryError, OSError, KeyError) as exc:
             log.warning("holder: staging version %d from its tensors failed: %s", version, exc)
             self._staging_failed = True
 
     def _copies_on_side_stream(
-        self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
+        self, group: Sequence[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.cuda.Event:
-        """Queue one bucket's device-to-host copies on the side stream; its done event.
-        The sources are complete: the Publisher synchronised its device before the round."""
-        device = sources[0].device
+        """Queue device-to-host copies on the side stream; their done event. The sources
+        are complete: the Publisher synchronised its device before the round."""
+        device = group[0][1].device
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(self._side_stream):
-            for target, source in zip(targets, sources, strict=True):
+            for target, source in group:
                 target.copy_(source, non_blocking=True)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self._side_stream)
@@ -339,6 +349,26 @@ class Holder:
     def close(self) -> None:
         self.release()
         self._checksummer.shutdown(wait=False, cancel_futures=True)
+
+
+def _copy_groups(
+    targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], chunk: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(target, source) pieces in groups of about `chunk` bytes: large tensors split into
+    flat pieces of `chunk` bytes, small ones gathered into one group."""
+    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    size = 0
+    for target, source in zip(targets, sources, strict=True):
+        flat_target, flat_source = target.reshape(-1), source.reshape(-1)
+        step = max(chunk // max(target.element_size(), 1), 1)
+        for start in range(0, max(flat_target.numel(), 1), step):
+            piece = (flat_target[start : start + step], flat_source[start : start + step])
+            if size and size + piece[0].nbytes > chunk:
+                groups.append([])
+                size = 0
+            groups[-1].append(piece)
+            size += piece[0].nbytes
+    return [g for g in groups if g]
 
 
 def _checksum_after(done: torch.cuda.Event, target: torch.Tensor) -> int:

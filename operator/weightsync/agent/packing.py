@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weightsync.transfer.buffers import copy_tensors, slot_views
+from weightsync.transfer.buffers import slot_views
 from weightsync.transfer.layout import BucketLayout
 
 Run = Callable[[Callable[[], Any]], Awaitable[Any]]
@@ -35,13 +35,18 @@ class SourcePacker:
         return PackingChannel(self, slots, run)
 
     def pack(self, bucket: int, slot: int, slots: Sequence[torch.Tensor]) -> None:
-        """Queue bucket `bucket`'s copies into slot `slot` on the current stream."""
+        """Queue bucket `bucket`'s copies into slot `slot` on the current stream.
+
+        One multi-tensor kernel, not a memcpy per tensor: a device-to-device memcpy runs
+        on the GPU's copy engines, which the holder's device-to-host copy of the same
+        tensors keeps busy for the whole round (PCIe-bound); a kernel copies beside it.
+        """
         views = self._views.get((slot, bucket))
         if views is None:
             tensors = self.layout.buckets[bucket].tensors
             views = self._views[(slot, bucket)] = slot_views(slots[slot], tensors)
         sources = [self.by_name[t.name] for t in self.layout.buckets[bucket].tensors]
-        copy_tensors(views, sources)
+        torch._foreach_copy_(views, sources)
 
 
 class PackingChannel:

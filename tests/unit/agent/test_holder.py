@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from weightsync.agent.holder import Holder, held_offsets
+from weightsync.agent.holder import Holder, _copy_groups, held_offsets
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
@@ -226,3 +226,15 @@ def test_a_round_staged_from_the_published_tensors_holds_their_bytes(
     assert not holder.commit(4)
     assert holder.held_version == 3
     holder.close()
+
+
+def test_copy_groups_cover_every_byte_once_in_bounded_groups() -> None:
+    sources = [torch.arange(n, dtype=torch.float32) for n in (3, 5000, 7, 0, 2)]
+    targets = [torch.zeros_like(t) for t in sources]
+    groups = _copy_groups(targets, sources, chunk=4096)
+    assert all(sum(t.nbytes for t, _ in g) <= 4096 for g in groups)
+    for group in groups:
+        for target, source in group:
+            target.copy_(source)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+    assert len(groups) == 6  # elements: 3 | 1024 | 1024 | 1024 | 1024 | 904 + 7 + 0 + 2

@@ -37,9 +37,10 @@ class SourcePacker:
     def pack(self, bucket: int, slot: int, slots: Sequence[torch.Tensor]) -> None:
         """Queue bucket `bucket`'s copies into slot `slot` on the current stream.
 
-        One multi-tensor kernel, not a memcpy per tensor: a device-to-device memcpy runs
-        on the GPU's copy engines, which the holder's device-to-host copy of the same
-        tensors keeps busy for the whole round (PCIe-bound); a kernel copies beside it.
+        One multi-tensor kernel rather than a memcpy per tensor: beside the holder's
+        device-to-host copy (which keeps the copy engines busy for the whole round),
+        memcpys measured 66 / 94 ms rounds (512 MiB / 1 GiB buckets, 4x H200, 8B) and
+        the kernel 61 / 62 ms; without a holder the two are equal within noise.
         """
         views = self._views.get((slot, bucket))
         if views is None:

@@ -26,10 +26,13 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from weightsync.agent.generations import Generation
 from weightsync.api.control import PlanMember
 from weightsync.engines.base import EngineError
+from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.layout import BucketLayout
 
@@ -120,6 +123,58 @@ class RoundOutcome:
             message=message,
             finished_at=time.time(),
         )
+
+
+class RankRound:
+    """What the source's and a sink's side of one round share: the generation's group,
+    the round's failure key and deadline, the phase trace, the votes, and how a broken
+    transport fails the round on this rank (flag the peers, break the generation)."""
+
+    def __init__(self, generation: Generation, seq: int, device: torch.device) -> None:
+        if generation.group is None:
+            raise RoundFailed("no_group", f"generation {generation.number} is not formed")
+        self.generation = generation
+        self.group = generation.group
+        self.seq = seq
+        self.timeout = generation.plan.transfer.timeout_seconds
+        self.failure_key = failure_key(seq)
+        self.error: RoundFailed | None = None  # a soft failure: the round runs on, then fails
+        self.trace = PhaseTrace(device)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
+
+    async def _vote(self, flag: int, phase: str) -> int:
+        """The fail-together vote: the maximum of `flag` over every rank."""
+        transport, deadline = self.group.transport, self._deadline()
+        started = self.trace.now()
+        agreed = await self.group.run(
+            lambda: transport.agree_max(flag, deadline=deadline, failure_key=self.failure_key)
+        )
+        self.trace.add(phase, started)
+        return agreed
+
+    def _transfer_failure(self, exc: Exception) -> tuple[str, str]:
+        """(reason, message) of a transport or store failure, naming the peer it lost."""
+        reason = exc.reason if isinstance(exc, TransferError) else "store_error"
+        plan = self.generation.plan
+        return reason, naming_peers(str(exc), plan.members, plan.rank)
+
+    async def _flag_failure(self, version: int, label: str, reason: str, message: str) -> None:
+        """Tell the peers (failure key, `label`), and break this generation."""
+        log.warning("round %d (version %d) failed: %s", self.seq, version, message)
+
+        def flag() -> None:
+            try:
+                self.group.ctl.set(self.failure_key, f"{label}: {reason}")
+            except dist.DistError as exc:
+                log.warning("could not set the failure key: %s", exc)
+
+        try:
+            await asyncio.wait_for(self.group.run(flag), 5.0)
+        except TimeoutError:
+            log.warning("setting the failure key timed out")
+        self.generation.mark_broken(f"round {self.seq} failed: {reason}")
 
 
 class SlotPool:

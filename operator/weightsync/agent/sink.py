@@ -29,7 +29,7 @@ from weightsync.agent.rounds import (
     DOORBELL,
     Doorbell,
     EngineLane,
-    PhaseTrace,
+    RankRound,
     RoundFailed,
     RoundHeader,
     RoundOutcome,
@@ -39,7 +39,6 @@ from weightsync.agent.rounds import (
     doorbell_key,
     failure_key,
     layout_key,
-    naming_peers,
 )
 from weightsync.api.control import GenerationState
 from weightsync.engines.base import EngineAdapter, EngineError
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 _DOORBELL_SLICE = timedelta(seconds=10)
 
 
-class SinkRound:
+class SinkRound(RankRound):
     def __init__(
         self,
         generation: Generation,
@@ -64,10 +63,7 @@ class SinkRound:
         debug_bucket_delay_seconds: float = 0.0,
         holder: Holder | None = None,
     ) -> None:
-        if generation.group is None:
-            raise RoundFailed("no_group", f"generation {generation.number} is not formed")
-        self.generation = generation
-        self.group = generation.group
+        super().__init__(generation, header.seq, pool.device)
         self.header = header
         self.layout = layout
         self.pool = pool
@@ -75,15 +71,8 @@ class SinkRound:
         self.engine_timeout = engine_timeout_seconds
         self.debug_delay = debug_bucket_delay_seconds
         self.holder = holder
-        self.timeout = generation.plan.transfer.timeout_seconds
-        self.failure_key = failure_key(header.seq)
-        self.error: RoundFailed | None = None  # set before `run`: skip the engine, vote no
         self.committed = False
-        self.trace = PhaseTrace(pool.device)
         self.lane = EngineLane(engine_timeout_seconds, self.trace)
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self.timeout
 
     def _round_error(self) -> RoundFailed | None:
         return self.error or self.lane.error
@@ -164,15 +153,6 @@ class SinkRound:
             bad = [i for i, (a, b) in enumerate(zip(expected, mine, strict=False)) if a != b]
             self.error = RoundFailed("checksum_mismatch", f"buckets {bad[:8]} differ")
 
-    async def _vote(self, flag: int, phase: str) -> int:
-        transport, deadline = self.group.transport, self._deadline()
-        started = self.trace.now()
-        agreed = await self.group.run(
-            lambda: transport.agree_max(flag, deadline=deadline, failure_key=self.failure_key)
-        )
-        self.trace.add(phase, started)
-        return agreed
-
     async def run(self, depth: int) -> RoundOutcome:
         started, version = time.monotonic(), self.header.version
         number = self.generation.number
@@ -196,9 +176,7 @@ class SinkRound:
                     "commit_failed", "another engine did not commit"
                 )
         except (TransferError, dist.DistError) as exc:
-            reason = exc.reason if isinstance(exc, TransferError) else "store_error"
-            plan = self.generation.plan
-            message = naming_peers(str(exc), plan.members, plan.rank)
+            reason, message = self._transfer_failure(exc)
             await self._fail_hard(reason, message)
             self._log_trace(ok=False)
             return RoundOutcome.failed(version, number, started, reason, message)
@@ -239,22 +217,9 @@ class SinkRound:
             log.warning("engine abort failed: %s", exc)
 
     async def _fail_hard(self, reason: str, message: str) -> None:
-        log.warning(
-            "round %d (version %d) failed: %s", self.header.seq, self.header.version, message
+        await self._flag_failure(
+            self.header.version, f"rank {self.generation.plan.rank}", reason, message
         )
-        rank = self.generation.plan.rank
-
-        def flag() -> None:
-            try:
-                self.group.ctl.set(self.failure_key, f"rank {rank}: {reason}")
-            except dist.DistError as exc:
-                log.warning("could not set the failure key: %s", exc)
-
-        try:
-            await asyncio.wait_for(self.group.run(flag), 5.0)
-        except TimeoutError:
-            log.warning("setting the failure key timed out")
-        self.generation.mark_broken(f"round {self.header.seq} failed: {reason}")
         await self._abort_engine(reason)
 
 

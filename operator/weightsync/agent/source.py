@@ -27,15 +27,13 @@ from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import (
     EngineLane,
-    PhaseTrace,
+    RankRound,
     RoundFailed,
     RoundHeader,
     RoundOutcome,
     checksum_key,
     doorbell_key,
-    failure_key,
     layout_key,
-    naming_peers,
 )
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
@@ -51,7 +49,7 @@ class FillChannel(Protocol):
         raise `RoundFailed`."""
 
 
-class SourceRound:
+class SourceRound(RankRound):
     def __init__(
         self,
         generation: Generation,
@@ -65,10 +63,8 @@ class SourceRound:
         holder: Holder | None = None,
         hold_from: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        if generation.group is None:
-            raise RoundFailed("no_group", f"generation {generation.number} is not formed")
-        self.generation = generation
-        self.group = generation.group
+        super().__init__(generation, generation.next_seq, slots.device)
+        generation.next_seq += 1
         self.layout = layout
         self.slots = slots
         self.version = version
@@ -79,17 +75,8 @@ class SourceRound:
         # The tensors being published, when this agent maps them: the holder copies from
         # them beside the broadcast instead of from each slot before its reuse.
         self.hold_from = hold_from
-        self.timeout = generation.plan.transfer.timeout_seconds
         self.checksum = generation.plan.transfer.checksum
-        self.seq = generation.next_seq
-        generation.next_seq += 1
-        self.failure_key = failure_key(self.seq)
-        self.error: RoundFailed | None = None  # a soft failure: the round runs on, then fails
-        self.trace = PhaseTrace(slots.device)
         self.lane = EngineLane(engine_timeout_seconds, self.trace) if local_engine else None
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self.timeout
 
     def _round_error(self) -> RoundFailed | None:
         if self.error is not None:
@@ -191,15 +178,6 @@ class SourceRound:
         self.trace.add(phase, started)
         self.trace.gpu_mark("sent")
 
-    async def _vote(self, flag: int, phase: str) -> int:
-        transport, deadline = self.group.transport, self._deadline()
-        started = self.trace.now()
-        agreed = await self.group.run(
-            lambda: transport.agree_max(flag, deadline=deadline, failure_key=self.failure_key)
-        )
-        self.trace.add(phase, started)
-        return agreed
-
     async def _commit_local(self) -> None:
         engine, lane = self.local_engine, self.lane
         if engine is None or lane is None:
@@ -239,9 +217,7 @@ class SourceRound:
                     "commit_failed", "a sink's engine did not commit"
                 )
         except (TransferError, dist.DistError) as exc:
-            reason = exc.reason if isinstance(exc, TransferError) else "store_error"
-            plan = self.generation.plan
-            message = naming_peers(str(exc), plan.members, plan.rank)
+            reason, message = self._transfer_failure(exc)
             await self._fail_hard(reason, message)
             self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)
             return RoundOutcome.failed(self.version, number, started, reason, message)
@@ -280,17 +256,5 @@ class SourceRound:
 
     async def _fail_hard(self, reason: str, message: str) -> None:
         """Tell the peers (failure key), abort the communicator, drop the local update."""
-        log.warning("round %d (version %d) failed: %s", self.seq, self.version, message)
-
-        def flag() -> None:
-            try:
-                self.group.ctl.set(self.failure_key, f"source: {reason}")
-            except dist.DistError as exc:
-                log.warning("could not set the failure key: %s", exc)
-
-        try:
-            await asyncio.wait_for(self.group.run(flag), 5.0)
-        except TimeoutError:
-            log.warning("setting the failure key timed out")
-        self.generation.mark_broken(f"round {self.seq} failed: {reason}")
+        await self._flag_failure(self.version, "source", reason, message)
         await self._abort_local(reason)

@@ -15,11 +15,11 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
-from weightsync.agent.holder import held_offsets
-from weightsync.transfer.broadcast import bucket_checksum
+from weightsync.agent.holder import held_checksum, held_offsets
 from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.p2p import (
     Chunk,
@@ -86,7 +86,7 @@ class _BucketPuller:
                 regions,
                 [Chunk(0, bucket.nbytes, self.checksums[index])],
                 target,
-                checksum=bucket_checksum,
+                checksum=partial(held_checksum, bucket=bucket),
                 timeout_seconds=remaining,
             )
         except P2PError as exc:

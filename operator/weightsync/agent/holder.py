@@ -16,8 +16,9 @@ bucket's bytes are copied out of the slot before the slot is reused:
   it), and `stage` keeps at most `depth - 1` copies in flight on the host side (the
   source's Publisher refills a slot from another process, which no stream orders);
 * on CPU, a plain copy (in a worker thread, off the event loop).
-Each bucket's checksum (`bucket_checksum`, CRC-32 over the held host bytes, so it is
-what a puller reads) is computed by a background thread, off the round's path.
+Each bucket's checksum (`held_checksum`, CRC-32 over the held host bytes of its tensors,
+so it is what a puller reads; the alignment padding between tensors is left out, since
+holders fill it differently) is computed by a background thread, off the round's path.
 
 Two buffers, flipped on commit: the round stages into the spare buffer and `commit`
 makes it the held one, the old held buffer becoming the next round's spare. So a failed
@@ -32,7 +33,9 @@ or fails instead of loading mixed bytes.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import zlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +46,6 @@ import torch
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
-from weightsync.transfer.broadcast import bucket_checksum
 from weightsync.transfer.buffers import copy_tensors, slot_views
 from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.p2p import Endpoints, P2PError, P2PProtocol, TransferEngineEndpoint
@@ -168,13 +170,15 @@ class Holder:
             done = self._copy_on_side_stream(target, source)
             self._in_flight.append(done)
             staging.checksums[bucket.index] = self._checksummer.submit(
-                _checksum_after, done, target
+                _checksum_after, done, target, bucket
             )
             while len(self._in_flight) > depth - 1:
                 await asyncio.to_thread(self._in_flight.popleft().synchronize)
         else:
             await asyncio.to_thread(target.copy_, source)
-            staging.checksums[bucket.index] = self._checksummer.submit(bucket_checksum, target)
+            staging.checksums[bucket.index] = self._checksummer.submit(
+                held_checksum, target, bucket
+            )
 
     async def stage_tensors(
         self, version: int, layout: BucketLayout, tensors: Mapping[str, torch.Tensor]
@@ -203,7 +207,7 @@ class Holder:
                 if not (sources and sources[0].is_cuda):
                     await asyncio.to_thread(copy_tensors, targets, sources)
                     staging.checksums[bucket.index] = self._checksummer.submit(
-                        bucket_checksum, region
+                        held_checksum, region, bucket
                     )
                     continue
                 done = None
@@ -214,7 +218,7 @@ class Holder:
                         await asyncio.to_thread(queued.popleft()[0].synchronize)
                 if done is not None:
                     staging.checksums[bucket.index] = self._checksummer.submit(
-                        _checksum_after, done, region
+                        _checksum_after, done, region, bucket
                     )
             if queued:
                 await asyncio.to_thread(queued[-1][0].synchronize)
@@ -371,6 +375,23 @@ def _copy_groups(
     return [g for g in groups if g]
 
 
-def _checksum_after(done: torch.cuda.Event, target: torch.Tensor) -> int:
+def _checksum_after(done: torch.cuda.Event, target: torch.Tensor, bucket: Bucket) -> int:
     done.synchronize()
-    return bucket_checksum(target)
+    return held_checksum(target, bucket)
+
+
+def held_checksum(region: torch.Tensor, bucket: Bucket) -> int:
+    """CRC-32 of a bucket's tensor bytes in `region` (host memory laid out like the
+    bucket), in order. The alignment padding between tensors is left out: a holder that
+    copies slots keeps whatever the source's slot held there, one that copies the
+    published tensors keeps its own buffer's bytes, and both must agree."""
+    data = region.contiguous().view(torch.uint8)
+    if data.device.type != "cpu":
+        raise ValueError("held checksums are taken over host memory")
+    base, crc = data.data_ptr(), 0
+    for t in bucket.tensors:
+        if t.offset + t.nbytes > data.numel():
+            raise ValueError(f"tensor {t.name!r} lies outside the region")
+        # ctypes instead of .numpy(): the bytes are read in place and numpy is optional.
+        crc = zlib.crc32((ctypes.c_char * t.nbytes).from_address(base + t.offset), crc)
+    return crc

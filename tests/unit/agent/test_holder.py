@@ -9,11 +9,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from weightsync.agent.holder import Holder, _copy_groups, held_offsets
+from weightsync.agent.holder import Holder, _copy_groups, held_checksum, held_offsets
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
-from weightsync.transfer.broadcast import bucket_checksum
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
 from weightsync.transfer.p2p import Endpoints, P2PProtocol
 
@@ -81,7 +80,9 @@ def expect_held(
     assert BucketLayout.from_json(holding.layout) == layout
     assert holding.nbytes == layout.total_bytes
     assert holding.protocol == RecoveryProtocol.TCP
-    assert holding.checksums == [bucket_checksum(b) for b in buckets]
+    assert holding.checksums == [
+        held_checksum(b, bucket) for b, bucket in zip(buckets, layout.buckets, strict=True)
+    ]
     assert holding.address == held.data_ptr()
     return holding
 
@@ -218,7 +219,9 @@ def test_a_round_staged_from_the_published_tensors_holds_their_bytes(
     assert holding is not None
     offsets = held_offsets(LAYOUT)
     regions = [held[o : o + b.nbytes] for b, o in zip(LAYOUT.buckets, offsets, strict=True)]
-    assert holding.checksums == [bucket_checksum(r) for r in regions]
+    assert holding.checksums == [
+        held_checksum(r, b) for r, b in zip(regions, LAYOUT.buckets, strict=True)
+    ]
 
     # A tensor missing from the set: the staging copy is dropped, version 3 stays held.
     del tensors["t2"]
@@ -238,3 +241,33 @@ def test_copy_groups_cover_every_byte_once_in_bounded_groups() -> None:
             target.copy_(source)
     assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
     assert len(groups) == 6  # elements: 3 | 1024 | 1024 | 1024 | 1024 | 904 + 7 + 0 + 2
+
+
+def test_holders_that_fill_the_padding_differently_agree(endpoints: Endpoints) -> None:
+    # A sink holder copies slots (the source's padding bytes, whatever they were); the
+    # source copies the published tensors into its own buffer. Checksums skip padding.
+    generator = torch.Generator().manual_seed(9)
+    tensors = {m.name: torch.randn(m.shape, generator=generator) for m in LAYOUT.tensors}
+    from_tensors, _ = new_holder(endpoints)
+    asyncio.run(from_tensors.stage_tensors(1, LAYOUT, tensors))
+    assert from_tensors.commit(1)
+    buckets = []
+    for bucket in LAYOUT.buckets:  # packed slots with random padding
+        packed = torch.randint(0, 256, (bucket.nbytes,), dtype=torch.uint8, generator=generator)
+        for t in bucket.tensors:
+            packed[t.offset : t.offset + t.nbytes].view(torch.float32).copy_(tensors[t.name])
+        buckets.append(packed)
+    from_slots, _ = new_holder(endpoints)
+    asyncio.run(stage_round(from_slots, LAYOUT, 1, buckets, len(LAYOUT.buckets)))
+    assert from_slots.commit(1)
+    one, other = asyncio.run(from_tensors.holding()), asyncio.run(from_slots.holding())
+    assert one is not None
+    assert other is not None
+    assert one.checksums == other.checksums
+    held = from_slots.held_bytes()
+    assert held is not None
+    held[LAYOUT.buckets[0].tensors[1].offset] ^= 0xFF  # a tensor byte, not padding
+    region = held[: LAYOUT.buckets[0].nbytes]
+    assert held_checksum(region, LAYOUT.buckets[0]) != one.checksums[0]
+    from_tensors.close()
+    from_slots.close()

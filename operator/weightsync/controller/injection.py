@@ -145,6 +145,9 @@ def agent_container(
         {"name": "WEIGHTSYNC_LOG_LEVEL", "value": template.log_level},
         # What holders serve and pulls use (P2P recovery); the agent reads it lowercased.
         {"name": "WEIGHTSYNC_P2P_PROTOCOL", "value": sync.spec.recovery.protocol.value},
+        # Who holds is the plans' business (`plan.holder_ranks`): none when recovery is
+        # off or the group is Colocated, where a held copy would only cost PCIe time.
+        {"name": "WEIGHTSYNC_HOLDER", "value": "false"},
     ]
     if role is Role.SINK and inference_index is not None:
         entry = sync.spec.inference[inference_index]

@@ -15,8 +15,11 @@ buckets to (`LocalEngine`): a joinable inference pod on the source's node (the w
 gives inference pods a required affinity to it), the one planned before while it stays
 joinable. A new engine pod is a new generation, as a new member would be.
 
-Holders (P2P recovery): the source agent always keeps the latest committed version in
-host memory; `spec.recovery.holders` > 1 asks the lowest-ranked sinks for the rest. The
+Holders (P2P recovery): the source agent keeps the latest committed version in host
+memory; `spec.recovery.holders` > 1 asks the lowest-ranked sinks for the rest. Plans
+decide (the webhook sets `WEIGHTSYNC_HOLDER=false` on every agent); with recovery off
+or a Colocated group nobody holds, since a held copy costs a device-to-host copy of
+the model every round. The
 lowest ranks are the longest-serving members, so the choice changes only when a holder
 leaves the group.
 """
@@ -190,11 +193,11 @@ def backend_for(members: Sequence[PodView]) -> Backend:
 
 
 def holder_ranks(spec: WeightSyncSpec, world_size: int) -> frozenset[int]:
-    """The ranks asked to hold: rank 0 (the source) and `holders - 1` lowest sink ranks."""
-    if world_size < 1:
+    """The ranks asked to hold: rank 0 (the source) and `holders - 1` lowest sink ranks;
+    none when nothing would pull (recovery off, or Colocated: no P2P recovery)."""
+    if world_size < 1 or not spec.recovery.enabled or spec.mode is SyncMode.COLOCATED:
         return frozenset()
-    wanted = spec.recovery.holders if spec.recovery.enabled else 1
-    return frozenset(range(min(wanted, world_size)))
+    return frozenset(range(min(spec.recovery.holders, world_size)))
 
 
 def build_plans(

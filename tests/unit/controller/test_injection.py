@@ -66,6 +66,7 @@ def test_sink_gets_a_native_sidecar_with_engine_settings_and_the_readiness_gate(
     assert env["WEIGHTSYNC_TOKEN_FILE"] == f"{names.TOKEN_DIR}/token"
     assert env["WEIGHTSYNC_DEVICE"] == "cpu"
     assert env["WEIGHTSYNC_P2P_PROTOCOL"] == "RDMA"  # spec.recovery.protocol's default
+    assert env["WEIGHTSYNC_HOLDER"] == "false"  # plans decide who holds
     # $(VAR) expansion only sees variables defined earlier in the list.
     order = [e["name"] for e in agent["env"]]
     assert order.index("WEIGHTSYNC_POD_IP") < order.index("WEIGHTSYNC_HTTP_HOST")

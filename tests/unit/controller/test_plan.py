@@ -261,7 +261,7 @@ def test_nccl_only_when_every_member_is_on_a_gpu() -> None:
         ({"holders": 1}, [True, False, False]),
         ({"holders": 2}, [True, True, False]),
         ({"holders": 8}, [True, True, True]),
-        ({"holders": 3, "enabled": False}, [True, False, False]),
+        ({"holders": 3, "enabled": False}, [False, False, False]),
     ],
 )
 def test_the_source_and_the_lowest_sink_ranks_hold(
@@ -276,3 +276,15 @@ def test_the_source_and_the_lowest_sink_ranks_hold(
         rendezvous_port=29500,
     )
     assert [plan.holder for plan in plans] == holders
+
+
+def test_a_colocated_group_holds_nothing() -> None:
+    (plan,) = build_plans(
+        sync_name="ns/sync",
+        spec=sync(spec__mode="Colocated").spec,
+        generation=1,
+        members=[source_view()],
+        rendezvous_port=29500,
+        engine=sink_view("e-1"),
+    )
+    assert not plan.holder  # no P2P recovery in Colocated mode: a held copy would be waste

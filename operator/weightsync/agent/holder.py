@@ -33,9 +33,7 @@ or fails instead of loading mixed bytes.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import zlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +44,7 @@ import torch
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.transfer.broadcast import host_crc32
 from weightsync.transfer.buffers import copy_tensors, slot_views
 from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.p2p import Endpoints, P2PError, P2PProtocol, TransferEngineEndpoint
@@ -199,6 +198,7 @@ class Holder:
         try:
             staging = await self._begin(version, layout)
             queued: deque[tuple[torch.cuda.Event, int]] = deque()
+            in_flight = 0  # bytes of `queued`
             for bucket in layout.buckets:
                 at = staging.offsets[bucket.index]
                 region = staging.buffer[at : at + bucket.nbytes]
@@ -214,8 +214,11 @@ class Holder:
                 for group in _copy_groups(targets, sources, _HOLD_QUEUE_BYTES // 2):
                     done = await asyncio.to_thread(self._copies_on_side_stream, group)
                     queued.append((done, sum(t.nbytes for t, _ in group)))
-                    while sum(n for _, n in queued) > _HOLD_QUEUE_BYTES:
-                        await asyncio.to_thread(queued.popleft()[0].synchronize)
+                    in_flight += queued[-1][1]
+                    while in_flight > _HOLD_QUEUE_BYTES:
+                        event, nbytes = queued.popleft()
+                        await asyncio.to_thread(event.synchronize)
+                        in_flight -= nbytes
                 if done is not None:
                     staging.checksums[bucket.index] = self._checksummer.submit(
                         _checksum_after, done, region, bucket
@@ -385,13 +388,10 @@ def held_checksum(region: torch.Tensor, bucket: Bucket) -> int:
     bucket), in order. The alignment padding between tensors is left out: a holder that
     copies slots keeps whatever the source's slot held there, one that copies the
     published tensors keeps its own buffer's bytes, and both must agree."""
-    data = region.contiguous().view(torch.uint8)
-    if data.device.type != "cpu":
-        raise ValueError("held checksums are taken over host memory")
-    base, crc = data.data_ptr(), 0
+    data = region.view(torch.uint8)
+    crc = 0
     for t in bucket.tensors:
         if t.offset + t.nbytes > data.numel():
             raise ValueError(f"tensor {t.name!r} lies outside the region")
-        # ctypes instead of .numpy(): the bytes are read in place and numpy is optional.
-        crc = zlib.crc32((ctypes.c_char * t.nbytes).from_address(base + t.offset), crc)
+        crc = host_crc32(data[t.offset : t.offset + t.nbytes], crc)
     return crc

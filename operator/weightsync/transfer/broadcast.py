@@ -208,6 +208,15 @@ def resolve_backend(backend: Backend, device: torch.device) -> Backend:
     return backend
 
 
+def host_crc32(data: torch.Tensor, value: int = 0) -> int:
+    """CRC-32 of a host tensor's bytes, continuing from `value` (read in place)."""
+    data = data.contiguous().view(torch.uint8)
+    if data.device.type != "cpu":
+        raise ValueError("CRC-32 is taken over host memory")
+    # ctypes instead of .numpy(): the bytes are read in place and numpy is optional.
+    return zlib.crc32((ctypes.c_char * data.numel()).from_address(data.data_ptr()), value)
+
+
 def bucket_checksum(buffer: torch.Tensor) -> int:
     """A per-bucket checksum: CRC-32 on CPU; on GPU a position-weighted sum, no host copy.
 
@@ -215,9 +224,7 @@ def bucket_checksum(buffer: torch.Tensor) -> int:
     index), which is what a transfer can get wrong; it is not a cryptographic digest.
     """
     if buffer.device.type == "cpu":
-        data = buffer.contiguous().view(torch.uint8)
-        # ctypes instead of .numpy(): the bytes are read in place and numpy is optional.
-        return zlib.crc32((ctypes.c_char * data.numel()).from_address(data.data_ptr()))
+        return host_crc32(buffer)
     words = buffer.view(torch.int64)
     rows = words.numel() // 512
     head, tail = words[: rows * 512].view(rows, 512), words[rows * 512 :]

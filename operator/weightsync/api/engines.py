@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, StrictBool
 
-from weightsync.api.v1alpha1.spec import PauseMode
+from weightsync.api.v1alpha1.spec import InferenceSpec, PauseMode
 
 ENGINE_OPTIONS_ENV = "WEIGHTSYNC_ENGINE_OPTIONS"
 
@@ -103,3 +103,8 @@ class EngineOptions(BaseModel):
 
     pause_mode: PauseMode = PauseMode.ABORT
     flush_cache: StrictBool = True
+
+    @classmethod
+    def of(cls, entry: InferenceSpec) -> EngineOptions:
+        """The options of one `spec.inference` entry."""
+        return cls(pause_mode=entry.pause_mode, flush_cache=entry.flush_cache)

@@ -155,7 +155,7 @@ def agent_container(
         env.append(
             {"name": "WEIGHTSYNC_ENGINE_URL", "value": f"http://$(WEIGHTSYNC_POD_IP):{entry.port}"}
         )
-        options = EngineOptions(pause_mode=entry.pause_mode, flush_cache=entry.flush_cache)
+        options = EngineOptions.of(entry)
         env.append({"name": ENGINE_OPTIONS_ENV, "value": options.model_dump_json()})
     mounts: list[dict[str, Any]] = [
         {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},

@@ -252,5 +252,5 @@ def local_engine(spec: WeightSyncSpec, pod: PodView) -> LocalEngine:
         pod=pod.name,
         engine=entry.engine.value,
         url=f"http://{pod.ip}:{entry.port}",
-        options=EngineOptions(pause_mode=entry.pause_mode, flush_cache=entry.flush_cache),
+        options=EngineOptions.of(entry),
     )

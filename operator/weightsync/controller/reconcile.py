@@ -232,16 +232,17 @@ class Reconciler:
             raw, sync, pods, (statuses, old), token=token, memory=memory
         )
         excluded |= recovering.held_out
+        previous = [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members]
         desired = desired_members(
             spec,
             pods,
             statuses.keys(),
-            [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members],
+            previous,
             excluded=excluded,
             previous_engine=memory.planned_engine,
         )
         planned, planned_generation, plan_errors = await self._plan(
-            raw, sync, old, desired, statuses, token=token, memory=memory
+            raw, sync, (old, previous), desired, statuses, token=token, memory=memory
         )
         timed_out = self._prewarm_timed_out(
             sync, (planned, planned_generation), statuses, pods, memory
@@ -360,15 +361,16 @@ class Reconciler:
         self,
         raw: Mapping[str, Any],
         sync: WeightSync,
-        old: WeightSyncStatus,
+        stored: tuple[WeightSyncStatus, list[Slot]],
         desired: Desired,
         statuses: Mapping[str, AgentStatus],
         *,
         token: str,
         memory: Memory,
     ) -> tuple[list[Slot], int | None, dict[str, str]]:
-        """Plan a new generation if the group must change: (slots, generation, refusals)."""
-        planned = [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members]
+        """Plan a new generation if the group must change: (slots, generation, refusals).
+        `stored`: the status as read, and the slots of the generation it records."""
+        old, planned = stored
         # Prewarmed is written only by passes that planned (or kept) a group, so its
         # observedGeneration is the spec generation the current group was planned from.
         prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)

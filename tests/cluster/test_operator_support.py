@@ -301,6 +301,14 @@ def step(trainer_ip: str) -> dict[str, Any]:
     return result
 
 
+def trainer_digest(trainer_ip: str) -> dict[str, Any]:
+    """The reference trainer's weights: version and per-tensor digests (as an engine's)."""
+    url = f"http://{trainer_ip}:{TRAINER_PORT}/digest"
+    with urllib.request.urlopen(url, timeout=Timeouts.ROUND) as reply:
+        result: dict[str, Any] = json.loads(reply.read())
+    return result
+
+
 def gates(cluster: LocalCluster, namespace: str) -> dict[str, tuple[str | None, str | None]]:
     """Each engine pod's (weights-current, Ready) condition status."""
     return {

@@ -16,7 +16,6 @@ from tests.cluster.controlplane import LocalCluster
 from tests.cluster.test_operator_support import (
     ENGINE_PORT,
     PODS_UP,
-    TRAINER_PORT,
     OperatorProcess,
     apply,
     crd_installed,  # noqa: F401 - fixture
@@ -28,11 +27,12 @@ from tests.cluster.test_operator_support import (
     step,
     sync_status,
     trainer,
+    trainer_digest,
     weightsync,
 )
 from tests.support.eventually import Timeouts, eventually
 from tests.support.kube import condition, watch_pods_until
-from tests.support.recovery import engine_digest, http_json, kill_container
+from tests.support.recovery import engine_digest, kill_container
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -45,11 +45,6 @@ def prewarmed_generation(cluster: LocalCluster, namespace: str, after: int = 0) 
     )
     generation: int | None = status.get("groupGeneration")
     return generation if warm and generation is not None and generation > after else None
-
-
-def trainer_digest(ip: str) -> dict[str, Any]:
-    result: dict[str, Any] = http_json("GET", f"http://{ip}:{TRAINER_PORT}/digest")
-    return result
 
 
 def test_the_colocated_engine_is_synced_through_the_plan_and_followed_when_replaced(

@@ -31,6 +31,7 @@ from tests.cluster.test_operator_support import (
     step,
     sync_status,
     trainer,
+    trainer_digest,
     weightsync,
 )
 from tests.support.eventually import eventually
@@ -98,11 +99,6 @@ def in_group(cluster: LocalCluster, namespace: str, count: int, pod: str = "") -
         c["type"] == "Prewarmed" and c["status"] == "True" for c in status.get("conditions") or []
     )
     return warm and len(members) == count and (not pod or pod in members)
-
-
-def trainer_digest(ip: str) -> dict[str, Any]:
-    result: dict[str, Any] = http_json("GET", f"http://{ip}:{TRAINER_PORT}/digest")
-    return result
 
 
 def no_tracebacks(cluster: LocalCluster, operator: OperatorProcess, namespace: str) -> None:

@@ -17,7 +17,13 @@ import torch
 from tests.integration.contract import ContractConfig, expect_served, make_plan
 from tests.integration.stack import AgentProc, Stack, free_port, http_json, stack, wait_warm
 from tests.support.eventually import eventually
-from weightsync.api.control import Backend, Holding, RecoverRequest, RecoveryState
+from weightsync.api.control import (
+    Backend,
+    Holding,
+    RecoverRequest,
+    RecoveryState,
+    RecoveryStatus,
+)
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.engines.reference.model import PRESETS, build_model, randomize
@@ -85,13 +91,13 @@ def test_a_fresh_gpu_sink_recovers_bit_identical_from_gpu_holders(tmp_path: Path
         )
         http_json("POST", f"{fresh.url}/v1/recover", request.model_dump_json(), fresh.token)
 
-        def finished() -> object:
+        def finished() -> RecoveryStatus | None:
             status = fresh.status().recovery
             done = status is not None and status.state in (RecoveryState.DONE, RecoveryState.FAILED)
             return status if done else None
 
         status = eventually(finished, timeout=120.0, interval=0.1, message="recovery over")
-        assert status.state is RecoveryState.DONE, status  # type: ignore[attr-defined]
-        assert status.bytes == held["source-0"].nbytes  # type: ignore[attr-defined]
+        assert status.state is RecoveryState.DONE, status
+        assert status.bytes == held["source-0"].nbytes
         assert fresh.engine is not None
         expect_served(trainer, [fresh.engine], 2)

@@ -10,6 +10,15 @@ An update is all-or-nothing from the operator's point of view: after
 `abort_update(v, reason)` leaves it serving its previous version (engines that
 stage) or reporting itself `torn` (engines that load in place) until a later
 version or a recovery repairs it. It never silently serves a mix.
+
+Engine incarnations: an engine process can die and come back at the same address (a
+kubelet restarts a crashed container in place). Every adapter learns an identity of the
+process it talks to, `EngineHealth.incarnation` (a start time, a server id, or one the
+adapter plants), records the incarnation it attached its buffers to, and checks it
+before and after every round. When it changed, the adapter drops everything it mapped
+or cached from the older one and raises `EngineError("restarted", ...)`: the new
+process serves whatever it loaded at start, so it is behind whatever it reports, until
+a round or a recovery brings it to the current version.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ class EngineHealth:
     version: int | None  # the weight version it serves; None before the first
     torn: bool = False  # an aborted in-place update left it inconsistent
     detail: str = ""
+    # Identity of the engine process; a new value means it restarted. None: unknown
+    # (unreachable), never "unchanged".
+    incarnation: str | None = None
 
 
 class EngineError(RuntimeError):

@@ -1,14 +1,21 @@
-"""A real Kubernetes control plane on this machine, without a container runtime.
+"""A real Kubernetes control plane on this machine, with a real node or fake ones.
 
 etcd, kube-apiserver, kube-controller-manager and kube-scheduler run as local
-processes built by `build/build.sh`; KWOK plays the kubelets of N fake GPU nodes
-whose pod CIDRs lie in 127.0.0.0/8, so the pod runner (`podrunner.py`) can run a
-pod's containers as local processes bound to the pod's IP.
+processes built by `build/build.sh`. Nodes:
 
-    python -m tests.cluster.controlplane up [--state-dir DIR] [--nodes N]
+* `real_node=True`: one real node (`node/realnode.py`): kubelet, containerd + runc,
+  CNI and kube-proxy in a network namespace of their own; pods are containers from
+  images imported into its containerd. The API server listens on the node link's host
+  address, which pods reach through the `kubernetes` Service.
+* `nodes=N`: N fake GPU nodes played by KWOK, whose pod CIDRs lie in 127.0.0.0/8, so
+  the pod runner (`podrunner.py`) can run a pod's containers as local processes bound
+  to the pod's IP. Kept for the `cluster` tier, which needs scheduling but no containers.
+
+    python -m tests.cluster.controlplane up [--state-dir DIR] [--nodes N] [--real-node]
     python -m tests.cluster.controlplane down [--state-dir DIR]
 
-`up` writes DIR/kubeconfig and DIR/pids/*.pid; `down` stops only those PIDs.
+`up` writes DIR/kubeconfig and DIR/pids/*.pid; `down` stops only those PIDs and undoes
+what the node changed on the machine.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from pathlib import Path
 import yaml
 
 from tests.cluster import kwok_stages
+from tests.cluster.node.realnode import NODE_NAME, RealNode
 from tests.cluster.pki import CertificateAuthority, service_account_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "tests" / "cluster" / "build" / "build.sh"
-DEFAULT_STATE_DIR = Path.home() / ".cache" / "weightsync" / "clusters" / "default"
+CACHE_DIR = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync"))
+DEFAULT_STATE_DIR = CACHE_DIR / "clusters" / "default"
 SERVICE_CIDR = "10.96.0.0/16"
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -42,6 +51,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 ETCD_READY_SECONDS = 30
 APISERVER_READY_SECONDS = 60
 NODES_READY_SECONDS = 60
+NODE_READY_SECONDS = 120  # the real node: kubelet registration and CNI ready
 
 
 class KubectlError(RuntimeError):
@@ -54,6 +64,14 @@ def build_binaries() -> Path:
         ["bash", str(BUILD_SCRIPT)], check=True, stdout=subprocess.PIPE, text=True
     )
     return Path(result.stdout.strip().splitlines()[-1])
+
+
+def binaries_dir() -> Path:
+    """Where `build_binaries` puts (or has put) the binaries, without building."""
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--print-dir"], check=True, stdout=subprocess.PIPE, text=True
+    )
+    return Path(result.stdout.strip())
 
 
 def free_port() -> int:
@@ -87,7 +105,19 @@ class LocalCluster:
     bin_dir: Path = field(default_factory=Path)
     nodes: int = 2
     gpus_per_node: int = 4
+    real_node: bool = False
+    keep_images: bool = False  # a stable state dir keeps the node's imported images
     _children: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
+
+    @property
+    def node(self) -> RealNode:
+        """The real node (its state, containerd and network), started or not."""
+        return RealNode(self.state_dir, self.bin_dir, CACHE_DIR)
+
+    @property
+    def api_host(self) -> str:
+        """Where the API server listens: the node link's host address with a real node."""
+        return self.node.network.host_ip if self.real_node else "127.0.0.1"
 
     @property
     def pod_octet(self) -> int:
@@ -149,6 +179,8 @@ class LocalCluster:
         )
         for directory in (self.state_dir, self.log_dir, self.pid_dir):
             directory.mkdir(parents=True, exist_ok=True)
+        if self.real_node:
+            self.node.network_up()  # the API server binds to the node link's host side
         ports = {name: free_port() for name in ("etcd", "etcd_peer", "apiserver")}
         (self.state_dir / "ports.json").write_text(json.dumps(ports))
         self._write_pki()
@@ -157,18 +189,27 @@ class LocalCluster:
         self._write_kubeconfigs(ports["apiserver"])
         self._start_controller_manager()
         self._start_scheduler()
-        self._start_kwok()
-        self._create_nodes()
-        self._spawn(
-            "podrunner",
-            [sys.executable, "-m", "tests.cluster.podrunner", "--state-dir", str(self.state_dir)],
-            cwd=REPO_ROOT,
-        )
+        if self.real_node:
+            self._start_real_node(ports["apiserver"])
+        if self.nodes:
+            self._start_kwok()
+            self._create_nodes()
+        if self.nodes and not self.real_node:
+            self._spawn(
+                "podrunner",
+                [sys.executable, "-m", "tests.cluster.podrunner", "--state-dir",
+                 str(self.state_dir)],
+                cwd=REPO_ROOT,
+            )  # fmt: skip
 
     def down(self) -> None:
         """Stop the processes this cluster started (and only those, by their PID files)."""
-        # Workloads first (the pod runner, pods' processes, Prometheus), then the control
-        # plane from the top down, so an operator shutting down still reaches its API server.
+        if not self.bin_dir.name:  # a `down` from another process than the `up`
+            self.bin_dir = binaries_dir()
+        # Workloads first (the real node and its pods, the pod runner and its processes,
+        # Prometheus), then the control plane from the top down.
+        if self.node.dir.exists():
+            self.node.down(self._stop_recorded, keep_images=self.keep_images)
         for stage in _SHUTDOWN_ORDER:
             self._stop_recorded(stage)
         for child in self._children:
@@ -184,7 +225,7 @@ class LocalCluster:
         files = [
             f
             for f in self.pid_dir.glob("*.pid")
-            if f.stem in names or ("*" in names and f.stem not in _CONTROL_PLANE)
+            if f.stem in names or ("*" in names and f.stem not in _CONTROL_PLANE | _NODE)
         ]
         pids = []
         for pid_file in files:
@@ -220,17 +261,30 @@ class LocalCluster:
         (self.pid_dir / f"{name}.pid").write_text(str(process.pid))
 
     def _write_pki(self) -> None:
+        # Every `up` is a new cluster: new addresses may need new certificates.
+        subprocess.run(["rm", "-rf", str(self.pki_dir)], check=True)
         ca = CertificateAuthority(self.pki_dir)
         ca.issue(
             "apiserver",
             "kube-apiserver",
             dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"),
-            ip_addresses=("127.0.0.1", "10.96.0.1"),
+            ip_addresses=tuple(sorted({"127.0.0.1", "10.96.0.1", self.api_host})),
             server=True,
         )
         ca.issue("admin", "weightsync-admin", organization="system:masters")
         ca.issue("controller-manager", "system:kube-controller-manager")
         ca.issue("scheduler", "system:kube-scheduler")
+        if self.real_node:
+            ca.issue("kubelet", f"system:node:{NODE_NAME}", organization="system:nodes")
+            ca.issue(
+                "kubelet-serving",
+                f"system:node:{NODE_NAME}",
+                dns_names=(NODE_NAME,),
+                ip_addresses=(self.node.network.node_ip,),
+                server=True,
+            )
+            ca.issue("kube-proxy", "system:kube-proxy")
+            ca.issue("apiserver-kubelet-client", "kube-apiserver", organization="system:masters")
         service_account_keys(self.pki_dir)
 
     def _start_etcd(self, port: int, peer_port: int) -> None:
@@ -258,13 +312,23 @@ class LocalCluster:
 
     def _start_apiserver(self, port: int, etcd_port: int) -> None:
         pki = self.pki_dir
+        if self.real_node:  # the `kubernetes` Service's endpoint; kubelet for logs and exec
+            node_flags = [
+                "--authorization-mode", "Node,RBAC",
+                "--kubelet-client-certificate", str(pki / "apiserver-kubelet-client.crt"),
+                "--kubelet-client-key", str(pki / "apiserver-kubelet-client.key"),
+                "--kubelet-certificate-authority", str(pki / "ca.crt"),
+                "--kubelet-preferred-address-types", "InternalIP",
+            ]  # fmt: skip
+        else:  # Endpoints may not hold loopback addresses, and ours is 127.0.0.1.
+            node_flags = ["--authorization-mode", "RBAC", "--endpoint-reconciler-type", "none"]
         self._spawn(
             "kube-apiserver",
             [
                 str(self.bin_dir / "kube-apiserver"),
                 "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
-                "--bind-address", "127.0.0.1",
-                "--advertise-address", "127.0.0.1",
+                "--bind-address", self.api_host,
+                "--advertise-address", self.api_host,
                 "--secure-port", str(port),
                 "--tls-cert-file", str(pki / "apiserver.crt"),
                 "--tls-private-key-file", str(pki / "apiserver.key"),
@@ -273,10 +337,8 @@ class LocalCluster:
                 "--service-account-signing-key-file", str(pki / "sa.key"),
                 "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
                 "--service-cluster-ip-range", SERVICE_CIDR,
-                "--authorization-mode", "RBAC",
+                *node_flags,
                 "--allow-privileged",
-                # Endpoints may not hold loopback addresses, and ours is 127.0.0.1.
-                "--endpoint-reconciler-type", "none",
                 "--enable-priority-and-fairness=false",
                 "--profiling=false",
                 "--v", "1",
@@ -286,7 +348,7 @@ class LocalCluster:
         context.load_cert_chain(pki / "admin.crt", pki / "admin.key")
 
         def ready() -> bool:
-            url = f"https://127.0.0.1:{port}/readyz"
+            url = f"https://{self.api_host}:{port}/readyz"
             with urllib.request.urlopen(url, timeout=2, context=context) as reply:
                 return bool(reply.status == 200)
 
@@ -303,7 +365,7 @@ class LocalCluster:
                     {
                         "name": "weightsync-local",
                         "cluster": {
-                            "server": f"https://127.0.0.1:{port}",
+                            "server": f"https://{self.api_host}:{port}",
                             "certificate-authority": str(self.pki_dir / "ca.crt"),
                         },
                     }
@@ -366,6 +428,26 @@ class LocalCluster:
                 "--kube-api-burst", "400",
             ],
         )  # fmt: skip
+
+    def _start_real_node(self, port: int) -> None:
+        node = self.node
+        node.start(self._spawn, self.pki_dir, f"https://{self.api_host}:{port}")
+
+        def ready() -> bool:
+            result = self.kubectl("get", "node", NODE_NAME, "-o", "json", check=False)
+            if result.returncode != 0:
+                return False
+            conditions = json.loads(result.stdout).get("status", {}).get("conditions", [])
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+        _wait_until(ready, NODE_READY_SECONDS, "the real node", self.log_dir / "kubelet.log")
+        # No device plugin: the node advertises GPUs for the scheduler only (the
+        # documented way to add an extended resource); nothing here uses a GPU.
+        patch = [
+            {"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": "4"},
+        ]
+        self.kubectl("patch", "node", NODE_NAME, "--subresource=status", "--type=json",
+                     "-p", json.dumps(patch))  # fmt: skip
 
     def _start_kwok(self) -> None:
         config = self.state_dir / "kwok.yaml"
@@ -436,6 +518,7 @@ class LocalCluster:
 
 
 _CONTROL_PLANE = {"kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"}
+_NODE = {"kubelet", "kube-proxy", "containerd"}  # stopped in order by `RealNode.down`
 _SHUTDOWN_ORDER: tuple[tuple[str, ...], ...] = (
     ("podrunner",),
     ("*",),  # what the pod runner started, Prometheus, anything else recorded
@@ -470,12 +553,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("command", choices=["up", "down", "build"])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=2, help="fake (KWOK) nodes")
+    parser.add_argument("--real-node", action="store_true", help="and one real node")
     args = parser.parse_args(argv)
     if args.command == "build":
         print(build_binaries())
         return 0
-    cluster = LocalCluster(state_dir=args.state_dir, nodes=args.nodes)
+    cluster = LocalCluster(state_dir=args.state_dir, nodes=args.nodes, real_node=args.real_node)
     if args.command == "down":
         cluster.down()
         return 0

@@ -17,10 +17,12 @@ HELM_VERSION=v3.20.2
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 go_version=$(go env GOVERSION)
-key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${go_version}"
+# The wrapper module's sums and tools are part of the key: a new binary means a new dir.
+wrapper=$(cat "$here/k8s/go.sum" "$here"/k8s/cmd/*/*.go | sha256sum | cut -c1-8)
+key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${go_version}_${wrapper}"
 out="$cache/bin/$key"
 
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy crictl-lite kwok helm)
 if [ "${1:-}" = "--print-dir" ]; then echo "$out"; exit 0; fi
 missing=0
 for b in "${binaries[@]}"; do [ -x "$out/$b" ] || missing=1; done
@@ -40,10 +42,13 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 
 cd "$here/k8s"
-for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
   log "go build $cmd"
   go build -trimpath -ldflags "$ldflags_k8s" -o "$out.tmp/$cmd" "k8s.io/kubernetes/cmd/$cmd"
 done
+# crictl-lite (cmd/ in the wrapper): the CRI calls the real node's teardown needs.
+log "go build crictl-lite"
+go build -trimpath -ldflags "-s -w" -o "$out.tmp/crictl-lite" ./cmd/crictl-lite
 log "go build etcd $ETCD_VERSION"
 go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3
 "$out.tmp/etcd" --version | grep -q "${ETCD_VERSION#v}" || { log "etcd is not $ETCD_VERSION"; exit 1; }

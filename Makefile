@@ -17,8 +17,8 @@ setup:  ## install Debian packages, the venv and the control plane's binaries
 	bash .ci/setup
 
 lint: setup  ## ruff, mypy --strict, import boundaries, CRD drift
-	$(VENV)/bin/ruff check operator tests
-	$(VENV)/bin/ruff format --check operator tests
+	$(VENV)/bin/ruff check operator tests images
+	$(VENV)/bin/ruff format --check operator tests images
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(MAKE) --no-print-directory verify-crds

@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from weightsync.agent.rounds import RoundFailed
+from weightsync.transfer.buffers import SlotError
 from weightsync.transfer.handoff import (
     Abandon,
     Attach,
@@ -65,8 +66,10 @@ async def serve_publisher(
                     metas = [TensorMeta(n, tuple(s), d) for n, s, d in message.tensors]
                     attached = await agent.attach_publisher(metas, message.sources)
                     await write_message(writer, attached)
-                except (LayoutError, RoundFailed) as exc:
-                    reason = exc.reason if isinstance(exc, RoundFailed) else "bad_layout"
+                except (LayoutError, RoundFailed, SlotError) as exc:
+                    reason = "bad_layout" if isinstance(exc, LayoutError) else "slots_unavailable"
+                    if isinstance(exc, RoundFailed):
+                        reason = exc.reason
                     await write_message(writer, HandoffError(reason=reason, message=str(exc)))
             elif isinstance(message, Publish):
                 result = await agent.publish(

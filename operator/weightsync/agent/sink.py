@@ -43,6 +43,7 @@ from weightsync.agent.rounds import (
 from weightsync.api.control import GenerationState
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
+from weightsync.transfer.buffers import SlotError
 from weightsync.transfer.layout import BucketLayout, LayoutError
 
 log = logging.getLogger(__name__)
@@ -308,7 +309,10 @@ class SinkLoop:
             debug_bucket_delay_seconds=self.debug_delay,
             holder=self.holder,
         )
-        slots = self.pool.ensure(layout, generation.plan.transfer.pipeline_depth)
+        try:
+            slots = self.pool.ensure(layout, generation.plan.transfer.pipeline_depth)
+        except SlotError as exc:
+            raise RoundFailed("slots_unavailable", str(exc)) from exc
         if self.pool.epoch != self._attached_epoch:
             try:
                 await asyncio.wait_for(

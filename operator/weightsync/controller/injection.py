@@ -12,7 +12,15 @@ What a selected pod gets:
 * an emptyDir `weightsync-socket` at `/var/run/weightsync`, mounted into the sidecar and
   every workload container (trainer containers also get `WEIGHTSYNC_SOCKET`);
 * the token Secret as a read-only volume (a file, so rotation needs no restart; the
-  kubelet waits for the Secret if the reconcile has not created it yet);
+  kubelet waits for the Secret if the reconcile has not created it yet), mounted into the
+  sidecar only, mode 0444: secret files are owned by root unless the pod sets an
+  `fsGroup`, which would change every volume of the user's containers, and the sidecar
+  runs as a non-root user;
+* unless a container already mounts something there (or the pod uses the host's IPC
+  namespace, Colocated), a memory-backed emptyDir at `/dev/shm` in the sidecar and every
+  workload container, sized by `shm_size_limit`: the agent's CPU bucket slots live there
+  and the engine maps them by name (one /dev/shm for the pod), and NCCL keeps its host
+  buffers there; a container's own /dev/shm is 64 MiB;
 * on inference pods with `spec.readinessGate.enabled`, the readiness gate
   `weightsync.io/weights-current`;
 * on inference pods, the engine's default flags and environment
@@ -124,14 +132,47 @@ def debug_env(annotations: Mapping[str, Any] | None) -> list[dict[str, str]]:
     return [{"name": names.DEBUG_BUCKET_DELAY_ENV, "value": str(raw).strip()}]
 
 
+GiB = 1 << 30
+
+
+def shm_size_limit(sync: WeightSync) -> str:
+    """The `/dev/shm` size for a WeightSync's pods, as a quantity.
+
+    Two bucket slots' worth per pipeline stage (a tensor larger than the bucket size
+    widens every slot to it), plus 1 GiB for NCCL's and the engine's own segments. A
+    memory-backed volume takes memory only as it is written; the agent checks the free
+    space before it allocates slots and says what it needs.
+    """
+    transfer = sync.spec.transfer
+    total = 2 * transfer.pipeline_depth * transfer.bucket_size_bytes + GiB
+    return f"{-(-total // (1 << 20))}Mi"
+
+
+def _mounts_shm(pod: Mapping[str, Any]) -> bool:
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+    return any(
+        m.get("mountPath", "").rstrip("/") == names.SHM_DIR
+        for c in containers
+        for m in c.get("volumeMounts") or []
+    )
+
+
 def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
 def agent_container(
-    sync: WeightSync, role: Role, inference_index: int | None, device: str, template: AgentTemplate
+    sync: WeightSync,
+    role: Role,
+    inference_index: int | None,
+    device: str,
+    template: AgentTemplate,
+    *,
+    shm: bool = False,
 ) -> dict[str, Any]:
-    """The sidecar container (a restartable init container)."""
+    """The sidecar container (a restartable init container); `shm`: mount the pod's
+    shared-memory volume at /dev/shm."""
     env: list[dict[str, Any]] = [
         {"name": "WEIGHTSYNC_ROLE", "value": role.value},
         _field_env("WEIGHTSYNC_POD_NAME", "metadata.name"),
@@ -163,6 +204,8 @@ def agent_container(
     ]
     if sync.spec.mode is SyncMode.COLOCATED:
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
+    if shm:
+        mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
     ports = [{"name": "ws-control", "containerPort": template.http_port, "protocol": "TCP"}]
     if template.metrics_port:
         ports.append(
@@ -195,7 +238,7 @@ def agent_container(
     }
 
 
-def _volumes(sync: WeightSync, namespace: str) -> list[dict[str, Any]]:
+def _volumes(sync: WeightSync, namespace: str, *, shm: bool) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": names.SOCKET_VOLUME, "emptyDir": {}},
         {
@@ -203,10 +246,18 @@ def _volumes(sync: WeightSync, namespace: str) -> list[dict[str, Any]]:
             "secret": {
                 "secretName": names.token_secret_name(sync.metadata.name or ""),
                 "items": [{"key": names.TOKEN_KEY, "path": names.TOKEN_KEY}],
-                "defaultMode": 0o440,
+                # Root-owned without an fsGroup; only the (non-root) sidecar mounts it.
+                "defaultMode": 0o444,
             },
         },
     ]
+    if shm:
+        volumes.append(
+            {
+                "name": names.SHM_VOLUME,
+                "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(sync)},
+            }
+        )
     if sync.spec.mode is SyncMode.COLOCATED:
         host_dir = names.node_host_dir(namespace, sync.metadata.name or "")
         volumes.append(
@@ -216,7 +267,13 @@ def _volumes(sync: WeightSync, namespace: str) -> list[dict[str, Any]]:
 
 
 def _container_ops(
-    ops: JsonPatch, index: int, container: Mapping[str, Any], role: Role, colocated: bool
+    ops: JsonPatch,
+    index: int,
+    container: Mapping[str, Any],
+    role: Role,
+    *,
+    colocated: bool,
+    shm: bool,
 ) -> None:
     base = f"/spec/containers/{index}"
     mounted_paths = {m.get("mountPath") for m in container.get("volumeMounts") or []}
@@ -225,6 +282,8 @@ def _container_ops(
         mounts.append({"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR})
     if colocated and names.NODE_DIR not in mounted_paths:
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
+    if shm:
+        mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
     _append(ops, container, f"{base}/volumeMounts", mounts)
     env_names = {e.get("name") for e in container.get("env") or []}
     if role is Role.SOURCE and "WEIGHTSYNC_SOCKET" not in env_names:
@@ -329,12 +388,13 @@ def injection_patch(
             names.INJECTED_CONTAINERS_ANNOTATION: ",".join(c["name"] for c in containers),
         },
     )
-    _append(ops, spec, "/spec/volumes", _volumes(sync, namespace))
-    agent = agent_container(sync, role, inference_index, device, template)
+    shm = not colocated and not spec.get("hostIPC") and not _mounts_shm(pod)
+    _append(ops, spec, "/spec/volumes", _volumes(sync, namespace, shm=shm))
+    agent = agent_container(sync, role, inference_index, device, template, shm=shm)
     agent["env"].extend(debug_env(meta.get("annotations")))
     _append(ops, spec, "/spec/initContainers", [agent])
     for index, container in enumerate(containers):
-        _container_ops(ops, index, container, role, colocated)
+        _container_ops(ops, index, container, role, colocated=colocated, shm=shm)
     if role is Role.SINK and inference_index is not None and containers:
         engine = sync.spec.inference[inference_index].engine.value
         engine_defaults_ops(ops, containers[0], engine)

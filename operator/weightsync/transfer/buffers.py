@@ -258,7 +258,16 @@ class BucketSlots:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
         self._paths.append(path)
         try:
-            os.ftruncate(fd, self.capacity)
+            # Reserve the pages now: a tmpfs that runs out while a slot is written kills
+            # this process with SIGBUS; here it is an error that says what is missing.
+            os.posix_fallocate(fd, 0, self.capacity)
+        except OSError as exc:
+            free = os.statvfs(shm_dir)
+            raise SlotError(
+                f"{shm_dir} has {free.f_bavail * free.f_frsize} bytes free; a bucket slot "
+                f"needs {self.capacity} ({exc.strerror}): mount a larger memory-backed "
+                f"volume at {shm_dir}, or lower transfer.bucketSizeBytes"
+            ) from exc
         finally:
             os.close(fd)
         tensor = torch.from_file(str(path), shared=True, size=self.capacity, dtype=torch.uint8)

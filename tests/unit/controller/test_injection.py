@@ -74,8 +74,11 @@ def test_sink_gets_a_native_sidecar_with_engine_settings_and_the_readiness_gate(
     volumes = {v["name"]: v for v in patched["spec"]["volumes"]}
     assert volumes[names.SOCKET_VOLUME] == {"name": names.SOCKET_VOLUME, "emptyDir": {}}
     assert volumes[names.TOKEN_VOLUME]["secret"]["secretName"] == "sync-agent-token"
+    # Readable by the non-root sidecar without a pod fsGroup; no workload container mounts it.
+    assert volumes[names.TOKEN_VOLUME]["secret"]["defaultMode"] == 0o444
     assert patched["spec"]["containers"][0]["volumeMounts"] == [
-        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR}
+        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
+        {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR},
     ]
     assert "env" not in patched["spec"]["containers"][0]  # sinks need no Publisher socket env
     assert patched["metadata"]["labels"] == {names.SYNC_LABEL: "sync", names.ROLE_LABEL: "sink"}
@@ -97,10 +100,10 @@ def test_source_shares_the_socket_with_every_trainer_container_and_gets_no_gate(
     )  # fmt: skip
     _, patched = inject(raw, Role.SOURCE)
     trainer, logger = patched["spec"]["containers"]
-    assert trainer["volumeMounts"][-1] == {
-        "name": names.SOCKET_VOLUME,
-        "mountPath": names.SOCKET_DIR,
-    }
+    assert trainer["volumeMounts"][-2:] == [
+        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
+        {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR},
+    ]
     assert trainer["volumeMounts"][0] == {"name": "data", "mountPath": "/data"}
     assert env_of(trainer) == {"A": "1", "WEIGHTSYNC_SOCKET": names.SOCKET_PATH}
     assert env_of(logger) == {"WEIGHTSYNC_SOCKET": names.SOCKET_PATH}
@@ -129,6 +132,7 @@ def test_existing_lists_and_maps_are_appended_to_not_replaced() -> None:
         "cache",
         names.SOCKET_VOLUME,
         names.TOKEN_VOLUME,
+        names.SHM_VOLUME,
     ]
     assert patched["metadata"]["labels"]["app"] == "engine"
     assert patched["metadata"]["annotations"]["team/owner"] == "rl"
@@ -136,6 +140,25 @@ def test_existing_lists_and_maps_are_appended_to_not_replaced() -> None:
         "example.com/warm",
         names.WEIGHTS_CURRENT,
     ]
+
+
+def test_one_shared_memory_volume_sized_for_the_slots_unless_the_pod_brings_its_own() -> None:
+    _, patched = inject(
+        pod("engine-a-abc-x1").build(),
+        Role.SINK,
+        spec__transfer={"bucketSizeBytes": 256 << 20, "pipelineDepth": 2},
+    )
+    volumes = {v["name"]: v for v in patched["spec"]["volumes"]}
+    # 2 slots x 2 stages x 256 MiB, and 1 GiB for NCCL and the engine.
+    assert volumes[names.SHM_VOLUME]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2048Mi"}
+    mounts = [m for m in agent_of(patched)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert mounts == [{"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR}]
+
+    own = pod("engine-a-abc-x2").build()
+    own["spec"]["containers"][0]["volumeMounts"] = [{"name": "big", "mountPath": "/dev/shm/"}]
+    _, patched = inject(own, Role.SINK)
+    assert names.SHM_VOLUME not in {v["name"] for v in patched["spec"]["volumes"]}
+    assert all(m["mountPath"] != "/dev/shm" for m in agent_of(patched)["volumeMounts"])
 
 
 def test_the_patch_is_idempotent() -> None:

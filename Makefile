@@ -48,7 +48,7 @@ verify-crds:
 	$(PY) -m weightsync.api.crd --check
 
 cluster-up: setup  ## a local control plane for poking at by hand
-	$(PY) -m tests.cluster.controlplane up
+	$(PY) -m tests.cluster.controlplane up --nodes 0 --real-node --images
 
 cluster-down:
 	$(PY) -m tests.cluster.controlplane down

@@ -12,7 +12,7 @@ import pytest
 from tests.cluster.controlplane import LocalCluster, build_binaries
 from tests.support.eventually import Timeouts, eventually
 
-CLUSTER_FIXTURES = {"cluster", "namespace", "k8s"}
+CLUSTER_FIXTURES = {"cluster", "namespace", "k8s", "images"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -25,14 +25,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A fresh local control plane (etcd, API server, controllers, KWOK, pod runner)."""
+    """A fresh local control plane with one real node (kubelet, containerd: pods that run)
+    and two KWOK nodes (`type=kwok`: pods that only need scheduling)."""
     state_dir: Path = tmp_path_factory.mktemp("cluster")
-    local = LocalCluster(state_dir=state_dir, bin_dir=build_binaries(), nodes=2)
+    local = LocalCluster(state_dir=state_dir, bin_dir=build_binaries(), nodes=2, real_node=True)
     local.up()
     try:
         yield local
     finally:
         local.down()
+
+
+@pytest.fixture(scope="session")
+def images(cluster: LocalCluster) -> dict[str, str]:
+    """weightsync's images (built by `.ci/setup`, cached) in the real node's containerd:
+    name -> reference, for pods with `imagePullPolicy: Never`."""
+    from tests.cluster.images import ensure_images
+
+    built = ensure_images(cluster.node.containerd_address)
+    return {name: info.ref for name, info in built.items()}
 
 
 @pytest.fixture
@@ -66,5 +77,5 @@ def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator
         yield name
     finally:
         # Deletion is asynchronous (the namespace controller removes its objects and the
-        # pod runner stops their processes); waiting for it would add seconds per test.
+        # kubelet stops their containers); waiting for it would add seconds per test.
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -7,9 +7,9 @@ processes built by `build/build.sh`. Nodes:
   CNI and kube-proxy in a network namespace of their own; pods are containers from
   images imported into its containerd. The API server listens on the node link's host
   address, which pods reach through the `kubernetes` Service.
-* `nodes=N`: N fake GPU nodes played by KWOK, whose pod CIDRs lie in 127.0.0.0/8, so
-  the pod runner (`podrunner.py`) can run a pod's containers as local processes bound
-  to the pod's IP. Kept for the `cluster` tier, which needs scheduling but no containers.
+* `nodes=N`: N fake GPU nodes played by KWOK (label `type=kwok`): pods scheduled there
+  are marked Running and Ready and never run. For what needs scheduling only, and for
+  scale: a fake node costs nothing.
 
     python -m tests.cluster.controlplane up [--state-dir DIR] [--nodes N] [--real-node]
     python -m tests.cluster.controlplane down [--state-dir DIR]
@@ -194,20 +194,13 @@ class LocalCluster:
         if self.nodes:
             self._start_kwok()
             self._create_nodes()
-        if self.nodes and not self.real_node:
-            self._spawn(
-                "podrunner",
-                [sys.executable, "-m", "tests.cluster.podrunner", "--state-dir",
-                 str(self.state_dir)],
-                cwd=REPO_ROOT,
-            )  # fmt: skip
 
     def down(self) -> None:
         """Stop the processes this cluster started (and only those, by their PID files)."""
         if not self.bin_dir.name:  # a `down` from another process than the `up`
             self.bin_dir = binaries_dir()
-        # Workloads first (the real node and its pods, the pod runner and its processes,
-        # Prometheus), then the control plane from the top down.
+        # Workloads first (the real node and its pods, Prometheus), then the control plane
+        # from the top down.
         if self.node.dir.exists():
             self.node.down(self._stop_recorded, keep_images=self.keep_images)
         for stage in _SHUTDOWN_ORDER:
@@ -319,6 +312,9 @@ class LocalCluster:
                 "--kubelet-client-key", str(pki / "apiserver-kubelet-client.key"),
                 "--kubelet-certificate-authority", str(pki / "ca.crt"),
                 "--kubelet-preferred-address-types", "InternalIP",
+                # Webhook Services resolve to their endpoints' pod IPs, which the host
+                # routes to the node; ClusterIPs exist only inside the node's namespace.
+                "--enable-aggregator-routing=true",
             ]  # fmt: skip
         else:  # Endpoints may not hold loopback addresses, and ours is 127.0.0.1.
             node_flags = ["--authorization-mode", "RBAC", "--endpoint-reconciler-type", "none"]
@@ -520,8 +516,7 @@ class LocalCluster:
 _CONTROL_PLANE = {"kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"}
 _NODE = {"kubelet", "kube-proxy", "containerd"}  # stopped in order by `RealNode.down`
 _SHUTDOWN_ORDER: tuple[tuple[str, ...], ...] = (
-    ("podrunner",),
-    ("*",),  # what the pod runner started, Prometheus, anything else recorded
+    ("*",),  # Prometheus, anything else recorded
     ("kwok", "kube-scheduler", "kube-controller-manager"),
     ("kube-apiserver",),
     ("etcd",),
@@ -555,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     parser.add_argument("--nodes", type=int, default=2, help="fake (KWOK) nodes")
     parser.add_argument("--real-node", action="store_true", help="and one real node")
+    parser.add_argument("--images", action="store_true", help="import weightsync's images")
     args = parser.parse_args(argv)
     if args.command == "build":
         print(build_binaries())
@@ -565,6 +561,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.monotonic()
     cluster.up()
+    if args.images and args.real_node:
+        from tests.cluster.images import ensure_images
+
+        for info in ensure_images(cluster.node.containerd_address).values():
+            print(f"image {info.ref} on the node")
     print(f"control plane up in {time.monotonic() - started:.1f}s; KUBECONFIG={cluster.kubeconfig}")
     return 0
 

@@ -369,14 +369,30 @@ def ensure_images(
         info = build(SPECS[name])
         import_image(info, containerd_address, namespace)
         found[name] = info
+    prune()
     return found
 
 
 def prune() -> None:
-    """Drop build containers left by interrupted builds and images no tag keeps."""
+    """Drop what no current image needs: build containers left by interrupted builds, and
+    every untagged image that is not a step of a tagged one's build (old builds, layers of
+    an earlier pyproject.toml). The steps of current builds stay: they are the layer
+    cache a code change rebuilds from."""
     for container in buildah("containers", "-q").split():
         buildah("rm", container)
-    buildah("rmi", "--prune")
+    listed = json.loads(buildah("images", "--json") or "[]")
+    chains: dict[str, list[str]] = {}
+    for image in listed:
+        inspected = json.loads(buildah("inspect", "--type", "image", image["id"]))
+        chains[image["id"]] = inspected["OCIv1"]["rootfs"]["diff_ids"] or []
+    current = [chains[i["id"]] for i in listed if i.get("names")]
+    for image in listed:
+        if image.get("names"):
+            continue
+        chain = chains[image["id"]]
+        if not any(tagged[: len(chain)] == chain for tagged in current):
+            with contextlib.suppress(ImageBuildError):  # a child of it may go first
+                buildah("rmi", image["id"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.names or SPECS:
             info = build(SPECS[name])
             print(f"{info.ref}\t{info.image_id[:12]}\t{info.size_bytes / 1e9:.2f} GB")
+        prune()
     elif args.command == "list":
         print(buildah("images"))
     else:

@@ -1,11 +1,7 @@
 """KWOK's configuration: which fake-kubelet transitions pods and nodes go through.
 
-Upstream's node and pod stages are read from the KWOK release the build copied,
-with one change: pods that the pod runner executes (annotated `RUN_LOCAL`) skip
-upstream's `pod-ready`, which marks every container and readiness gate True at
-once. Those pods get `pod-running-local` instead (Running, an IP, nothing Ready);
-the pod runner then plays the kubelet: it starts the processes, probes them, and
-sets Ready from the containers *and* the readiness gates, as a kubelet does.
+Upstream's node and pod stages are read from the KWOK release the build copied. Pods
+that must really run go to the cluster's real node instead (`node/realnode.py`).
 
 Failure injection: upstream's `pod-container-running-failed` (label
 `FAIL_LABEL=true`, the pod goes Failed) and our `pod-crash-loop` (label
@@ -19,7 +15,6 @@ from typing import Any
 
 import yaml
 
-RUN_LOCAL = "weightsync.io/run-local"
 FAIL_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
 CRASH_LOOP_LABEL = "weightsync.io/crash-loop"
 
@@ -31,30 +26,6 @@ _UPSTREAM = (
     "pod/fast/pod-delete.yaml",
     "pod/chaos/pod-container-running-failed.yaml",
 )
-
-_POD_RUNNING_LOCAL = """
-{{ $now := Now }}
-conditions:
-- {type: PodScheduled, status: "True", lastTransitionTime: {{ $now | Quote }}}
-- {type: Initialized, status: "True", lastTransitionTime: {{ $now | Quote }}}
-- {type: ContainersReady, status: "False", lastTransitionTime: {{ $now | Quote }}}
-- {type: Ready, status: "False", lastTransitionTime: {{ $now | Quote }}}
-containerStatuses:
-{{ range .spec.containers }}
-- image: {{ .image | Quote }}
-  name: {{ .name | Quote }}
-  ready: false
-  started: true
-  restartCount: 0
-  state:
-    running:
-      startedAt: {{ $now | Quote }}
-{{ end }}
-hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
-podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
-phase: Running
-startTime: {{ $now | Quote }}
-"""
 
 _POD_CRASH_LOOP = """
 {{ $now := Now }}
@@ -97,33 +68,13 @@ def _not_deleted() -> dict[str, Any]:
 
 
 def stages(upstream_dir: Path) -> list[dict[str, Any]]:
-    """All stages, upstream ones adjusted for locally run pods."""
+    """All stages: upstream's, and a crash loop on demand."""
     result = []
     for relative in _UPSTREAM:
         stage = yaml.safe_load((upstream_dir / relative).read_text())
-        if stage["metadata"]["name"] == "pod-ready":
-            stage["spec"]["selector"]["matchExpressions"].append(
-                {"key": f'.metadata.annotations["{RUN_LOCAL}"]', "operator": "DoesNotExist"}
-            )
         if stage["metadata"]["name"] == "pod-container-running-failed":
-            # Fail as soon as the runner reports an exit, as a kubelet would.
-            stage["spec"]["delay"] = {"durationMilliseconds": 0}
+            stage["spec"]["delay"] = {"durationMilliseconds": 0}  # fail at once when asked
         result.append(stage)
-    result.append(
-        _stage(
-            "pod-running-local",
-            [
-                _not_deleted(),
-                {"key": ".status.podIP", "operator": "DoesNotExist"},
-                {
-                    "key": f'.metadata.annotations["{RUN_LOCAL}"]',
-                    "operator": "In",
-                    "values": ["true"],
-                },
-            ],
-            _POD_RUNNING_LOCAL,
-        )
-    )
     result.append(
         _stage(
             "pod-crash-loop",

@@ -2,9 +2,9 @@
 
 The operator runs as its own process (`weightsync-operator`, URL-mode webhook on
 127.0.0.1, certificates it generates itself); the API server calls its webhooks over
-TLS; trainer and inference pods run as pod-runner processes (the reference trainer,
-reference engines, and the injected `weightsync-agent` sidecars), so every round is a
-real gloo broadcast driven by a real Publisher.
+TLS; trainer and inference pods run as containers on the cluster's real node (the
+reference trainer, reference engines, and the injected `weightsync-agent` sidecars), so
+every round is a real gloo broadcast driven by a real Publisher.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ No tests here. The operator runs as its own process (`weightsync-operator`, URL-
 webhook on 127.0.0.1, certificates it generates itself), serving only the test's
 namespace; its fixture deletes the test's WeightSyncs while it still runs (they carry
 its finalizer) and removes its webhook configurations even if a test killed it.
+
+Workloads that run (`local=True`) are containers on the cluster's real node, from the
+images `.ci/setup` builds (the reference engine's image runs the trainer too); the
+others only need scheduling and land on the KWOK nodes.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster import kwok_stages
 from tests.cluster.controlplane import LocalCluster, free_port
+from tests.cluster.images import SPECS
+from tests.cluster.node.realnode import NODE_LABEL
 from tests.support.eventually import Timeouts, eventually
 from tests.support.kube import condition
 from weightsync.controller import names
@@ -62,6 +67,12 @@ class OperatorProcess:
             "WEIGHTSYNC_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS),
             "WEIGHTSYNC_OPERATOR_MISSING_REFERENCE_RETRY_SECONDS": "2",
             "WEIGHTSYNC_OPERATOR_RENDEZVOUS_PORT": str(free_port()),
+            # The images are imported into the node; nothing can be pulled.
+            "WEIGHTSYNC_OPERATOR_AGENT_IMAGE": SPECS["agent"].ref,
+            "WEIGHTSYNC_OPERATOR_AGENT_IMAGE_PULL_POLICY": "Never",
+            # One 2-core node runs every pod: the default 500m per sidecar would not fit.
+            "WEIGHTSYNC_OPERATOR_AGENT_CPU_REQUEST": "10m",
+            "WEIGHTSYNC_OPERATOR_AGENT_MEMORY_REQUEST": "64Mi",
         }
         self.popen: subprocess.Popen[bytes] | None = None
 
@@ -118,7 +129,7 @@ class OperatorProcess:
 # Fixtures named explicitly: test modules import the functions, and a parameter named
 # like an imported function would shadow it.
 @pytest.fixture(scope="module", name="crd")
-def crd_installed(cluster: LocalCluster) -> LocalCluster:
+def crd_installed(cluster: LocalCluster, images: dict[str, str]) -> LocalCluster:
     cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
     cluster.kubectl("wait", "--for=condition=Established", "crd/weightsyncs.weightsync.io")
     eventually(
@@ -162,6 +173,11 @@ def operator_process(
 POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
+ENGINE_IMAGE = SPECS["reference-engine"].ref
+REAL_NODE = {NODE_LABEL: "true"}
+KWOK_NODES = {"type": "kwok"}
+
+
 def template(
     app: str,
     containers: list[dict[str, Any]],
@@ -170,15 +186,17 @@ def template(
     local: bool,
     annotations: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """A pod template: on the real node if `local` (its containers run), else on KWOK's."""
     labels = {"app": app}
     if inject:
         labels[names.INJECT_LABEL] = names.INJECT_VALUE
-    annotations = dict(annotations or {})
-    if local:
-        annotations[kwok_stages.RUN_LOCAL] = "true"
     return {
-        "metadata": {"labels": labels, "annotations": annotations},
-        "spec": {"containers": containers, "terminationGracePeriodSeconds": 1},
+        "metadata": {"labels": labels, "annotations": dict(annotations or {})},
+        "spec": {
+            "containers": containers,
+            "terminationGracePeriodSeconds": 1,
+            "nodeSelector": REAL_NODE if local else KWOK_NODES,
+        },
     }
 
 
@@ -187,7 +205,8 @@ def trainer(
 ) -> dict[str, Any]:
     container = {
         "name": "trainer",
-        "image": "weightsync/reference-trainer",
+        "image": ENGINE_IMAGE,
+        "imagePullPolicy": "Never",
         "command": ["python", "-m", "weightsync.engines.reference.trainer", "--host", "$(POD_IP)",
                     "--port", str(TRAINER_PORT), "--interval", "0", "--preset", preset],
         "env": [POD_IP_ENV],
@@ -216,14 +235,16 @@ def engines(
 ) -> dict[str, Any]:
     """A Deployment of reference engines; `bucket_delay_seconds` slows their agents' rounds
     and recoveries (per bucket) so a test can act while one runs."""
-    container: dict[str, Any] = {"name": "engine", "image": "weightsync/reference-engine"}
-    if local:
-        container |= {
-            "command": ["weightsync-reference-engine", "--host", "$(POD_IP)",
-                        "--port", str(ENGINE_PORT), "--preset", preset],
-            "env": [POD_IP_ENV],
-            "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT}},
-        }  # fmt: skip
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": ENGINE_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["weightsync-reference-engine", "--host", "$(POD_IP)",
+                    "--port", str(ENGINE_PORT), "--preset", preset],
+        "env": [POD_IP_ENV],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT},
+                           "periodSeconds": 2},
+    }  # fmt: skip
     slow = (
         {names.DEBUG_BUCKET_DELAY_ANNOTATION: str(bucket_delay_seconds)}
         if bucket_delay_seconds

@@ -3,15 +3,16 @@
     python -m tests.e2e.demo [--rounds 12] [--kill-at 5]   # what `make demo` runs
     python -m tests.e2e.demo down                          # what `make demo-down` runs
 
-It builds (or reuses) the local control plane, `helm install`s the chart (the operator
-pod runs as a local process through the pod runner), applies `docs/examples/demo/`
-(a trainer StatefulSet and two reference-engine Deployments) and the WeightSync, then
-asks the trainer for one optimizer step + publish at a time. Half-way it kills one
-engine's process: its pod fails, the Deployment replaces it, the new agent pulls the
-current version from the trainer agent's host copy, and only then does the pod turn
-Ready. At the end it checks every engine is bit-identical to the trainer and prints a
-summary with latencies from Prometheus. Everything keeps running for you to look at
-until `make demo-down`.
+It builds (or reuses) the local control plane and its real node (kubelet, containerd),
+builds weightsync's images from `images/` and imports them into the node, `helm
+install`s the chart as a user would, applies `docs/examples/demo/` (a trainer
+StatefulSet and two reference-engine Deployments behind Services) and the WeightSync,
+then asks the trainer for one optimizer step + publish at a time. Half-way one engine
+pod fails (deleted at once, as a lost node would): the Deployment replaces it, the new
+agent pulls the current version from the trainer agent's host copy, and only then does
+the pod turn Ready and join its Service's endpoints. At the end it checks every engine
+is bit-identical to the trainer and prints a summary with latencies from Prometheus.
+Everything keeps running for you to look at until `make demo-down`.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from typing import Any
 
 import yaml
 
-from tests.cluster.controlplane import REPO_ROOT, LocalCluster, build_binaries
+from tests.cluster import images
+from tests.cluster.controlplane import CACHE_DIR, REPO_ROOT, LocalCluster, build_binaries
 from tests.e2e import prometheus as prom
 from tests.support.eventually import eventually
 
-DEMO_DIR = Path.home() / ".cache" / "weightsync" / "clusters" / "demo"
+DEMO_DIR = CACHE_DIR / "clusters" / "demo"
 EXAMPLES = REPO_ROOT / "docs" / "examples" / "demo"
 CHART = REPO_ROOT / "charts" / "weightsync"
 NAMESPACE = "rl-demo"
@@ -48,6 +50,8 @@ GATE = "weightsync.io/weights-current"
 
 # How long each phase may take on a 2-core machine where every pod imports torch.
 OPERATOR_UP_SECONDS = 180.0
+OPERATOR_METRICS_PORT = 9090  # the chart's operator.metricsPort
+AGENT_METRICS_PORT = 9470  # the chart's agent.metricsPort
 STACK_WARM_SECONDS = 300.0
 ROUND_SECONDS = 120.0
 SETTLE_ROUNDS = 60  # extra steps, at most, until the replacement is back and in sync
@@ -108,6 +112,8 @@ class DemoResult:
     replacement_pod: str = ""
     recovery_seconds: float = 0.0
     ready_at_stale_version: list[str] = field(default_factory=list)
+    endpoints_while_recovering: list[str] = field(default_factory=list)
+    images: dict[str, images.ImageInfo] = field(default_factory=dict)
     latency_quantiles_ms: dict[str, float] = field(default_factory=dict)
     prometheus_url: str = ""
     panels_with_data: list[str] = field(default_factory=list)
@@ -123,9 +129,13 @@ def _http(method: str, url: str, timeout: float = 120.0) -> Any:
 
 
 class Demo:
-    def __init__(self, state_dir: Path, console: Console) -> None:
+    def __init__(self, state_dir: Path, console: Console, *, keep_images: bool = True) -> None:
         self.console = console
-        self.cluster = LocalCluster(state_dir=state_dir, nodes=2)
+        # The demo's stable state dir keeps the node's imported images across `down`: a
+        # warm demo imports nothing.
+        self.cluster = LocalCluster(
+            state_dir=state_dir, nodes=0, real_node=True, keep_images=keep_images
+        )
         self.prometheus: prom.Prometheus | None = None
 
     # -- kubectl helpers -----------------------------------------------------------
@@ -143,15 +153,20 @@ class Demo:
 
     # -- phases --------------------------------------------------------------------
 
-    def start_cluster(self) -> None:
+    def start_cluster(self, result: DemoResult) -> None:
         with self.console.step(
-            "Building the control plane (etcd, kube-apiserver, KWOK, helm)",
+            "Building the control plane and node (etcd, kube-apiserver, kubelet, helm)",
             slow_hint="; the first run compiles Kubernetes from source, about 10 minutes",
         ):
             self.cluster.bin_dir = build_binaries()
-        with self.console.step("Starting the local control plane"):
+        with self.console.step("Starting the local control plane and its node"):
             self.cluster.up()
         self.console.say(f"KUBECONFIG={self.cluster.kubeconfig}")
+        with self.console.step(
+            "Building weightsync's images (images/) and importing them into the node",
+            slow_hint="; the first run downloads torch's wheels and builds, about 8 minutes",
+        ):
+            result.images = images.ensure_images(self.cluster.node.containerd_address)
 
     def install_chart(self) -> None:
         helm = str(self.cluster.bin_dir / "helm")
@@ -161,14 +176,13 @@ class Demo:
                     helm, "upgrade", "--install", "weightsync", str(CHART),
                     "--namespace", SYSTEM_NAMESPACE, "--create-namespace",
                     "--kubeconfig", str(self.cluster.kubeconfig),
-                    # The pod runner runs the operator pod as a local process on its pod IP;
-                    # the API server calls the webhook on that IP (URL mode).
-                    "--set-string", "podAnnotations.weightsync\\.io/run-local=true",
-                    "--set-string", "webhook.listenHost=$(POD_IP)",
-                    "--set-string", "webhook.url=https://$(POD_IP):9443",
-                    # Ports of their own: local processes share one network namespace.
-                    "--set", "operator.healthPort=18080",
-                    "--set", "operator.metricsPort=19090",
+                    # The images were imported into the node: nothing is ever pulled.
+                    "--set", "image.pullPolicy=Never",
+                    "--set", "agent.image.pullPolicy=Never",
+                    # One 2-core node runs every pod: requests sized to fit.
+                    "--set", "agent.resources.requests.cpu=50m",
+                    "--set", "agent.resources.requests.memory=128Mi",
+                    "--set", "resources.requests.cpu=50m",
                     "--set", "operator.resyncSeconds=1",
                     "--wait", "--timeout", f"{int(OPERATOR_UP_SECONDS)}s",
                 ],
@@ -229,23 +243,43 @@ class Demo:
             generation=report.get("generation"),
         )
 
-    def kill_engine(self, deployment: str) -> tuple[str, int]:
-        """SIGKILL the engine process of `deployment`'s pod, as a crash would."""
+    def fail_engine_pod(self, deployment: str) -> tuple[str, int]:
+        """Delete `deployment`'s pod at once (grace 0), as a lost node would."""
         (pod,) = self.pods(f"app={deployment}")
-        uid = pod["metadata"]["uid"][:8]
-        pid = int((self.cluster.pid_dir / f"pod-{uid}-engine.pid").read_text())
-        os.kill(pid, signal.SIGKILL)
+        name = pod["metadata"]["name"]
+        self.cluster.kubectl(
+            "delete", "pod", name, "-n", NAMESPACE, "--grace-period=0", "--force", "--wait=false"
+        )
         version = self.weightsync()["status"].get("currentVersion", 0)
-        return pod["metadata"]["name"], version
+        return name, version
+
+    def endpoints(self, service: str) -> list[str]:
+        """The pod IPs a Service's EndpointSlices list as ready."""
+        slices = self.get(
+            "endpointslices", "-n", NAMESPACE, "-l", f"kubernetes.io/service-name={service}"
+        )
+        return [
+            address
+            for item in slices["items"]
+            for endpoint in item.get("endpoints") or []
+            if (endpoint.get("conditions") or {}).get("ready")
+            for address in endpoint["addresses"]
+        ]
 
     def replacement_ready(self, deployment: str, old_pod: str, result: DemoResult) -> bool:
         """Whether `old_pod`'s replacement is Ready; notes it if Ready at a stale version."""
+        # Endpoints first, then pods: a recovering pod only ever turns Ready, so one listed
+        # as ready before its pod reads NotReady was listed while it was behind.
+        listed = self.endpoints(deployment)
         for pod in self.pods(f"app={deployment}"):
             name = pod["metadata"]["name"]
             if name == old_pod or pod["status"].get("phase") != "Running":
                 continue
             conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
             if conditions.get("Ready") != "True":
+                # Recovering: its Service must not send it a request yet.
+                if pod["status"].get("podIP") in listed:
+                    result.endpoints_while_recovering.append(name)
                 continue
             version = self.engine_version(pod)
             current = self.weightsync()["status"].get("currentVersion")
@@ -289,13 +323,13 @@ class Demo:
         """The operator and every running agent, labelled as the chart's monitors would."""
         operator_pods = self.get("pods", "-n", SYSTEM_NAMESPACE)["items"]
         operators = [
-            f"{p['status']['podIP']}:19090"
+            f"{p['status']['podIP']}:{OPERATOR_METRICS_PORT}"
             for p in operator_pods
             if p["status"].get("phase") == "Running" and p["status"].get("podIP")
         ]
         agents = [
             prom.agent_target(
-                f"{p['status']['podIP']}:9470",
+                f"{p['status']['podIP']}:{AGENT_METRICS_PORT}",
                 namespace=NAMESPACE,
                 pod=p["metadata"]["name"],
                 weightsync=WEIGHTSYNC,
@@ -398,7 +432,7 @@ def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
         raise DemoError(f"--kill-at must be between 1 and {rounds - 1}")
     console = demo.console
     result = DemoResult()
-    demo.start_cluster()
+    demo.start_cluster(result)
     demo.install_chart()
     demo.apply_workloads()
     with console.step("Starting Prometheus (scraping the operator and every agent)"):
@@ -409,9 +443,9 @@ def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
     for index in range(1, rounds + 1):
         _print_round(console, index, demo.step(), result)
         if index == kill_at:
-            result.killed_pod, version = demo.kill_engine("engine-b")
+            result.killed_pod, version = demo.fail_engine_pod("engine-b")
             killed_at = time.monotonic()
-            console.say(f"killed the engine process of {result.killed_pod} at version {version}")
+            console.say(f"engine pod {result.killed_pod} failed at version {version}")
         elif killed_at and not result.replacement_pod:
             _note_recovery(demo, result, killed_at, console)
 
@@ -477,8 +511,13 @@ def _summary(result: DemoResult, demo: Demo, console: Console) -> None:
         f"  round latency (Prom.)  p50 {result.latency_quantiles_ms.get('p50', 0):.0f} ms, "
         f"p99 {result.latency_quantiles_ms.get('p99', 0):.0f} ms",
         f"  bytes per round        {ok[-1].bytes if ok else 0} ({total_bytes} in all)",
-        f"  killed / recovered     {result.killed_pod} -> {result.replacement_pod} "
-        f"in {result.recovery_seconds:.1f}s",
+        f"  failed / recovered     {result.killed_pod} -> {result.replacement_pod} "
+        f"in {result.recovery_seconds:.1f}s (in its Service's endpoints while behind: "
+        f"{', '.join(result.endpoints_while_recovering) or 'never'})",
+        "  images                 "
+        + ", ".join(
+            f"{info.ref} ({info.size_bytes / 1e9:.2f} GB)" for info in result.images.values()
+        ),
         "  engine pods            version  bit-identical to trainer",
     ]
     for pod, version in sorted(result.versions.items()):
@@ -492,7 +531,7 @@ def _summary(result: DemoResult, demo: Demo, console: Console) -> None:
         f" data; none yet: {', '.join(result.panels_without_data) or '-'})",
         f"  alerts:     {len(result.alerts_evaluated)} rules evaluated, "
         f"{sum(1 for n in result.alerts_evaluated.values() if n)} firing",
-        f"  logs:       {demo.cluster.state_dir}/logs, {demo.cluster.state_dir}/pods",
+        f"  logs:       {demo.cluster.state_dir}/logs, {demo.cluster.node.pod_logs}",
         "  stop:       make demo-down",
     ]
     for line in lines:
@@ -509,11 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, default=DEMO_DIR)
     args = parser.parse_args(argv)
     if args.command == "down":
-        LocalCluster(state_dir=args.state_dir).down()
+        Demo(args.state_dir, Console()).close()  # keeps the imported images
         print("demo stopped")
         return 0
     result = run(Demo(args.state_dir, Console()), rounds=args.rounds, kill_at=args.kill_at)
-    healthy = all(result.identical.values()) and not result.ready_at_stale_version
+    healthy = (
+        all(result.identical.values())
+        and not result.ready_at_stale_version
+        and not result.endpoints_while_recovering
+    )
     return 0 if healthy else 1
 
 

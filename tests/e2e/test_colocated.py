@@ -3,7 +3,7 @@ source agent's plan, and the hand-off reaches it through the shared slots (share
 here, CUDA IPC on GPUs); a replaced engine pod is named in the next generation.
 
 Real operator, webhook (hostIPC, node-local directory, affinity to the trainer's node),
-scheduler, and agents, reference engine and trainer as pod-runner processes.
+scheduler, and agents, reference engine and trainer as containers on the real node.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tests.cluster.test_operator_support import (
 )
 from tests.support.eventually import Timeouts, eventually
 from tests.support.kube import condition, watch_pods_until
-from tests.support.recovery import engine_digest, kill_container
+from tests.support.recovery import engine_digest, replace_pod
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -72,8 +72,8 @@ def test_the_colocated_engine_is_synced_through_the_plan_and_followed_when_repla
     )
     assert engine_digest(serving, ENGINE_PORT) == trainer_digest(ip)  # bit-identical
 
-    # The engine dies: its replacement lands on the trainer's node and is planned in.
-    kill_container(cluster.pid_dir, engine, "engine")
+    # The engine's pod is replaced: the new one lands on the trainer's node, planned in.
+    replace_pod(cluster, engine)
     gone = engine["metadata"]["name"]
 
     def started(_type: str, pod: dict[str, Any]) -> bool:

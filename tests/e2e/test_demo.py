@@ -1,4 +1,5 @@
-"""The README's first command, headless: the whole stack syncs, a killed engine recovers."""
+"""The README's first command, headless: the whole stack syncs on the real node, a failed
+engine pod is replaced and recovers, out of its Service's endpoints until it serves."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 def test_demo_scenario(tmp_path: Path) -> None:
     state_dir = tmp_path / "demo"
-    stack = demo.Demo(state_dir, demo.Console(quiet=True))
+    stack = demo.Demo(state_dir, demo.Console(quiet=True), keep_images=False)
     try:
         result = demo.run(stack, rounds=6, kill_at=2)
         logs = {
             str(path.relative_to(state_dir)): path.read_text(errors="replace")
-            for pattern in ("logs/*.log", "pods/*/*.log")
+            for pattern in ("logs/*.log", "node/pod-logs/*/*/*.log")
             for path in state_dir.glob(pattern)
         }
     finally:
@@ -34,6 +35,8 @@ def test_demo_scenario(tmp_path: Path) -> None:
     assert result.killed_pod
     assert result.replacement_pod not in ("", result.killed_pod)
     assert result.ready_at_stale_version == []
+    assert result.endpoints_while_recovering == []
+    assert set(result.images) == {"operator", "agent", "reference-engine"}
     assert len(result.versions) == 2
     assert set(result.versions.values()) == {versions[-1]}
     assert all(result.identical.values()), result.identical

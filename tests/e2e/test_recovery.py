@@ -1,7 +1,10 @@
-"""P2P recovery end to end: killed engines come back by pulling from holders, never stale.
+"""P2P recovery end to end: replaced engine pods come back by pulling from holders, never
+stale; members lost mid-round fail the round together.
 
-Real operator process, agents, reference engines and trainer as pod-runner processes on
-the local control plane (`tests/cluster/test_operator_support.py`), Mooncake over TCP.
+Real operator process, agents, reference engines and trainer as containers on the local
+cluster's real node (`tests/cluster/test_operator_support.py`), Mooncake over TCP. A pod
+"replaced" is deleted at once (a node failure or an eviction): its Deployment makes a
+new one, which starts from nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from tests.support.recovery import (
     engine_digest,
     http_json,
     kill_container,
+    pod_logs,
+    replace_pod,
 )
 from weightsync.controller import names
 
@@ -102,9 +107,7 @@ def in_group(cluster: LocalCluster, namespace: str, count: int, pod: str = "") -
 
 
 def no_tracebacks(cluster: LocalCluster, operator: OperatorProcess, namespace: str) -> None:
-    logs = {"operator": operator.output()}
-    for path in cluster.state_dir.glob(f"pods/{namespace}_*/*.log"):
-        logs[str(path)] = path.read_text(errors="replace")
+    logs = {"operator": operator.output(), **pod_logs(cluster, namespace)}
     bad = {name: text[-2000:] for name, text in logs.items() if "Traceback" in text}
     assert bad == {}
 
@@ -112,10 +115,10 @@ def no_tracebacks(cluster: LocalCluster, operator: OperatorProcess, namespace: s
 def replace_one(
     cluster: LocalCluster, k8s: Any, namespace: str, rng: random.Random
 ) -> dict[str, Any]:
-    """Kill a random engine's process; its replacement once Ready (watched, not polled)."""
+    """Replace a random engine's pod; its replacement once Ready (watched, not polled)."""
     before = pods(cluster, namespace, "engine")
     victim = rng.choice([p for p in before if condition(p, "Ready") == "True"])
-    kill_container(cluster.pid_dir, victim, "engine")
+    replace_pod(cluster, victim)
     known = {p["metadata"]["name"] for p in before}
     return watch_pods_until(
         k8s,
@@ -126,7 +129,7 @@ def replace_one(
     )
 
 
-def test_engines_killed_between_rounds_recover_from_the_holder(
+def test_engines_replaced_between_rounds_recover_from_the_holder(
     cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
 ) -> None:
     trainer_ip = start_stack(cluster, namespace)
@@ -189,12 +192,12 @@ def current_version(k8s: Any, namespace: str) -> Callable[[], int | None]:
     return read
 
 
-def test_engines_killed_mid_round_fail_the_round_together_or_miss_it(
+def test_engines_replaced_mid_round_fail_the_round_together_or_miss_it(
     cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
 ) -> None:
     """A round either fails on every rank (no engine keeps a partial update; the survivor
-    serves the old or, if it had committed before the kill, the new version, never a mix)
-    or completes without the killed pod; `publish` says which; then everyone converges."""
+    serves the old or, if it had committed before the loss, the new version, never a mix)
+    or completes without the lost pod; `publish` says which; then everyone converges."""
     trainer_ip = start_stack(
         cluster, namespace, preset="small", bucket_delay_seconds=BUCKET_DELAY_SECONDS
     )
@@ -206,7 +209,7 @@ def test_engines_killed_mid_round_fail_the_round_together_or_miss_it(
         for _ in range(KILLS):
             old = trainer_digest(trainer_ip)
             victim, survivor = rng.sample(ready(cluster, namespace, "engine", 2), 2)
-            container = rng.choice(["engine", names.AGENT_CONTAINER])
+            before = {p["metadata"]["name"] for p in pods(cluster, namespace, "engine")}
             with ThreadPoolExecutor(1) as pool:
                 publish = pool.submit(step, trainer_ip)
                 eventually(
@@ -216,7 +219,7 @@ def test_engines_killed_mid_round_fail_the_round_together_or_miss_it(
                     message="the round reached the victim's engine",
                 )
                 time.sleep(rng.uniform(0.0, 27 * BUCKET_DELAY_SECONDS))
-                kill_container(cluster.pid_dir, victim, container)
+                replace_pod(cluster, victim)
                 result = publish.result(timeout=ROUND_UP)
             new = trainer_digest(trainer_ip)
             assert result["version"] == new["version"] == old["version"] + 1
@@ -230,7 +233,7 @@ def test_engines_killed_mid_round_fail_the_round_together_or_miss_it(
                 assert result["message"], result
                 assert left in (old, new)  # whole versions only: aborted, or had committed
                 outcomes.append(result["reason"])
-            converge(cluster, namespace, k8s, trainer_ip, victim)
+            converge(cluster, namespace, k8s, trainer_ip, before)
     assert any(o != "completed" for o in outcomes), outcomes  # the kills landed in rounds
     answered = {name: (v, cur) for name, v, cur in watcher.seen if v is not None}
     stale = {name: vc for name, vc in answered.items() if vc[0] != vc[1]}
@@ -239,15 +242,18 @@ def test_engines_killed_mid_round_fail_the_round_together_or_miss_it(
 
 
 def converge(
-    cluster: LocalCluster, namespace: str, k8s: Any, trainer_ip: str, victim: dict[str, Any]
+    cluster: LocalCluster, namespace: str, k8s: Any, trainer_ip: str, known: set[str]
 ) -> None:
-    """The victim's replacement Ready and in the group; the next round reaches everyone."""
-    gone = victim["metadata"]["name"]
-    known = {p["metadata"]["name"] for p in pods(cluster, namespace, "engine")} | {gone}
+    """The victim's replacement joins the group; the next round reaches everyone.
+
+    It recovers first if a holder has the current version; when the lost round had
+    committed on the survivor (the current version moved past what any holder kept), it is
+    admitted at once and the next round brings it current.
+    """
     replacement = watch_pods_until(
         k8s,
         namespace,
-        lambda _type, p: p["metadata"]["name"] not in known and condition(p, "Ready") == "True",
+        lambda _type, p: p["metadata"]["name"] not in known and bool(p["status"].get("podIP")),
         timeout=PODS_UP,
         label_selector="app=engine",
     )
@@ -287,7 +293,7 @@ def test_a_holder_killed_during_a_recovery_is_replaced_by_the_other(
     holding = {name: agent_status(pod, token).get("holding") for name, pod in engine_pods.items()}
     (holder,) = [name for name, version in holding.items() if version == expected["version"]]
     (other,) = set(engine_pods) - {holder}
-    kill_container(cluster.pid_dir, engine_pods[other], "engine")
+    replace_pod(cluster, engine_pods[other])
 
     def pulling(_type: str, pod: dict[str, Any]) -> bool:
         if pod["metadata"]["name"] in engine_pods or not pod["status"].get("podIP"):
@@ -304,7 +310,7 @@ def test_a_holder_killed_during_a_recovery_is_replaced_by_the_other(
         interval=0.02,
         message="the replacement pulling",
     )
-    kill_container(cluster.pid_dir, engine_pods[holder], names.AGENT_CONTAINER)
+    kill_container(cluster.node, engine_pods[holder], names.AGENT_CONTAINER)
     name = newcomer["metadata"]["name"]
     recovered = eventually(
         lambda: finished(agent_status(newcomer, token).get("recovery") or {}),

@@ -13,7 +13,7 @@ class Timeouts:
     """How long tests wait for each kind of thing, in seconds, named so a failure says which."""
 
     API = 10.0  # an object the API server or a controller writes
-    POD_READY = 45.0  # a pod scheduled, started by the pod runner and probed Ready
+    POD_READY = 45.0  # a pod scheduled, its containers started and probed Ready
     POD_REPLACED = 30.0  # a controller replacing a failed or deleted pod
     WEBHOOK = 15.0  # the API server noticing a webhook came or went
     ROUND = 60.0  # a weight-sync round end to end

@@ -59,7 +59,8 @@ def deployment(
     annotations: dict[str, str] | None = None,
     containers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A minimal Deployment manifest; containers default to one that does nothing."""
+    """A minimal Deployment manifest on the KWOK nodes (its pods are scheduled, never run);
+    containers default to one that does nothing."""
     labels = {"app": name}
     return {
         "apiVersion": "apps/v1",
@@ -73,6 +74,7 @@ def deployment(
                 "spec": {
                     "containers": containers or [{"name": "main", "image": "busybox:1.36"}],
                     "terminationGracePeriodSeconds": 1,
+                    "nodeSelector": {"type": "kwok"},
                 },
             },
         },

@@ -9,11 +9,12 @@ import signal
 import threading
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from kubernetes import client, watch
 
+from tests.cluster.controlplane import LocalCluster
+from tests.cluster.node.realnode import RealNode
 from tests.support.kube import condition
 
 
@@ -25,15 +26,37 @@ def http_json(method: str, url: str, timeout: float = 60.0, token: str = "") -> 
         return json.loads(reply.read())
 
 
-def kill_container(pid_dir: Path, pod: dict[str, Any], container: str) -> None:
-    """SIGKILL a pod runner process, as a crash would (its PID file names pod and container)."""
-    uid = pod["metadata"]["uid"][:8]
-    path = pid_dir / f"pod-{uid}-{container}.pid"
-    if not path.exists():
-        known = sorted(p.name for p in pid_dir.glob("pod-*.pid"))
-        raise FileNotFoundError(f"{path.name} not among {known}")
-    pid = int(path.read_text())
-    os.kill(pid, signal.SIGKILL)
+def kill_container(node: RealNode, pod: dict[str, Any], container: str) -> int:
+    """SIGKILL a container's process on the real node, as a crash would; the kubelet then
+    restarts it in place (same pod, same IP). Returns the restart count it had."""
+    name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
+    running = [
+        c
+        for c in node.containers()
+        if (c["namespace"], c["pod"], c["container"]) == (namespace, name, container)
+        and c["state"] == "CONTAINER_RUNNING"
+    ]
+    if len(running) != 1:
+        raise LookupError(f"{container} of {namespace}/{name}: {len(running)} running")
+    os.kill(int(str(running[0]["pid"])), signal.SIGKILL)
+    return int(str(running[0]["attempt"]))
+
+
+def replace_pod(cluster: LocalCluster, pod: dict[str, Any]) -> None:
+    """Delete `pod` at once (grace 0), as a node failure or an eviction would: its
+    controller creates a new pod, with a new name and IP, that starts from nothing."""
+    cluster.kubectl(
+        "delete", "pod", pod["metadata"]["name"], "-n", pod["metadata"]["namespace"],
+        "--grace-period=0", "--force", "--wait=false",
+    )  # fmt: skip
+
+
+def pod_logs(cluster: LocalCluster, namespace: str) -> dict[str, str]:
+    """Every container log the real node kept for `namespace`'s pods (restarts included)."""
+    return {
+        str(path.relative_to(cluster.node.pod_logs)): path.read_text(errors="replace")
+        for path in cluster.node.pod_logs.glob(f"{namespace}_*/*/*.log")
+    }
 
 
 def engine_digest(pod: dict[str, Any], port: int) -> dict[str, Any]:

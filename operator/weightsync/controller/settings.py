@@ -37,8 +37,7 @@ Admission webhook
 * `WEBHOOK_CERT_DIR`          directory mode: where the certificate files are mounted.
 
 Injected agent sidecar
-* `AGENT_IMAGE`               image of the `weightsync-agent` sidecar (required in a cluster;
-                              the local pod runner ignores images).
+* `AGENT_IMAGE`               image of the `weightsync-agent` sidecar.
 * `AGENT_IMAGE_PULL_POLICY`   Always, IfNotPresent (default) or Never.
 * `AGENT_CPU_REQUEST`, `AGENT_MEMORY_REQUEST`, `AGENT_CPU_LIMIT`, `AGENT_MEMORY_LIMIT`
                               the sidecar's resources; empty leaves one out. Defaults

@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 PAUSE_IMAGE = "weightsync.local/pause:3.10"
 NODE_NAME = "node-0"
+NODE_LABEL = "weightsync.io/local-node"  # on the real node, for pods that must run
 SERVICE_CIDR = "10.96.0.0/16"
 NETWORKS = 120  # node network slots on one machine
 
@@ -376,7 +377,7 @@ class RealNode:
             "--root-dir", str(self.dir / "kubelet"),
             "--hostname-override", NODE_NAME,
             "--node-ip", self.network.node_ip,
-            "--node-labels", "weightsync.io/local-node=true",
+            "--node-labels", f"{NODE_LABEL}=true",
             "--v", "1",
         ]  # fmt: skip
 

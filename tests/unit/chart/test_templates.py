@@ -95,7 +95,7 @@ def test_the_helm_test_pod_is_as_locked_down_as_the_operator() -> None:
 
 def test_pod_annotations_and_labels_reach_every_pod_but_no_selector() -> None:
     values = {
-        "podAnnotations": json.dumps({"weightsync.io/run-local": "true"}),
+        "podAnnotations": json.dumps({"example.com/team": "rl"}),
         "podLabels": json.dumps({"team": "rl"}),
     }
     objects = render(values)
@@ -103,7 +103,7 @@ def test_pod_annotations_and_labels_reach_every_pod_but_no_selector() -> None:
     template = deployment["spec"]["template"]["metadata"]
     test_pod = one(objects, "Pod")["metadata"]
     for meta in (template, test_pod):
-        assert meta["annotations"]["weightsync.io/run-local"] == "true"
+        assert meta["annotations"]["example.com/team"] == "rl"
         assert meta["labels"]["team"] == "rl"
     assert "team" not in deployment["spec"]["selector"]["matchLabels"]
     for service in find(objects, "Service"):

@@ -117,9 +117,13 @@ def weightsync_pull(
     endpoints: Endpoints, protocol: P2PProtocol, holder: AgentProc, holding: Holding
 ) -> float:
     """Seconds for the recovery's pull path (agreement, 2 slots, checksums), no engine."""
-    agreement = choose_holders(
-        holding.version, holding.protocol, [holder.url], {holder.url: holding}
+    request = RecoverRequest(
+        version=holding.version,
+        lineage=holding.lineage,
+        holders=[holder.url],
+        protocol=holding.protocol,
     )
+    agreement = choose_holders(request, [holder.url], {holder.url: holding})
     layout = agreement.layout
     slots = [torch.empty(layout.capacity_bytes, dtype=torch.uint8) for _ in range(2)]
     regions = [HeldRegion(url, h.segment, h.address, h.nbytes) for url, h in agreement.holders]

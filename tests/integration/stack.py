@@ -75,6 +75,7 @@ class Proc:
 class Engine:
     proc: Proc
     port: int
+    argv: list[str] = field(default_factory=list)  # how it was started (to restart it)
 
     @property
     def url(self) -> str:
@@ -153,7 +154,16 @@ class Stack:
             "--port", str(port), "--preset", preset, "--seed", str(seed), "--device", device,
             *self.engine_args,
         ]  # fmt: skip
-        return Engine(self._spawn(name, argv, {}), port)
+        return Engine(self._spawn(name, argv, {}), port, argv)
+
+    def restart_engine(self, engine: Engine, *, seed: int) -> None:
+        """Kill the engine and start it again at the same address with other weights, as a
+        kubelet restarts a crashed container in place."""
+        engine.proc.kill()
+        argv = list(engine.argv)
+        argv[argv.index("--seed") + 1] = str(seed)
+        engine.proc = self._spawn(engine.proc.name, argv, {})
+        eventually(engine.health, timeout=STARTUP_TIMEOUT, interval=0.2, message="engine back")
 
     def start_agent(
         self,

@@ -124,7 +124,9 @@ class Generations:
             log.warning("generation %d failed to form: %s", plan.generation, exc)
             generation.error = f"{exc.reason}: {exc}"
             generation.state = GenerationState.BROKEN
-            self._metrics.round_failures.labels(self._metrics.role, "prewarm_failed").inc()
+            self._metrics.round_failures.labels(
+                self._metrics.role, "prewarm_failed", "prepare"
+            ).inc()
         else:
             generation.group = group
             if generation.state == GenerationState.FORMING:

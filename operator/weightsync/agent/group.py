@@ -121,6 +121,11 @@ class CollectiveThread:
         self._calls.put(None)
 
 
+def _detached(fn: Callable[[], None], name: str) -> None:
+    """Run `fn` on a daemon thread nobody waits for (it may block on a dead peer)."""
+    threading.Thread(target=fn, name=name, daemon=True).start()
+
+
 def _clone(store: Store) -> Store:
     """A new connection to the same store (`clone` is missing from torch's stubs)."""
     clone: Store = store.clone()  # type: ignore[attr-defined]
@@ -257,16 +262,21 @@ class Group:
         return await done
 
     def abort(self, reason: str) -> None:
-        """Mark broken and abort the communicator; never waits on peers."""
+        """Mark broken and abort the communicator; never waits on it or on peers.
+
+        A backend's abort can block until its pending operation ends (gloo's waits for
+        its own timeout, 2 x the round's + 30 s): it runs on a thread of its own that
+        nobody joins, and the generation is abandoned for a new one.
+        """
         if self.broken_reason is None:
             self.broken_reason = reason
             log.warning("generation %d broken: %s", self.spec.generation, reason)
-        self.transport.abort()
+        _detached(self.transport.abort, f"ws-g{self.spec.generation}-abort")
 
     def close(self) -> None:
         """Release the group after the switch to a newer generation (or after abort)."""
         if isinstance(self.transport, BroadcastTransport) and self.broken_reason is None:
-            self.transport.shutdown()
+            _detached(self.transport.shutdown, f"ws-g{self.spec.generation}-shutdown")
         self._worker.stop()
 
 

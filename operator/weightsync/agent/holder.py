@@ -82,6 +82,7 @@ class _HostCopy:
     layout: BucketLayout
     offsets: list[int]
     checksums: dict[int, Future[int]] = field(default_factory=dict)  # by bucket index
+    lineage: str = ""  # set when the round commits
 
     @property
     def complete(self) -> bool:
@@ -129,6 +130,10 @@ class Holder:
     @property
     def held_version(self) -> int | None:
         return self._held.version if self._held is not None else None
+
+    @property
+    def held_lineage(self) -> str | None:
+        return self._held.lineage if self._held is not None else None
 
     # ------------------------------------------------------------------ the round's hook
     async def stage(
@@ -285,7 +290,7 @@ class Holder:
         return buffer
 
     # ------------------------------------------------------------------ round outcome
-    def commit(self, version: int) -> bool:
+    def commit(self, version: int, lineage: str) -> bool:
         """The round of `version` committed: its staging copy becomes the held version."""
         staging, failed = self._staging, self._staging_failed
         if staging is None or staging.version != version:
@@ -294,6 +299,7 @@ class Holder:
             log.warning("holder: version %d committed but its staging copy is incomplete", version)
             self.abandon()
             return False
+        staging.lineage = lineage
         old, self._held, self._staging = self._held, staging, None
         if old is not None:
             self._spare = old.buffer
@@ -339,6 +345,7 @@ class Holder:
             return await self.holding()
         return Holding(
             version=held.version,
+            lineage=held.lineage,
             layout=held.layout.to_json(),
             layout_hash=held.layout.layout_hash,
             segment=self._endpoint.segment,

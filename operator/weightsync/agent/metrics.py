@@ -45,8 +45,8 @@ class AgentMetrics:
         ).labels(role)
         self.round_failures = Counter(
             "weightsync_round_failures_total",
-            "Failed rounds by reason.",
-            ["role", "reason"],
+            "Failed rounds by reason and by the stage where they failed.",
+            ["role", "reason", "stage"],
             registry=self.registry,
         )
         self.current_version = Gauge(
@@ -104,9 +104,9 @@ class AgentMetrics:
             self.bandwidth.set(nbytes / duration_seconds)
         self.current_version.set(version)
 
-    def round_failed(self, duration_seconds: float, reason: str) -> None:
+    def round_failed(self, duration_seconds: float, reason: str, stage: str = "") -> None:
         self.round_duration.observe(duration_seconds)
-        self.round_failures.labels(self.role, reason).inc()
+        self.round_failures.labels(self.role, reason, stage or "prepare").inc()
 
     def recovery_succeeded(self, duration_seconds: float, nbytes: int, version: int) -> None:
         self.recovery_duration.observe(duration_seconds)

@@ -43,7 +43,6 @@ from weightsync.api.control import (
     RecoveryState,
     RecoveryStatus,
 )
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.layout import Bucket, BucketLayout, LayoutError
 from weightsync.transfer.p2p import (
@@ -53,6 +52,10 @@ from weightsync.transfer.p2p import (
 )
 
 log = logging.getLogger(__name__)
+
+# A recovery that stops (failed, or yielding to a round) tells its engine at once and
+# does not wait longer: the next update's begin drops whatever it had staged.
+_ABORT_GRACE_SECONDS = 1.0
 
 _HOLDING_TIMEOUT_SECONDS = 10.0  # one holder's answer to GET /v1/holding
 
@@ -102,25 +105,46 @@ async def _fetch_one(session: aiohttp.ClientSession, url: str) -> Holding | str:
 
 @dataclass(frozen=True)
 class Agreement:
-    """The holders a recovery pulls from, the layout they agree on, and who was dropped."""
+    """The holders a recovery pulls from, the version and layout they agree on, and who
+    was dropped."""
 
     layout: BucketLayout
     checksums: list[int]
     holders: list[tuple[str, Holding]]  # in request order
     dropped: dict[str, str]
 
+    @property
+    def version(self) -> int:
+        return self.holders[0][1].version
+
+    @property
+    def lineage(self) -> str:
+        return self.holders[0][1].lineage
+
 
 def _screen(
     holding: Holding,
-    version: int,
-    protocol: RecoveryProtocol,
+    request: RecoverRequest,
     layouts: dict[str, BucketLayout],
 ) -> BucketLayout | str:
     """The holding's layout if it can serve this recovery, else why not."""
-    if holding.version != version:
-        return f"version_mismatch: holds {holding.version}, not {version}"
-    if holding.protocol != protocol:
-        return f"protocol_mismatch: serves {holding.protocol}, not {protocol}"
+    refusals = (
+        (
+            bool(request.lineage) and holding.lineage != request.lineage,
+            f"lineage_mismatch: holds {holding.lineage or 'none'}, not {request.lineage}",
+        ),
+        (
+            holding.version < request.version,
+            f"version_mismatch: holds {holding.version}, older than {request.version}",
+        ),
+        (
+            holding.protocol != request.protocol,
+            f"protocol_mismatch: serves {holding.protocol}, not {request.protocol}",
+        ),
+    )
+    for refused, why in refusals:
+        if refused:
+            return why
     layout = layouts.get(holding.layout)
     if layout is None:
         try:
@@ -135,16 +159,17 @@ def _screen(
 
 
 def choose_holders(
-    version: int,
-    protocol: RecoveryProtocol,
+    request: RecoverRequest,
     order: Sequence[str],
     holdings: Mapping[str, Holding],
 ) -> Agreement:
-    """Keep the holders of `version` over `protocol` that agree on one layout and checksums.
+    """Keep the holders of the newest version at or after `request.version` (of its
+    lineage, over its protocol) that agree on one layout and checksums.
 
-    Holders disagreeing with the largest group (ties: the one named first) are dropped:
-    two holders of one version that disagree cannot both be right, and a pull verifies
-    against one set of checksums.
+    The newest: the trainer may have published while the pod was recovering; an older
+    one would leave it behind again. Holders disagreeing with the largest group (ties:
+    the one named first) are dropped: two holders of one version that disagree cannot
+    both be right, and a pull verifies against one set of checksums.
     """
     dropped: dict[str, str] = {}
     candidates: list[tuple[str, Holding, BucketLayout]] = []
@@ -153,13 +178,20 @@ def choose_holders(
         holding = holdings.get(url)
         if holding is None:
             continue
-        screened = _screen(holding, version, protocol, layouts)
+        screened = _screen(holding, request, layouts)
         if isinstance(screened, str):
             dropped[url] = screened
         else:
             candidates.append((url, holding, screened))
     if not candidates:
-        raise RecoveryFailed("no_holder", f"no holder can serve version {version}", dropped)
+        raise RecoveryFailed(
+            "no_holder", f"no holder can serve version {request.version} or newer", dropped
+        )
+    newest = max(h.version for _, h, _ in candidates)
+    for url, holding, _ in candidates:
+        if holding.version != newest:
+            dropped[url] = f"older_version: holds {holding.version}, others {newest}"
+    candidates = [c for c in candidates if c[1].version == newest]
     groups = Counter((h.layout_hash, tuple(h.checksums)) for _, h, _ in candidates)
     best = max(groups.values())
     key = next(k for k in groups if groups[k] == best)  # Counter keeps first-seen order
@@ -190,7 +222,7 @@ class Recovery:
         depth: Callable[[], int],
         engine_timeout_seconds: float,
         debug_bucket_delay_seconds: float,
-        on_recovered: Callable[[int], None],
+        on_recovered: Callable[[int, str], None],
     ) -> None:
         self._pool = pool
         self._adapter = adapter
@@ -203,6 +235,8 @@ class Recovery:
         self._on_recovered = on_recovered
         self._task: asyncio.Task[None] | None = None
         self._request: RecoverRequest | None = None
+        self._version: int | None = None  # the version chosen from the holders
+        self._recovered: tuple[int, str] | None = None
         self._state = RecoveryState.PENDING
         self._started = 0.0
         self._started_wall = 0.0
@@ -226,7 +260,8 @@ class Recovery:
         done = self._state == RecoveryState.DONE
         return RecoveryStatus(
             state=self._state,
-            version=request.version,
+            version=request.version if self._version is None else self._version,
+            lineage=self._recovered[1] if self._recovered else request.lineage,
             bytes=summary.bytes,
             duration_millis=round(seconds * 1000),
             bandwidth_bytes_per_second=int(summary.bytes / seconds) if done and seconds else 0,
@@ -241,6 +276,7 @@ class Recovery:
         if self.running:
             raise RecoveryFailed("busy", "a recovery is already running")
         self._request = request
+        self._version, self._recovered = None, None
         self._state = RecoveryState.PENDING
         self._started, self._started_wall, self._seconds = time.monotonic(), time.time(), 0.0
         self._reason = self._message = ""
@@ -252,16 +288,17 @@ class Recovery:
     async def _run(self, request: RecoverRequest) -> None:
         self._state = RecoveryState.RUNNING
         try:
-            await self._recover(request, self._started + request.timeout_seconds)
+            version, lineage = await self._recover(request, self._started + request.timeout_seconds)
         except (RecoveryFailed, P2PError) as exc:
             self._finish(RecoveryState.FAILED, exc.reason, str(exc))
         except Exception as exc:  # the operator gets a failed status whatever went wrong
             log.exception("recovery of version %d failed unexpectedly", request.version)
             self._finish(RecoveryState.FAILED, "internal_error", repr(exc))
         else:
+            self._recovered = (version, lineage)
             self._finish(RecoveryState.DONE, "", "")
-            self._metrics.recovery_succeeded(self._seconds, self._summary.bytes, request.version)
-            self._on_recovered(request.version)
+            self._metrics.recovery_succeeded(self._seconds, self._summary.bytes, version)
+            self._on_recovered(version, lineage)
 
     def _finish(self, state: RecoveryState, reason: str, message: str) -> None:
         self._seconds = time.monotonic() - self._started
@@ -272,27 +309,29 @@ class Recovery:
         else:
             log.info(
                 "recovered version %d: %d B in %.3f s from %s",
-                self._request.version if self._request else -1,
+                self._version if self._version is not None else -1,
                 self._summary.bytes,
                 self._seconds,
                 sorted(self._summary.bytes_by_holder),
             )
 
-    async def _recover(self, request: RecoverRequest, deadline: float) -> None:
+    async def _recover(self, request: RecoverRequest, deadline: float) -> tuple[int, str]:
+        """Pull and load the newest held version at or after the one asked for."""
         wait = min(_HOLDING_TIMEOUT_SECONDS, max(deadline - time.monotonic(), 0.1))
         holdings, unreachable = await fetch_holdings(request.holders, self._token(), wait)
         self._dropped.update(unreachable)
         try:
-            agreement = choose_holders(request.version, request.protocol, request.holders, holdings)
+            agreement = choose_holders(request, request.holders, holdings)
         except RecoveryFailed as exc:
             self._dropped.update(exc.dropped)
             raise
         self._dropped.update(agreement.dropped)
+        self._version = agreement.version
         layout = agreement.layout
         slots = self._pool.ensure(layout, self._depth()).slots
         endpoint = await asyncio.to_thread(self._endpoints.get, transfer_protocol(request.protocol))
         regions = [HeldRegion(url, h.segment, h.address, h.nbytes) for url, h in agreement.holders]
-        adapter, version = self._adapter, request.version
+        adapter, version = self._adapter, agreement.version
         await self._engine("attach", adapter.attach_buffers(slots))
         await self._engine("begin", adapter.begin_update(version))
         try:
@@ -313,6 +352,7 @@ class Recovery:
         except BaseException:
             await self._abort(version, "internal_error")
             raise
+        return version, agreement.lineage
 
     async def _load(self, bucket: Bucket, slot: int) -> None:
         if self._debug_delay:
@@ -332,10 +372,25 @@ class Recovery:
     async def _abort(self, version: int, reason: str) -> None:
         try:
             await asyncio.wait_for(
-                self._adapter.abort_update(version, reason), self._engine_timeout
+                self._adapter.abort_update(version, reason),
+                min(self._engine_timeout, _ABORT_GRACE_SECONDS),
             )
         except (EngineError, TimeoutError) as exc:
             log.warning("engine abort after a failed recovery failed: %s", exc)
+
+    async def yield_to_round(self) -> None:
+        """A round is starting: it brings the engine the whole version anyway, and needs
+        the slots and the engine. Stop a running recovery (it reports `failed`,
+        `yielded`) and wait until it let go of both."""
+        task = self._task
+        if task is None or task.done():
+            return
+        log.info("a round starts: stopping the recovery of version %s", self._version)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if self._state == RecoveryState.RUNNING:
+            self._finish(RecoveryState.FAILED, "yielded", "a round started; it loads the version")
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():

@@ -29,6 +29,15 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from weightsync.agent.failures import (
+    SECONDHAND,
+    FailureNote,
+    Stage,
+    note_key,
+    parse_note,
+    parse_ranks,
+    ranks_key,
+)
 from weightsync.agent.generations import Generation
 from weightsync.api.control import PlanMember
 from weightsync.engines.base import EngineError
@@ -39,6 +48,10 @@ from weightsync.transfer.layout import BucketLayout
 log = logging.getLogger(__name__)
 
 PHASES_LOG_PREFIX = "round phases "
+# How long a failing rank spends telling its peers and its engine, past the deadline at
+# worst: a peer or engine that does not answer in this time is not waited for.
+FAILURE_GRACE_SECONDS = 1.0
+NOTES_WAIT_SECONDS = 5.0  # the most the source waits for the failing ranks' accounts
 
 
 def doorbell_key(seq: int) -> str:
@@ -63,6 +76,7 @@ class RoundHeader(BaseModel):
     kind: Literal["round"] = "round"
     seq: int
     version: int
+    lineage: str  # the Publisher's: a trainer restarted from an earlier step starts anew
     layout_hash: str
     bucket_count: int
     checksum: bool = False
@@ -91,11 +105,12 @@ def naming_peers(message: str, members: Sequence[PlanMember], me: int) -> str:
 
 
 class RoundFailed(Exception):  # noqa: N818 - an outcome carried up, named like the others
-    """A round failed on this rank; `reason` is a metric label."""
+    """A round failed on this rank; `reason` is a metric label, `stage` where it failed."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, stage: Stage = Stage.PREPARE) -> None:
         super().__init__(message)
         self.reason = reason
+        self.stage = stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +123,22 @@ class RoundOutcome:
     reason: str = ""
     message: str = ""
     finished_at: float = 0.0
+    lineage: str = ""
+    member: str = ""  # the member the failure is put down to ("pod (rank r, role)")
+    stage: str = ""
 
     @classmethod
     def failed(
-        cls, version: int, generation: int | None, started: float, reason: str, message: str
+        cls,
+        version: int,
+        generation: int | None,
+        started: float,
+        reason: str,
+        message: str,
+        *,
+        lineage: str = "",
+        member: str = "",
+        stage: str = "",
     ) -> RoundOutcome:
         return cls(
             version=version,
@@ -122,6 +149,31 @@ class RoundOutcome:
             reason=reason,
             message=message,
             finished_at=time.time(),
+            lineage=lineage,
+            member=member,
+            stage=stage,
+        )
+
+    @classmethod
+    def blamed(
+        cls,
+        version: int,
+        generation: int | None,
+        started: float,
+        cause: FailureNote,
+        *,
+        lineage: str = "",
+    ) -> RoundOutcome:
+        """A failure put down to `cause`, the note of the member that caused it."""
+        return cls.failed(
+            version,
+            generation,
+            started,
+            cause.reason,
+            cause.describe(),
+            lineage=lineage,
+            member=f"{cause.pod} (rank {cause.rank}, {cause.role})",
+            stage=cause.stage.value,
         )
 
 
@@ -130,22 +182,109 @@ class RankRound:
     the round's failure key and deadline, the phase trace, the votes, and how a broken
     transport fails the round on this rank (flag the peers, break the generation)."""
 
-    def __init__(self, generation: Generation, seq: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        seq: int,
+        device: torch.device,
+        deadline: float | None = None,
+    ) -> None:
         if generation.group is None:
             raise RoundFailed("no_group", f"generation {generation.number} is not formed")
         self.generation = generation
         self.group = generation.group
         self.seq = seq
         self.timeout = generation.plan.transfer.timeout_seconds
+        # One deadline for the whole round, on every rank: every wait, vote and engine
+        # call is bounded by what is left of it, so a round ends within `timeout`
+        # (plus the short grace of its failure path) whatever a peer does.
+        self.deadline = time.monotonic() + self.timeout if deadline is None else deadline
         self.failure_key = failure_key(seq)
         self.error: RoundFailed | None = None  # a soft failure: the round runs on, then fails
         self.trace = PhaseTrace(device)
 
     def _deadline(self) -> float:
-        return time.monotonic() + self.timeout
+        return self.deadline
+
+    def remaining(self) -> float:
+        """Seconds left before the round's deadline (never negative)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    @property
+    def me(self) -> PlanMember:
+        return self.generation.plan.me
+
+    def _note(self, failure: RoundFailed) -> FailureNote:
+        me = self.me
+        return FailureNote(
+            rank=me.rank,
+            pod=me.pod,
+            role=me.role.value,
+            stage=failure.stage,
+            reason=failure.reason,
+            message=str(failure),
+        )
+
+    async def _write_note(self, failure: RoundFailed) -> None:
+        """Leave this rank's account where the source reads it (bounded: best effort)."""
+        note = self._note(failure).model_dump_json()
+        ctl, rank, seq = self.group.ctl, self.me.rank, self.seq
+
+        def write() -> None:
+            ctl.set(note_key(seq, rank), note)
+            ctl.append(ranks_key(seq), f"{rank},")  # type: ignore[attr-defined]  # not in stubs
+
+        try:
+            await asyncio.wait_for(self.group.run(write), FAILURE_GRACE_SECONDS)
+        except (TimeoutError, dist.DistError, RuntimeError) as exc:
+            log.warning("could not leave a failure note: %s", exc)
+
+    async def _read_notes(self, expect: int) -> list[FailureNote]:
+        """The notes failing ranks left for this round. Waits until every other rank wrote
+        one, or `expect` of them did and one says it failed on its own account (or a grace
+        passed since: a dead member writes nothing), or the wait is over. The peers see a
+        broken transport when this rank does, and take a moment to say so."""
+        ctl, seq, me = self.group.ctl, self.seq, self.me.rank
+        others = self.generation.plan.world_size - 1
+        # Up to the grace past the deadline; a round that failed early waits a little more
+        # for slow peers, never past what it would have taken anyway.
+        wait = min(max(self.remaining(), 0.0) + FAILURE_GRACE_SECONDS, NOTES_WAIT_SECONDS)
+        until = time.monotonic() + wait
+
+        def read() -> list[FailureNote]:
+            notes: dict[int, FailureNote] = {}
+            enough_at: float | None = None
+            while True:
+                if ctl.check([ranks_key(seq)]):
+                    for rank in parse_ranks(ctl.get(ranks_key(seq))):
+                        if rank not in notes:
+                            note = parse_note(ctl.get(note_key(seq, rank)))
+                            if note is not None:
+                                notes[rank] = note
+                heard = [n for r, n in notes.items() if r != me]
+                now = time.monotonic()
+                if len(heard) >= expect and enough_at is None:
+                    enough_at = now
+                firsthand = any(n.reason not in SECONDHAND for n in heard)
+                if (
+                    len(heard) >= others
+                    or (enough_at is not None and (firsthand or now - enough_at > 1.0))
+                    or now > until
+                ):
+                    return list(notes.values())
+                time.sleep(0.02)
+
+        try:
+            return await asyncio.wait_for(self.group.run(read), wait + 0.5)
+        except (TimeoutError, dist.DistError, RuntimeError) as exc:
+            log.warning("could not read the failure notes: %s", exc)
+            return []
 
     async def _vote(self, flag: int, phase: str) -> int:
         """The fail-together vote: the maximum of `flag` over every rank."""
+        error = self._round_error()
+        if flag and error is not None:
+            await self._write_note(error)
         transport, deadline = self.group.transport, self._deadline()
         started = self.trace.now()
         agreed = await self.group.run(
@@ -154,15 +293,22 @@ class RankRound:
         self.trace.add(phase, started)
         return agreed
 
-    def _transfer_failure(self, exc: Exception) -> tuple[str, str]:
-        """(reason, message) of a transport or store failure, naming the peer it lost."""
+    def _round_error(self) -> RoundFailed | None:
+        """This rank's own failure so far (a soft one: the round runs on, then fails)."""
+        return self.error
+
+    def _transfer_failure(self, exc: Exception) -> RoundFailed:
+        """A transport or store failure as this rank's failure, naming the peer it lost."""
         reason = exc.reason if isinstance(exc, TransferError) else "store_error"
         plan = self.generation.plan
-        return reason, naming_peers(str(exc), plan.members, plan.rank)
+        stage = Stage.TIMEOUT if reason == "timeout" else Stage.TRANSFER
+        return RoundFailed(reason, naming_peers(str(exc), plan.members, plan.rank), stage)
 
-    async def _flag_failure(self, version: int, label: str, reason: str, message: str) -> None:
-        """Tell the peers (failure key, `label`), and break this generation."""
+    async def _flag_failure(self, version: int, label: str, failure: RoundFailed) -> None:
+        """Leave a note, tell the peers (failure key, `label`), and break this generation."""
+        reason, message = failure.reason, str(failure)
         log.warning("round %d (version %d) failed: %s", self.seq, version, message)
+        await self._write_note(failure)
 
         def flag() -> None:
             try:
@@ -171,7 +317,7 @@ class RankRound:
                 log.warning("could not set the failure key: %s", exc)
 
         try:
-            await asyncio.wait_for(self.group.run(flag), 5.0)
+            await asyncio.wait_for(self.group.run(flag), FAILURE_GRACE_SECONDS)
         except TimeoutError:
             log.warning("setting the failure key timed out")
         self.generation.mark_broken(f"round {self.seq} failed: {reason}")
@@ -298,8 +444,9 @@ class EngineLane:
     collectives in step and fails at the vote. Tasks never raise `EngineError`.
     """
 
-    def __init__(self, timeout_seconds: float, trace: PhaseTrace) -> None:
+    def __init__(self, timeout_seconds: float, trace: PhaseTrace, deadline: float) -> None:
         self._timeout = timeout_seconds
+        self._deadline = deadline  # the round's: no call outlives it
         self._trace = trace
         self._tasks: list[asyncio.Task[None]] = []
         self.error: RoundFailed | None = None
@@ -324,12 +471,15 @@ class EngineLane:
         if self.error is not None:
             return
         started = self._trace.now()
+        budget = min(self._timeout, max(0.0, self._deadline - time.monotonic()))
+        stage = Stage.COMMIT if phase == "engine_finish" else Stage.ENGINE_LOAD
         try:
-            await asyncio.wait_for(call(), self._timeout)
+            await asyncio.wait_for(call(), budget)
         except EngineError as exc:
-            self.error = RoundFailed(f"engine_{exc.reason}", f"{what}: {exc}")
+            self.error = RoundFailed(f"engine_{exc.reason}", f"{what}: {exc}", stage)
         except TimeoutError:
-            self.error = RoundFailed("engine_timeout", f"{what} timed out")
+            message = f"{what}: no answer in {budget:.1f} s"
+            self.error = RoundFailed("engine_timeout", message, stage)
         self._trace.add(phase, started)
 
     async def wait(self, task: asyncio.Task[None], phase: str = "engine_wait") -> None:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from weightsync.agent.engine_adapter import adapter_for, build_adapter
+from weightsync.agent.engine_watch import EngineWatch
 from weightsync.agent.generations import Generation, Generations, PlanRejectedError
 from weightsync.agent.holder import Holder
 from weightsync.agent.metrics import AgentMetrics
@@ -27,7 +28,6 @@ from weightsync.agent.sink import SinkLoop
 from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.control import (
     AgentStatus,
-    EngineStatus,
     GenerationState,
     LocalEngine,
     MembershipPlan,
@@ -45,8 +45,6 @@ from weightsync.transfer.p2p import Endpoints
 
 log = logging.getLogger(__name__)
 
-_HEALTH_TIMEOUT = 2.0
-
 
 class Agent:
     def __init__(self, settings: AgentSettings) -> None:
@@ -58,7 +56,13 @@ class Agent:
         self.adapter: EngineAdapter | None = build_adapter(settings)
         self.layout: BucketLayout | None = None
         self.version: int | None = None
+        self.lineage: str | None = None  # of `version`
         self.last_round: RoundReport | None = None
+        self.watch = (
+            EngineWatch(self.adapter, loaded_by_peer=settings.engine_loaded_by_peer)
+            if self.adapter is not None
+            else None
+        )
         self.round_in_progress = False
         self._round_lock = asyncio.Lock()
         self._local_epoch = -1  # the slot epoch the local (Colocated) engine attached
@@ -96,6 +100,10 @@ class Agent:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        if self.watch is not None:
+            self._tasks.append(
+                asyncio.create_task(self._supervise(self.watch.run_forever), name="engine-watch")
+            )
         if self.settings.role == Role.SINK and self.adapter is not None:
             loop = SinkLoop(
                 self.generations,
@@ -104,6 +112,7 @@ class Agent:
                 engine_timeout_seconds=self.settings.engine_timeout_seconds,
                 debug_bucket_delay_seconds=self.settings.debug_bucket_delay_seconds,
                 holder=self.holder,
+                before_round=self._yield_recovery,
                 on_round_start=self._sink_round_started,
                 on_round_end=self._round_finished,
             )
@@ -116,7 +125,7 @@ class Agent:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("sink loop crashed; restarting in 1 s")
+                log.exception("%s crashed; restarting in 1 s", asyncio.current_task())
                 await asyncio.sleep(1.0)
 
     async def close(self) -> None:
@@ -142,8 +151,6 @@ class Agent:
             raise PlanRejectedError(
                 f"rank {plan.rank} is a {plan.me.role}, this agent a {self.settings.role}"
             )
-        if self.recovery is not None and self.recovery.running:
-            raise PlanRejectedError("a recovery is running: plan this member once it is done")
         generation = self.generations.apply_plan(plan)
         self.holder.set_enabled(self.settings.holds_by_default or plan.holder)
         return PlanAccepted(
@@ -151,18 +158,9 @@ class Agent:
         )
 
     async def status(self) -> AgentStatus:
-        engine: EngineStatus | None = None
-        if self.adapter is not None:
-            try:
-                health = await asyncio.wait_for(self.adapter.health(), _HEALTH_TIMEOUT)
-                engine = EngineStatus(
-                    healthy=health.healthy,
-                    version=health.version,
-                    torn=health.torn,
-                    detail=health.detail,
-                )
-            except TimeoutError:
-                engine = EngineStatus(healthy=False, version=None, detail="health timed out")
+        """Answered from what the agent knows: the engine's last polled health, never a
+        call to a possibly frozen engine."""
+        engine = self.watch.status() if self.watch is not None else None
         active = self.generations.active() or self.generations.newest_usable()
         return AgentStatus(
             pod=self.settings.pod_name,
@@ -170,12 +168,14 @@ class Agent:
             generation=active.number if active else None,
             warm=active is not None and active.usable,
             version=self.version,
+            lineage=self.lineage,
             round_in_progress=self.round_in_progress,
             generations=self.generations.statuses(),
             engine=engine,
             last_round=self.last_round,
             recovery=self.recovery.status() if self.recovery is not None else None,
             holding=self.holder.held_version,
+            holding_lineage=self.holder.held_lineage,
         )
 
     # ---------------------------------------------------------------- recovery
@@ -184,19 +184,35 @@ class Agent:
         return plan.transfer.pipeline_depth if plan else 2
 
     def start_recovery(self, request: RecoverRequest) -> RecoveryStatus:
-        """Start pulling `request.version` from holders; refuse while the slots are in use."""
+        """Start pulling from holders; refuse while a round uses the slots and the engine.
+
+        A member of a warm generation recovers too (its engine restarted in place): a
+        round that starts meanwhile stops the recovery and brings the engine current.
+        """
         if self.recovery is None:
             raise RecoveryFailed("not_a_sink", "only a sink agent with an engine recovers")
         if self.round_in_progress:
             raise RecoveryFailed("busy", "a round is in progress")
-        if self.generations.newest_usable() is not None:
-            raise RecoveryFailed(
-                "in_group", "this agent is in a warm group generation: the next round updates it"
-            )
+        if self.watch is not None and self.watch.vouched() is not None:
+            served = self.watch.vouched()
+            if (
+                served is not None
+                and served.version >= request.version
+                and (not request.lineage or served.lineage == request.lineage)
+            ):
+                raise RecoveryFailed(
+                    "not_behind", f"the engine serves version {served.version} already"
+                )
         return self.recovery.start(request)
 
-    def _recovered(self, version: int) -> None:
-        self.version = version
+    async def _yield_recovery(self) -> None:
+        if self.recovery is not None:
+            await self.recovery.yield_to_round()
+
+    def _recovered(self, version: int, lineage: str) -> None:
+        self.version, self.lineage = version, lineage
+        if self.watch is not None:
+            self.watch.committed(lineage, version)
 
     # ---------------------------------------------------------------- rounds
     def _sink_round_started(self, header: RoundHeader, generation: Generation) -> None:
@@ -208,15 +224,17 @@ class Agent:
     def _round_finished(self, outcome: RoundOutcome, committed: bool) -> None:
         self.round_in_progress = False
         if outcome.ok:  # every rank committed: the staged copy is the group's version
-            self.holder.commit(outcome.version)
+            self.holder.commit(outcome.version, outcome.lineage)
         else:
             self.holder.abandon()
         if committed or outcome.ok:
-            self.version = outcome.version
+            self.version, self.lineage = outcome.version, outcome.lineage
+        if committed and self.watch is not None:  # this engine process serves it now
+            self.watch.committed(outcome.lineage, outcome.version)
         if outcome.ok:
             self.metrics.round_succeeded(outcome.duration_seconds, outcome.nbytes, outcome.version)
         else:
-            self.metrics.round_failed(outcome.duration_seconds, outcome.reason)
+            self.metrics.round_failed(outcome.duration_seconds, outcome.reason, outcome.stage)
         duration = max(outcome.duration_seconds, 1e-9)
         self.last_round = RoundReport(
             version=outcome.version,
@@ -228,6 +246,9 @@ class Agent:
             reason=outcome.reason,
             message=outcome.message,
             finished_at_unix_millis=int(outcome.finished_at * 1000),
+            lineage=outcome.lineage,
+            member=outcome.member,
+            stage=outcome.stage,
         )
 
     async def attach_publisher(
@@ -275,15 +296,17 @@ class Agent:
             return None
         return SourcePacker(layout, tensors)
 
-    async def _select_generation(self) -> Generation:
-        """The newest warm generation; older ones are told to switch, then retired."""
+    async def _select_generation(self, deadline: float) -> Generation:
+        """The newest warm generation; older ones are told to switch, then retired.
+
+        With none warm, waits until `deadline` for one: a plan being pre-warmed, or the
+        generation the operator plans after a failed round broke the last one.
+        """
         newest = self.generations.newest_usable()
-        forming = [g for g in self.generations.all() if g.state == GenerationState.FORMING]
-        if newest is None and forming:  # a plan is being warmed: worth waiting for
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    forming[-1].formed.wait(), forming[-1].plan.prewarm_timeout_seconds
-                )
+        while newest is None and (left := deadline - time.monotonic()) > 0:
+            async with self.generations.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.generations.changed.wait(), left)
             newest = self.generations.newest_usable()
         if newest is None:
             raise RoundFailed("no_group", "no warm group generation; waiting for a plan")
@@ -312,13 +335,28 @@ class Agent:
         async with self._round_lock:
             started = time.monotonic()
             try:
-                outcome = await self._run_source_round(request, channel)
+                self._check_version(request)
+                outcome = await self._run_source_round(request, channel, started)
             except RoundFailed as exc:
-                outcome = RoundOutcome.failed(request.version, None, started, exc.reason, str(exc))
+                outcome = RoundOutcome.failed(
+                    request.version,
+                    None,
+                    started,
+                    exc.reason,
+                    str(exc),
+                    lineage=request.lineage,
+                    member=f"{self.settings.pod_name} (rank 0, source)",
+                    stage=exc.stage.value,
+                )
             except Exception as exc:  # the Publisher gets a result whatever went wrong here
                 log.exception("round for version %d failed unexpectedly", request.version)
                 outcome = RoundOutcome.failed(
-                    request.version, None, started, "internal_error", repr(exc)
+                    request.version,
+                    None,
+                    started,
+                    "internal_error",
+                    repr(exc),
+                    lineage=request.lineage,
                 )
             self._round_finished(outcome, committed=False)
         return RoundResult(
@@ -329,13 +367,30 @@ class Agent:
             reason=outcome.reason,
             message=outcome.message,
             generation=outcome.generation,
+            member=outcome.member,
+            stage=outcome.stage,
         )
 
-    async def _run_source_round(self, request: Publish, channel: FillChannel) -> RoundOutcome:
+    def _check_version(self, request: Publish) -> None:
+        """Versions rise within a lineage (a Publisher); a new lineage starts anywhere."""
+        last = self.version
+        if request.lineage == self.lineage and last is not None and request.version <= last:
+            raise RoundFailed(
+                "stale_version",
+                f"version {request.version} is not above {last}, the last committed by this"
+                " Publisher: versions must rise (a restarted trainer gets a new Publisher)",
+            )
+
+    async def _run_source_round(
+        self, request: Publish, channel: FillChannel, started: float
+    ) -> RoundOutcome:
         layout = self.layout
         if layout is None or request.layout_hash != layout.layout_hash:
             raise RoundFailed("layout_mismatch", "the tensor set changed: attach again")
-        generation = await self._select_generation()
+        plan = self.generations.newest_plan()
+        # publish() returns within the transfer timeout: waiting for a group counts too.
+        deadline = started + (plan.transfer.timeout_seconds if plan else 60.0)
+        generation = await self._select_generation(deadline)
         transfer = generation.plan.transfer
         if transfer.bucket_size_bytes != layout.bucket_size_bytes:
             raise RoundFailed("layout_mismatch", "the plan changed the bucket size: attach again")
@@ -362,10 +417,12 @@ class Agent:
             slots,
             request.version,
             channel,
+            lineage=request.lineage,
             local_engine=local,
             engine_timeout_seconds=self.settings.engine_timeout_seconds,
             holder=self.holder,
             hold_from=packer.by_name if packer is not None else None,
+            deadline=deadline,
         )
         return await runner.run()
 

@@ -40,6 +40,8 @@ class AgentSettings(BaseModel):
     engine_url: str = "http://127.0.0.1:30000"
     engine_timeout_seconds: float = Field(default=60.0, gt=0)
     engine_options: EngineOptions | None = None  # JSON: the entry's pauseMode, flushCache
+    # Colocated inference pods: the trainer's agent loads this engine, not this agent.
+    engine_loaded_by_peer: bool = False
     log_level: str = "INFO"
     # P2P recovery. `holder`: keep the latest committed version in host memory for pulls;
     # unset, the source holds and sinks hold only when their plan says so.

@@ -23,10 +23,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation, Generations
 from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import (
     DOORBELL,
+    FAILURE_GRACE_SECONDS,
     Doorbell,
     EngineLane,
     RankRound,
@@ -49,6 +51,7 @@ from weightsync.transfer.layout import BucketLayout, LayoutError
 log = logging.getLogger(__name__)
 
 _DOORBELL_SLICE = timedelta(seconds=10)
+_HEALTH_SECONDS = 1.0  # the pre-round check of which engine process answers
 
 
 class SinkRound(RankRound):
@@ -73,7 +76,7 @@ class SinkRound(RankRound):
         self.debug_delay = debug_bucket_delay_seconds
         self.holder = holder
         self.committed = False
-        self.lane = EngineLane(engine_timeout_seconds, self.trace)
+        self.lane = EngineLane(engine_timeout_seconds, self.trace, self.deadline)
 
     def _round_error(self) -> RoundFailed | None:
         return self.error or self.lane.error
@@ -152,7 +155,9 @@ class SinkRound(RankRound):
         expected = json.loads(await self.group.run(fetch))
         if expected != mine and self.error is None:
             bad = [i for i, (a, b) in enumerate(zip(expected, mine, strict=False)) if a != b]
-            self.error = RoundFailed("checksum_mismatch", f"buckets {bad[:8]} differ")
+            self.error = RoundFailed(
+                "checksum_mismatch", f"buckets {bad[:8]} differ", Stage.TRANSFER
+            )
 
     async def run(self, depth: int) -> RoundOutcome:
         started, version = time.monotonic(), self.header.version
@@ -164,7 +169,7 @@ class SinkRound(RankRound):
                 await self._verify_checksums(checksums)
             if await self._vote(int(self._round_error() is not None), "vote_transfer"):
                 raise self._round_error() or RoundFailed(
-                    "peer_error", "another rank failed the round"
+                    "peer_error", "another rank failed the round", Stage.TRANSFER
                 )
             finish = self._engine(
                 "finish", "engine_finish", lambda: self.adapter.finish_update(version)
@@ -174,17 +179,16 @@ class SinkRound(RankRound):
             self.committed = self._round_error() is None
             if await self._vote(int(self._round_error() is not None), "vote_commit"):
                 raise self._round_error() or RoundFailed(
-                    "commit_failed", "another engine did not commit"
+                    "commit_failed", "another engine did not commit", Stage.COMMIT
                 )
         except (TransferError, dist.DistError) as exc:
-            reason, message = self._transfer_failure(exc)
-            await self._fail_hard(reason, message)
-            self._log_trace(ok=False)
-            return RoundOutcome.failed(version, number, started, reason, message)
+            # This rank's own failure (its engine's), if it had one, is what it reports.
+            failure = self._round_error() or self._transfer_failure(exc)
+            await self._fail_hard(failure)
+            return self._failed(started, failure)
         except RoundFailed as exc:
             await self._abort_engine(exc.reason)
-            self._log_trace(ok=False)
-            return RoundOutcome.failed(version, number, started, exc.reason, str(exc))
+            return self._failed(started, exc)
         self._log_trace(ok=True)
         return RoundOutcome(
             version=version,
@@ -193,6 +197,20 @@ class SinkRound(RankRound):
             duration_seconds=time.monotonic() - started,
             nbytes=self.layout.total_bytes,
             finished_at=time.time(),
+            lineage=self.header.lineage,
+        )
+
+    def _failed(self, started: float, failure: RoundFailed) -> RoundOutcome:
+        self._log_trace(ok=False)
+        header = self.header
+        return RoundOutcome.failed(
+            header.version,
+            self.generation.number,
+            started,
+            failure.reason,
+            str(failure),
+            lineage=header.lineage,
+            stage=failure.stage.value,
         )
 
     def _log_trace(self, *, ok: bool) -> None:
@@ -212,16 +230,16 @@ class SinkRound(RankRound):
             return
         try:
             await asyncio.wait_for(
-                self.adapter.abort_update(self.header.version, reason), self.engine_timeout
+                self.adapter.abort_update(self.header.version, reason),
+                min(self.engine_timeout, FAILURE_GRACE_SECONDS),
             )
         except (EngineError, TimeoutError) as exc:
+            # Not waited for longer: the next round's begin drops what this one staged.
             log.warning("engine abort failed: %s", exc)
 
-    async def _fail_hard(self, reason: str, message: str) -> None:
-        await self._flag_failure(
-            self.header.version, f"rank {self.generation.plan.rank}", reason, message
-        )
-        await self._abort_engine(reason)
+    async def _fail_hard(self, failure: RoundFailed) -> None:
+        await self._flag_failure(self.header.version, f"rank {self.generation.plan.rank}", failure)
+        await self._abort_engine(failure.reason)
 
 
 class SinkLoop:
@@ -236,6 +254,7 @@ class SinkLoop:
         engine_timeout_seconds: float,
         debug_bucket_delay_seconds: float,
         holder: Holder | None = None,
+        before_round: Callable[[], Awaitable[None]] | None = None,
         on_round_start: Callable[[RoundHeader, Generation], None],
         on_round_end: Callable[[RoundOutcome, bool], None],
     ) -> None:
@@ -245,6 +264,7 @@ class SinkLoop:
         self.engine_timeout = engine_timeout_seconds
         self.debug_delay = debug_bucket_delay_seconds
         self.holder = holder
+        self.before_round = before_round
         self.on_round_start = on_round_start
         self.on_round_end = on_round_end
         self._layouts: dict[str, BucketLayout] = {}
@@ -313,10 +333,11 @@ class SinkLoop:
             slots = self.pool.ensure(layout, generation.plan.transfer.pipeline_depth)
         except SlotError as exc:
             raise RoundFailed("slots_unavailable", str(exc)) from exc
-        if self.pool.epoch != self._attached_epoch:
+        if self.pool.epoch != self._attached_epoch or await self._engine_restarted():
             try:
                 await asyncio.wait_for(
-                    self.adapter.attach_buffers(slots.slots), self.engine_timeout
+                    self.adapter.attach_buffers(slots.slots),
+                    min(self.engine_timeout, runner.remaining()),
                 )
                 self._attached_epoch = self.pool.epoch
             except (EngineError, TimeoutError) as exc:
@@ -324,8 +345,25 @@ class SinkLoop:
                 runner.error = RoundFailed("engine_attach_failed", f"attach: {exc!r}")
         return runner
 
+    async def _engine_restarted(self) -> bool:
+        """Whether another engine process than the one the slots went to answers now (a
+        container restarted in place): it gets the slots again, then the whole version."""
+        attached = self.adapter.attached_to
+        try:
+            health = await asyncio.wait_for(self.adapter.health(), _HEALTH_SECONDS)
+        except (EngineError, TimeoutError):
+            return False  # unreachable: the round's own calls will say so
+        if health.incarnation is not None and health.incarnation != attached:
+            log.warning(
+                "engine incarnation %s is new: attaching the slots to it", health.incarnation[:8]
+            )
+            return True
+        return False
+
     async def _round(self, generation: Generation, header: RoundHeader) -> None:
         started = time.monotonic()
+        if self.before_round is not None:
+            await self.before_round()
         self.on_round_start(header, generation)
         try:
             runner = await self._prepare(generation, header)
@@ -333,11 +371,31 @@ class SinkLoop:
             reason = exc.reason if isinstance(exc, RoundFailed) else "layout_unavailable"
             await self._refuse(generation, header, reason)
             self.on_round_end(
-                RoundOutcome.failed(header.version, generation.number, started, reason, str(exc)),
+                RoundOutcome.failed(
+                    header.version,
+                    generation.number,
+                    started,
+                    reason,
+                    str(exc),
+                    lineage=header.lineage,
+                    stage=Stage.PREPARE.value,
+                ),
                 False,
             )
             return
-        outcome = await runner.run(generation.plan.transfer.pipeline_depth)
+        try:
+            outcome = await runner.run(generation.plan.transfer.pipeline_depth)
+        except Exception as exc:  # never a dead sink loop: fail the round, break the group
+            log.exception("round %d failed unexpectedly", header.seq)
+            await self._refuse(generation, header, "internal_error")
+            outcome = RoundOutcome.failed(
+                header.version,
+                generation.number,
+                started,
+                "internal_error",
+                repr(exc),
+                lineage=header.lineage,
+            )
         self.on_round_end(outcome, runner.committed)
 
     async def _refuse(self, generation: Generation, header: RoundHeader, reason: str) -> None:

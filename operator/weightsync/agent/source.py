@@ -23,9 +23,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from weightsync.agent.failures import SECONDHAND, Stage, root_cause
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import (
+    FAILURE_GRACE_SECONDS,
     EngineLane,
     RankRound,
     RoundFailed,
@@ -58,16 +60,19 @@ class SourceRound(RankRound):
         version: int,
         channel: FillChannel,
         *,
+        lineage: str,
         local_engine: EngineAdapter | None,
         engine_timeout_seconds: float,
         holder: Holder | None = None,
         hold_from: Mapping[str, torch.Tensor] | None = None,
+        deadline: float | None = None,
     ) -> None:
-        super().__init__(generation, generation.next_seq, slots.device)
+        super().__init__(generation, generation.next_seq, slots.device, deadline)
         generation.next_seq += 1
         self.layout = layout
         self.slots = slots
         self.version = version
+        self.lineage = lineage
         self.channel = channel
         self.local_engine = local_engine
         self.engine_timeout = engine_timeout_seconds
@@ -76,7 +81,9 @@ class SourceRound(RankRound):
         # them beside the broadcast instead of from each slot before its reuse.
         self.hold_from = hold_from
         self.checksum = generation.plan.transfer.checksum
-        self.lane = EngineLane(engine_timeout_seconds, self.trace) if local_engine else None
+        self.lane = (
+            EngineLane(engine_timeout_seconds, self.trace, self.deadline) if local_engine else None
+        )
 
     def _round_error(self) -> RoundFailed | None:
         if self.error is not None:
@@ -88,6 +95,7 @@ class SourceRound(RankRound):
         header = RoundHeader(
             seq=self.seq,
             version=self.version,
+            lineage=self.lineage,
             layout_hash=self.layout.layout_hash,
             bucket_count=len(self.layout.buckets),
             checksum=self.checksum,
@@ -210,21 +218,22 @@ class SourceRound(RankRound):
                 payload = json.dumps(checksums)
                 await self.group.run(lambda: self.group.ctl.set(checksum_key(self.seq), payload))
             if await self._vote(int(self._round_error() is not None), "vote_transfer"):
-                raise self._round_error() or RoundFailed("peer_error", "a sink failed the round")
+                raise self._round_error() or RoundFailed(
+                    "peer_error", "a sink failed the round", Stage.TRANSFER
+                )
             await self._commit_local()
             if await self._vote(int(self._round_error() is not None), "vote_commit"):
                 raise self._round_error() or RoundFailed(
-                    "commit_failed", "a sink's engine did not commit"
+                    "commit_failed", "a sink's engine did not commit", Stage.COMMIT
                 )
         except (TransferError, dist.DistError) as exc:
-            reason, message = self._transfer_failure(exc)
-            await self._fail_hard(reason, message)
-            self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)
-            return RoundOutcome.failed(self.version, number, started, reason, message)
+            # This rank's own failure (its engine's), if it had one, is what it reports.
+            failure = self._round_error() or self._transfer_failure(exc)
+            await self._fail_hard(failure)
+            return await self._failed(started, failure)
         except RoundFailed as exc:
             await self._abort_local(exc.reason)
-            self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)
-            return RoundOutcome.failed(self.version, number, started, exc.reason, str(exc))
+            return await self._failed(started, exc)
         self.trace.log(
             seq=self.seq,
             version=self.version,
@@ -240,6 +249,21 @@ class SourceRound(RankRound):
             duration_seconds=time.monotonic() - started,
             nbytes=self.layout.total_bytes,
             finished_at=time.time(),
+            lineage=self.lineage,
+        )
+
+    async def _failed(self, started: float, failure: RoundFailed) -> RoundOutcome:
+        """The round's failure, put down to the member that caused it (the notes)."""
+        self.trace.log(seq=self.seq, version=self.version, role="source", ok=False)
+        plan = self.generation.plan
+        # Every sink but one lost member will say something when the transport broke.
+        hard = failure.reason in SECONDHAND or failure.stage in (Stage.TRANSFER, Stage.TIMEOUT)
+        notes = await self._read_notes(expect=plan.world_size - 2 if hard else 0)
+        if all(n.rank != plan.rank for n in notes):
+            notes.append(self._note(failure))
+        cause = root_cause(notes, plan.members, plan.rank) or self._note(failure)
+        return RoundOutcome.blamed(
+            self.version, self.generation.number, started, cause, lineage=self.lineage
         )
 
     async def _abort_local(self, reason: str) -> None:
@@ -249,12 +273,13 @@ class SourceRound(RankRound):
             await self.lane.cancel()  # the engine takes one call at a time
         try:
             await asyncio.wait_for(
-                self.local_engine.abort_update(self.version, reason), self.engine_timeout
+                self.local_engine.abort_update(self.version, reason),
+                min(self.engine_timeout, FAILURE_GRACE_SECONDS),
             )
         except (EngineError, TimeoutError) as exc:
             log.warning("local engine abort failed: %s", exc)
 
-    async def _fail_hard(self, reason: str, message: str) -> None:
+    async def _fail_hard(self, failure: RoundFailed) -> None:
         """Tell the peers (failure key), abort the communicator, drop the local update."""
-        await self._flag_failure(self.version, "source", reason, message)
-        await self._abort_local(reason)
+        await self._flag_failure(self.version, "source", failure)
+        await self._abort_local(failure.reason)

@@ -154,10 +154,21 @@ class GenerationStatus(_Message):
 
 
 class EngineStatus(_Message):
+    """The local engine as its agent sees it.
+
+    `version` is what the agent vouches the engine serves: the last version it loaded
+    into this engine process (`incarnation`), of `lineage`. None when nothing was, or the
+    engine restarted since (a restarted engine is behind, whatever it reports itself,
+    which is `reported_version`).
+    """
+
     healthy: bool
     version: int | None
     torn: bool = False
     detail: str = ""
+    lineage: str | None = None
+    incarnation: str | None = None
+    reported_version: int | None = None
 
 
 class RoundReport(_Message):
@@ -170,6 +181,9 @@ class RoundReport(_Message):
     reason: str = ""  # a short label (also the failure metric's label); empty when ok
     message: str = ""
     finished_at_unix_millis: int
+    lineage: str = ""  # the Publisher's lineage the version belongs to
+    member: str = ""  # failed: the member the failure is put down to
+    stage: str = ""  # failed: prepare, transfer, timeout, engine_load or commit
 
 
 class RecoveryState(StrEnum):
@@ -183,7 +197,8 @@ class RecoveryStatus(_Message):
     """The agent's latest recovery; `bytes` counts up while it runs."""
 
     state: RecoveryState
-    version: int
+    version: int  # asked for; once holders are chosen, the (newest) version pulled
+    lineage: str = ""
     bytes: int = 0
     duration_millis: int = 0
     bandwidth_bytes_per_second: int = 0  # bytes over the whole recovery, engine load included
@@ -200,12 +215,14 @@ class AgentStatus(_Message):
     generation: int | None  # the active generation
     warm: bool  # the active generation, or the newest one, is pre-warmed
     version: int | None  # the last version this agent committed
+    lineage: str | None = None  # of `version`: the Publisher that published it
     round_in_progress: bool
     generations: list[GenerationStatus]
     engine: EngineStatus | None
     last_round: RoundReport | None
     recovery: RecoveryStatus | None = None
     holding: int | None = None  # the version held for P2P pulls; None when none
+    holding_lineage: str | None = None
 
 
 class Holding(_Message):
@@ -216,6 +233,7 @@ class Holding(_Message):
     """
 
     version: int
+    lineage: str = ""  # the Publisher lineage of `version`
     layout: str  # `BucketLayout.to_json()`: re-planned and hash-checked by the puller
     layout_hash: str
     segment: str  # the holder's Mooncake segment, `<host>:<rpc port>`
@@ -227,9 +245,11 @@ class Holding(_Message):
 
 
 class RecoverRequest(_Message):
-    """Pull `version` from the agents at `holders` and load it into the local engine."""
+    """Pull the newest version at or after `version` of `lineage` from the agents at
+    `holders` and load it into the local engine."""
 
     version: int = Field(ge=0)
+    lineage: str = ""  # empty: any lineage (a holder's is checked when given)
     holders: list[str] = Field(min_length=1, max_length=16)  # agent control URLs
     protocol: RecoveryProtocol  # the holders' protocol (`WEIGHTSYNC_P2P_PROTOCOL`)
     timeout_seconds: float = Field(default=600.0, gt=0)

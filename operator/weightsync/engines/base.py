@@ -71,6 +71,12 @@ class EngineAdapter(abc.ABC):
     async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
         """Share the agent's bucket slots with the engine once (IPC handles, shm names)."""
 
+    @property
+    def attached_to(self) -> str | None:
+        """The incarnation the slots were last attached to; None before an attach, after a
+        restart was seen, or for an engine that names no incarnation."""
+        return None
+
     @abc.abstractmethod
     async def begin_update(self, version: int) -> None:
         """Prepare for version `version` (pause generation if the engine needs it)."""

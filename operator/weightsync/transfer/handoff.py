@@ -64,7 +64,10 @@ class Attached(_Msg):
 
 class Publish(_Msg):
     type: Literal["publish"] = "publish"
-    version: int
+    version: int = Field(ge=0, strict=True)  # no coercion: "13" is not a version
+    # One per Publisher: versions rise within it; a new one (a restarted trainer) may
+    # start anywhere, and engines follow it.
+    lineage: str = Field(min_length=1, max_length=64)
     layout_hash: str
 
 
@@ -94,6 +97,8 @@ class RoundResult(_Msg):
     reason: str = ""
     message: str = ""
     generation: int | None = None
+    member: str = ""  # failed: "pod (rank r, role)" the failure is put down to
+    stage: str = ""  # failed: prepare, transfer, timeout, engine_load or commit
 
 
 class HandoffError(_Msg):

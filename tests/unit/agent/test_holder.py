@@ -102,7 +102,7 @@ def test_a_committed_round_becomes_the_held_version(endpoints: Endpoints) -> Non
     assert asyncio.run(holder.holding()) is None
     asyncio.run(stage_round(holder, LAYOUT, 1, buckets, len(LAYOUT.buckets)))
     assert holder.held_version is None, "staged is not held before the commit"
-    assert holder.commit(1)
+    assert holder.commit(1, "L1")
     expect_held(holder, LAYOUT, 1, buckets)
     assert held_gauge(metrics) == 1
     assert holding_segment(holder) == endpoints.get(P2PProtocol.TCP).segment
@@ -119,22 +119,22 @@ def test_a_failed_round_never_replaces_the_held_version(endpoints: Endpoints) ->
     holder, _ = new_holder(endpoints)
     first, second = version_bytes(LAYOUT, seed=1), version_bytes(LAYOUT, seed=2)
     asyncio.run(stage_round(holder, LAYOUT, 1, first, len(LAYOUT.buckets)))
-    assert holder.commit(1)
+    assert holder.commit(1, "L1")
 
     # Fully staged, then the round fails: abandoned.
     asyncio.run(stage_round(holder, LAYOUT, 2, second, len(LAYOUT.buckets)))
     holder.abandon()
-    assert not holder.commit(2)
+    assert not holder.commit(2, "L1")
     expect_held(holder, LAYOUT, 1, first)
 
     # Partly staged and "committed" (a bucket never arrived here): refused.
     asyncio.run(stage_round(holder, LAYOUT, 2, second, len(LAYOUT.buckets) - 1))
-    assert not holder.commit(2)
+    assert not holder.commit(2, "L1")
     expect_held(holder, LAYOUT, 1, first)
 
     # A commit for another version than the one staged does not take it.
     asyncio.run(stage_round(holder, LAYOUT, 3, second, len(LAYOUT.buckets)))
-    assert not holder.commit(2)
+    assert not holder.commit(2, "L1")
     expect_held(holder, LAYOUT, 1, first)
     holder.close()
 
@@ -145,7 +145,7 @@ def test_commits_flip_between_two_registered_buffers(endpoints: Endpoints) -> No
     for version in (1, 2, 3, 4):
         buckets = version_bytes(LAYOUT, seed=version)
         asyncio.run(stage_round(holder, LAYOUT, version, buckets, len(LAYOUT.buckets)))
-        assert holder.commit(version)
+        assert holder.commit(version, "L1")
         addresses.append(expect_held(holder, LAYOUT, version, buckets).address)
     assert addresses[0] == addresses[2] != addresses[1] == addresses[3]
     holder.close()
@@ -157,9 +157,9 @@ def test_a_restaged_round_starts_over(endpoints: Endpoints) -> None:
     stale, fresh = version_bytes(LAYOUT, seed=5), version_bytes(LAYOUT, seed=6)
     asyncio.run(stage_round(holder, LAYOUT, 7, stale, len(LAYOUT.buckets) - 1))
     asyncio.run(stage_round(holder, LAYOUT, 7, fresh, 1))
-    assert not holder.commit(7), "only bucket 0 of the retry was staged"
+    assert not holder.commit(7, "L1"), "only bucket 0 of the retry was staged"
     asyncio.run(stage_round(holder, LAYOUT, 7, fresh, len(LAYOUT.buckets)))
-    assert holder.commit(7)
+    assert holder.commit(7, "L1")
     expect_held(holder, LAYOUT, 7, fresh)
     holder.close()
 
@@ -170,14 +170,14 @@ def test_a_larger_layout_gets_a_larger_buffer_and_the_old_stays_held(
     holder, _ = new_holder(endpoints)
     small = version_bytes(LAYOUT, seed=1)
     asyncio.run(stage_round(holder, LAYOUT, 1, small, len(LAYOUT.buckets)))
-    assert holder.commit(1)
+    assert holder.commit(1, "L1")
     large_layout = make_layout([2000, 3000, 1000, 4000, 10])
     assert large_layout.total_bytes > LAYOUT.total_bytes
     large = version_bytes(large_layout, seed=2)
     asyncio.run(stage_round(holder, large_layout, 2, large, len(large_layout.buckets) - 1))
     expect_held(holder, LAYOUT, 1, small)
     asyncio.run(stage_round(holder, large_layout, 2, large, len(large_layout.buckets)))
-    assert holder.commit(2)
+    assert holder.commit(2, "L1")
     expect_held(holder, large_layout, 2, large)
     holder.close()
 
@@ -186,12 +186,12 @@ def test_a_disabled_holder_stages_nothing_and_disabling_releases(endpoints: Endp
     holder, metrics = new_holder(endpoints, enabled=False)
     buckets = version_bytes(LAYOUT, seed=1)
     asyncio.run(stage_round(holder, LAYOUT, 1, buckets, len(LAYOUT.buckets)))
-    assert not holder.commit(1)
+    assert not holder.commit(1, "L1")
     assert asyncio.run(holder.holding()) is None
 
     holder.set_enabled(True)
     asyncio.run(stage_round(holder, LAYOUT, 2, buckets, len(LAYOUT.buckets)))
-    assert holder.commit(2)
+    assert holder.commit(2, "L1")
     assert held_gauge(metrics) == 2
     holder.set_enabled(False)
     assert holder.held_version is None
@@ -208,7 +208,7 @@ def test_a_round_staged_from_the_published_tensors_holds_their_bytes(
     generator = torch.Generator().manual_seed(5)
     tensors = {m.name: torch.randn(m.shape, generator=generator) for m in LAYOUT.tensors}
     asyncio.run(holder.stage_tensors(3, LAYOUT, tensors))
-    assert holder.commit(3)
+    assert holder.commit(3, "L1")
     held = holder.held_bytes()
     assert held is not None
     for bucket, offset in zip(LAYOUT.buckets, held_offsets(LAYOUT), strict=True):
@@ -226,7 +226,7 @@ def test_a_round_staged_from_the_published_tensors_holds_their_bytes(
     # A tensor missing from the set: the staging copy is dropped, version 3 stays held.
     del tensors["t2"]
     asyncio.run(holder.stage_tensors(4, LAYOUT, tensors))
-    assert not holder.commit(4)
+    assert not holder.commit(4, "L1")
     assert holder.held_version == 3
     holder.close()
 
@@ -250,7 +250,7 @@ def test_holders_that_fill_the_padding_differently_agree(endpoints: Endpoints) -
     tensors = {m.name: torch.randn(m.shape, generator=generator) for m in LAYOUT.tensors}
     from_tensors, _ = new_holder(endpoints)
     asyncio.run(from_tensors.stage_tensors(1, LAYOUT, tensors))
-    assert from_tensors.commit(1)
+    assert from_tensors.commit(1, "L1")
     buckets = []
     for bucket in LAYOUT.buckets:  # packed slots with random padding
         packed = torch.randint(0, 256, (bucket.nbytes,), dtype=torch.uint8, generator=generator)
@@ -259,7 +259,7 @@ def test_holders_that_fill_the_padding_differently_agree(endpoints: Endpoints) -
         buckets.append(packed)
     from_slots, _ = new_holder(endpoints)
     asyncio.run(stage_round(from_slots, LAYOUT, 1, buckets, len(LAYOUT.buckets)))
-    assert from_slots.commit(1)
+    assert from_slots.commit(1, "L1")
     one, other = asyncio.run(from_tensors.holding()), asyncio.run(from_slots.holding())
     assert one is not None
     assert other is not None

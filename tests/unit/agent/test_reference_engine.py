@@ -108,16 +108,21 @@ def test_mismatched_tensors_are_refused(
     assert error.value.reason == "bad_slot"
 
 
-def test_versions_only_move_forward(
+def test_any_version_is_taken_and_each_process_is_an_incarnation_of_its_own(
     setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
 ) -> None:
+    """A new lineage (a trainer restarted from an earlier step) publishes lower numbers:
+    the engine takes them. A restarted engine names a new incarnation."""
     engine, layout, slots = setup
     engine.begin(3)
     stream(engine, layout, slots, seed=1)
     engine.commit(3)
-    with pytest.raises(EngineError) as error:
-        engine.begin(3)
-    assert error.value.reason == "stale_version"
+    engine.begin(2)
+    stream(engine, layout, slots, seed=2)
+    engine.commit(2)
+    assert engine.health().version == 2
+    again = ReferenceEngine(build_model(CONFIG, seed=0))
+    assert again.health().incarnation not in (None, engine.health().incarnation)
 
 
 def test_generate_reports_its_version() -> None:

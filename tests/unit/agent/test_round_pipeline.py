@@ -4,6 +4,7 @@ source round whose engine loads bucket k while the Publisher fills bucket k+1.""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def test_the_lane_runs_calls_in_order_and_keeps_the_first_failure() -> None:
 
     async def scenario() -> None:
         trace = PhaseTrace(torch.device("cpu"))
-        lane = EngineLane(timeout_seconds=0.5, trace=trace)
+        lane = EngineLane(timeout_seconds=0.5, trace=trace, deadline=time.monotonic() + 60)
         first = lane.submit("a", "engine_load", lambda: call("a"))
         lane.submit("b", "engine_load", lambda: call("b", fail=True))
         last = lane.submit("c", "engine_load", lambda: call("c"))
@@ -59,12 +60,12 @@ def test_the_lane_runs_calls_in_order_and_keeps_the_first_failure() -> None:
         assert isinstance(spans, dict)
         assert spans["engine_load"][0] == 2  # the skipped call is not counted
 
-        stuck = EngineLane(timeout_seconds=0.05, trace=trace)
+        stuck = EngineLane(timeout_seconds=0.05, trace=trace, deadline=time.monotonic() + 60)
         await stuck.submit("d", "engine_load", lambda: call("d", hang=True))
         assert stuck.error is not None
         assert stuck.error.reason == "engine_timeout"
 
-        cancelled = EngineLane(timeout_seconds=30, trace=trace)
+        cancelled = EngineLane(timeout_seconds=30, trace=trace, deadline=time.monotonic() + 60)
         pending = [cancelled.submit(n, "engine_load", lambda n=n: call(n, hang=True)) for n in "ef"]
         await asyncio.sleep(0)
         await cancelled.cancel()
@@ -204,6 +205,7 @@ def test_colocated_fill_overlaps_the_engine_and_never_refills_a_slot_in_use(
                 slots,
                 3,
                 fill,
+                lineage="L1",
                 local_engine=engine,
                 engine_timeout_seconds=1.0 if depth == 1 else 10.0,
             ).run()

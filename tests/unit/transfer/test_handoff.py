@@ -33,7 +33,7 @@ MESSAGES = [
         alignment=256,
         slots=SlotHandles(slots=[ShmSlotHandle(path="/dev/shm/x", nbytes=1024)]),
     ),
-    Publish(version=3, layout_hash="cd" * 32),
+    Publish(version=3, lineage="a1b2", layout_hash="cd" * 32),
     Fill(bucket=4, slot=0),
     Filled(bucket=4),
     Abandon(reason="fill_failed", message="boom"),

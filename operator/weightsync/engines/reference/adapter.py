@@ -64,6 +64,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._session: aiohttp.ClientSession | None = None
         self._channel: UpdateChannelClient | None = None
         self._slots: list[torch.Tensor] = []
+        self._incarnation: str | None = None  # the engine process the slots went to
         self._push = False  # the engine's arenas are mapped here and filled by us
         self._arenas: dict[int, torch.Tensor] = {}  # arena id -> its bytes, mapped here
         self._arena_round: dict[int, int] = {}  # arena id -> the last round that used it
@@ -75,6 +76,31 @@ class ReferenceEngineAdapter(EngineAdapter):
     def channel_address(self) -> str | None:
         """The update channel in use, or None while the adapter uses HTTP."""
         return self._channel.address if self._channel is not None else None
+
+    @property
+    def attached_to(self) -> str | None:
+        return self._incarnation
+
+    def _same_engine(self, incarnation: object, what: str) -> None:
+        """Raise `restarted` (and forget the old process's mappings) if another engine
+        process than the attached one answered."""
+        if self._incarnation is None or incarnation in (None, self._incarnation):
+            return
+        old = self._incarnation
+        self._forget()
+        raise EngineError(
+            "restarted",
+            f"{what}: the engine restarted (incarnation {old[:8]} -> {str(incarnation)[:8]})"
+            " since its buffers were attached",
+        )
+
+    def _forget(self) -> None:
+        """Drop everything mapped from or promised by the attached engine process."""
+        self._incarnation = None
+        self._slots = []
+        self._push = False
+        self._arenas.clear()
+        self._arena_round.clear()
 
     @property
     def copies_here(self) -> bool:
@@ -124,12 +150,13 @@ class ReferenceEngineAdapter(EngineAdapter):
         return result
 
     async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+        self._forget()
         reply = await self._post("attach", describe_slots(slots).model_dump_json())
         address = reply.get("update_channel") if self._use_channel else None
-        if self._channel is not None and self._channel.address != address:
+        if self._channel is not None:  # a new attach may be a new engine: connect anew
             await self._channel.close()
             self._channel = None
-        if isinstance(address, str) and address and self._channel is None:
+        if isinstance(address, str) and address:
             channel = UpdateChannelClient(address)
             try:
                 await asyncio.wait_for(channel.connect(), self._timeout_seconds)
@@ -138,6 +165,8 @@ class ReferenceEngineAdapter(EngineAdapter):
             else:
                 self._channel = channel
         self._slots = list(slots)
+        incarnation = reply.get("incarnation")
+        self._incarnation = incarnation if isinstance(incarnation, str) else None
         self._push = self._channel is not None and reply.get("staging") == "shared"
         if self._channel is not None:
             how = "copied by the agent" if self._push else "copied by the engine"
@@ -146,9 +175,13 @@ class ReferenceEngineAdapter(EngineAdapter):
     async def begin_update(self, version: int) -> None:
         self._rounds += 1
         if self._channel is not None:
-            await self._over_channel("begin", lambda c: c.call(BeginRequest(version=version)))
+            reply = await self._over_channel(
+                "begin", lambda c: c.call(BeginRequest(version=version))
+            )
+            self._same_engine(reply.incarnation, "begin")
         else:
-            await self._post("begin", _dumps({"version": version}))
+            body = await self._post("begin", _dumps({"version": version}))
+            self._same_engine(body.get("incarnation"), "begin")
 
     async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
         if not 0 <= slot < len(self._slots):
@@ -157,6 +190,7 @@ class ReferenceEngineAdapter(EngineAdapter):
             staged = await self._over_channel(f"stage slot {slot}", lambda c: c.stage(tensors))
             if not isinstance(staged, Staged):  # a refusal raised already
                 raise EngineError("bad_reply", "stage answered without an arena")
+            self._same_engine(staged.incarnation, f"stage slot {slot}")
             arena = await self._arena(staged)
             if arena is not None:
                 await self._copy(self._slots[slot], arena, staged.copies)
@@ -215,9 +249,13 @@ class ReferenceEngineAdapter(EngineAdapter):
 
     async def finish_update(self, version: int) -> None:
         if self._channel is not None:
-            await self._over_channel("finish", lambda c: c.call(FinishRequest(version=version)))
+            reply = await self._over_channel(
+                "finish", lambda c: c.call(FinishRequest(version=version))
+            )
+            self._same_engine(reply.incarnation, "finish")
         else:
-            await self._post("finish", _dumps({"version": version}))
+            body = await self._post("finish", _dumps({"version": version}))
+            self._same_engine(body.get("incarnation"), "finish")
         self._forget_unused_arenas()
 
     async def abort_update(self, version: int, reason: str) -> None:
@@ -235,11 +273,13 @@ class ReferenceEngineAdapter(EngineAdapter):
                 body = await response.json()
         except (aiohttp.ClientError, TimeoutError) as exc:
             return EngineHealth(False, None, detail=f"unreachable: {exc!r}")
+        incarnation = body.get("incarnation")
         return EngineHealth(
             healthy=bool(body["healthy"]),
             version=body["version"],
             torn=bool(body.get("torn", False)),
             detail=str(body.get("detail", "")),
+            incarnation=incarnation if isinstance(incarnation, str) else None,
         )
 
     async def close(self) -> None:

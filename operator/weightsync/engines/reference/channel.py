@@ -107,6 +107,7 @@ class Reply(BaseModel):
 
     ok: bool
     version: int | None = None
+    incarnation: str | None = None  # the engine process that answered
     reason: str = ""
     message: str = ""
     arena: int | None = None  # stage: the arena to fill
@@ -121,6 +122,17 @@ class Staged:
     arena: int
     handle: SlotHandle | None
     copies: list[tuple[int, int, int]]  # (slot offset, arena offset, bytes)
+    incarnation: str | None = None  # the engine process that staged it
+
+
+def _refusal(engine: ReferenceEngine, reason: str, message: str) -> Reply:
+    return Reply(
+        ok=False,
+        version=engine.version,
+        incarnation=engine.incarnation,
+        reason=reason,
+        message=message,
+    )
 
 
 def socket_name(address: str) -> str:
@@ -227,12 +239,12 @@ class UpdateChannelServer:
                 log.warning("update to version %d aborted: %s", request.version, request.reason)
                 engine.abort(request.version)
         except EngineError as exc:
-            return Reply(ok=False, version=engine.version, reason=exc.reason, message=str(exc))
+            return _refusal(engine, exc.reason, str(exc))
         except ValidationError as exc:
-            return Reply(ok=False, version=engine.version, reason="bad_request", message=str(exc))
+            return _refusal(engine, "bad_request", str(exc))
         except SlotError as exc:  # an arena that cannot be described for another process
-            return Reply(ok=False, version=engine.version, reason="unsupported", message=str(exc))
-        return Reply(ok=True, version=engine.version)
+            return _refusal(engine, "unsupported", str(exc))
+        return Reply(ok=True, version=engine.version, incarnation=engine.incarnation)
 
     def _stage(self, request: StageRequest, state: _Connection) -> Reply:
         engine = self.engine
@@ -245,6 +257,7 @@ class UpdateChannelServer:
         return Reply(
             ok=True,
             version=engine.version,
+            incarnation=engine.incarnation,
             arena=arena.id,
             handle=handle,
             copies=arena.copies(plan) if request.tensors is not None else None,
@@ -314,7 +327,7 @@ class UpdateChannelClient:
             if reply.arena is None or copies is None:
                 self._drop()
                 raise ProtocolError("stage reply without an arena or copy spans")
-            return Staged(reply.arena, reply.handle, copies)
+            return Staged(reply.arena, reply.handle, copies, reply.incarnation)
 
     async def handle(self, arena: int) -> Reply:
         """An arena's handle again, for an adapter that no longer maps it."""

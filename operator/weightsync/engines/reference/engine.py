@@ -29,6 +29,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -148,6 +149,9 @@ class ReferenceEngine:
         self._staging_version: int | None = None
         self._shm_dir = shm_dir
         self._arena_ids = itertools.count(1)
+        # Who this process is: a restarted engine (same address) is another incarnation,
+        # and nothing an adapter mapped from this one is valid there.
+        self.incarnation = uuid.uuid4().hex
         self._stats = UpdateStats()
         self.last_update: UpdateStats | None = None  # the last committed or aborted update
         self._copy_stream = (
@@ -170,7 +174,9 @@ class ReferenceEngine:
 
     def health(self) -> EngineHealth:
         detail = "updating" if self._staging_version is not None else ""
-        return EngineHealth(healthy=True, version=self.version, detail=detail)
+        return EngineHealth(
+            healthy=True, version=self.version, detail=detail, incarnation=self.incarnation
+        )
 
     def digests(self) -> tuple[int | None, dict[str, str]]:
         with self._lock:
@@ -188,9 +194,9 @@ class ReferenceEngine:
             self._slots = slots
 
     def begin(self, version: int) -> None:
+        # Any version is taken: ordering is the agent's business, and a trainer that
+        # restarts from an earlier step (a new lineage) publishes lower numbers again.
         with self._update_lock:
-            if self.version is not None and version <= self.version:
-                raise EngineError("stale_version", f"version {version} <= served {self.version}")
             self._drop_staged()
             self._staging_version = version
             self._stats = UpdateStats()

@@ -3,10 +3,11 @@
 Routes:
 * `POST /generate`          {"input_ids": [[int]], "max_new_tokens": int}
                             -> {"output_ids": [[int]], "weight_version": int | null}
-* `GET  /health`            -> {"healthy", "version", "torn", "detail"}
+* `GET  /health`            -> {"healthy", "version", "torn", "detail", "incarnation"}
 * `GET  /v1/weights/digest` -> {"version", "tensors": {name: sha256}}
 * `POST /v1/update/attach`  `SlotHandles`            (once, or when the slots change)
-                            -> {"ok", "version", "update_channel": address | null,
+                            -> {"ok", "version", "incarnation",
+                                "update_channel": address | null,
                                 "staging": "shared" | null}
 * `POST /v1/update/begin`   {"version"}
 * `POST /v1/update/load`    {"slot", "tensors": [[name, dtype, shape, offset, nbytes]]}
@@ -111,6 +112,7 @@ async def health(request: web.Request) -> web.Response:
             "version": state.version,
             "torn": state.torn,
             "detail": state.detail,
+            "incarnation": state.incarnation,
         }
     )
 
@@ -148,7 +150,11 @@ async def update(request: web.Request) -> web.Response:
         await _in_thread(request, call)
     except EngineError as exc:
         return _engine_error(exc)
-    body: dict[str, Any] = {"ok": True, "version": engine.version}
+    body: dict[str, Any] = {
+        "ok": True,
+        "version": engine.version,
+        "incarnation": engine.incarnation,
+    }
     if action == "attach":
         channel = request.app[CHANNEL_KEY] or None
         body["update_channel"] = channel

@@ -1,0 +1,135 @@
+"""What the local engine serves, as far as its agent can vouch for it.
+
+The engine's own word is not enough: an engine whose container was restarted in place
+comes back at the same address with whatever it loaded at start, and may report a
+version it never received from us. So the agent records what it loaded into which
+engine process (`Loaded`: the incarnation, lineage and version of the last commit or
+recovery), polls the engine's health in the background, and vouches for a version only
+while the same process answers, healthy and whole. The control API reads the last poll
+(never waits on the engine: a frozen engine must not freeze `/v1/status`).
+
+An engine loaded by a peer (Colocated: the trainer's agent hands buckets to it) is
+vouched for by what this agent saw happen: a version the engine process reports after
+the one it started with was loaded through the update API, by that peer. The version it
+reports at start is never vouched for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from weightsync.api.control import EngineStatus
+from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 1.0  # how often the engine's health is read
+HEALTH_TIMEOUT_SECONDS = 2.0  # a poll that takes longer counts as unreachable
+STALE_SECONDS = 3.0  # a last poll older than this vouches for nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A version this agent loaded into one engine process."""
+
+    incarnation: str | None
+    lineage: str
+    version: int
+
+
+class EngineWatch:
+    def __init__(self, adapter: EngineAdapter, *, loaded_by_peer: bool = False) -> None:
+        self.adapter = adapter
+        self.health: EngineHealth | None = None
+        self.checked_at = 0.0  # monotonic time of the last completed poll
+        self.loaded: Loaded | None = None
+        self._restarts_seen: set[str] = set()
+        self._loaded_by_peer = loaded_by_peer
+        self._started_with: tuple[str | None, int | None] | None = None
+
+    def committed(self, lineage: str, version: int) -> None:
+        """A round or a recovery made the attached engine process serve `version`.
+
+        The commit was the engine's own answer, so it counts as a fresh poll: a
+        vouched version must not wait for the next background poll to show.
+        """
+        incarnation = self.adapter.attached_to
+        self.loaded = Loaded(incarnation, lineage, version)
+        if incarnation is not None:
+            self.health = EngineHealth(True, version, incarnation=incarnation)
+            self.checked_at = time.monotonic()
+
+    def lost(self) -> None:
+        """The engine may hold a partial update: vouch for nothing until the next commit."""
+        self.loaded = None
+
+    async def poll(self) -> EngineHealth:
+        try:
+            health = await asyncio.wait_for(self.adapter.health(), HEALTH_TIMEOUT_SECONDS)
+        except TimeoutError:
+            health = EngineHealth(False, None, detail="health timed out")
+        except EngineError as exc:
+            health = EngineHealth(False, None, detail=str(exc))
+        self.health, self.checked_at = health, time.monotonic()
+        if self._loaded_by_peer and health.healthy:
+            self._observe_peer(health)
+        loaded = self.loaded
+        if (
+            loaded is not None
+            and health.incarnation is not None
+            and health.incarnation != loaded.incarnation
+            and health.incarnation not in self._restarts_seen
+        ):
+            self._restarts_seen.add(health.incarnation)
+            log.warning(
+                "engine restarted (incarnation %s): it no longer serves version %d",
+                health.incarnation[:8],
+                loaded.version,
+            )
+        return health
+
+    def _observe_peer(self, health: EngineHealth) -> None:
+        started = self._started_with
+        if started is None or started[0] != health.incarnation:  # first sight of a process
+            self._started_with = (health.incarnation, health.version)
+            return
+        if health.version is not None and health.version != started[1] and not health.torn:
+            self.loaded = Loaded(health.incarnation, "", health.version)
+
+    async def run_forever(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(POLL_SECONDS)
+
+    def vouched(self) -> Loaded | None:
+        """The version the engine serves, if this agent can vouch for it now."""
+        health, loaded = self.health, self.loaded
+        if health is None or loaded is None:
+            return None
+        if time.monotonic() - self.checked_at > STALE_SECONDS:
+            return None
+        if not health.healthy or health.torn or health.incarnation != loaded.incarnation:
+            return None
+        return loaded
+
+    def status(self) -> EngineStatus:
+        health = self.health
+        if health is None or time.monotonic() - self.checked_at > STALE_SECONDS:
+            detail = "no recent health" if health is not None else "not polled yet"
+            return EngineStatus(healthy=False, version=None, detail=detail)
+        vouched = self.vouched()
+        detail = health.detail
+        if self.loaded is not None and vouched is None and health.healthy and not health.torn:
+            detail = "restarted: behind until a round or a recovery loads it"
+        return EngineStatus(
+            healthy=health.healthy,
+            version=vouched.version if vouched else None,
+            torn=health.torn,
+            detail=detail,
+            lineage=(vouched.lineage or None) if vouched else None,
+            incarnation=health.incarnation,
+            reported_version=health.version,
+        )

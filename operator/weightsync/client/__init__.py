@@ -1,5 +1,6 @@
 """weightsync.client: the trainer-side Publisher."""
 
+from weightsync.client.inputs import PublishInputError
 from weightsync.client.publisher import (
     AgentUnavailableError,
     LayoutChangedError,
@@ -11,6 +12,7 @@ from weightsync.client.publisher import (
 __all__ = [
     "AgentUnavailableError",
     "LayoutChangedError",
+    "PublishInputError",
     "PublishResult",
     "Publisher",
     "PublisherError",

@@ -22,12 +22,14 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from weightsync.client.inputs import PublishInputError, checked_tensors
 from weightsync.transfer.buffers import (
     copy_tensors,
     describe_sources,
@@ -97,9 +99,11 @@ class PublishResult:
     ok: bool
     duration_seconds: float  # as measured by the agent, header to commit
     bytes: int
-    reason: str = ""  # a short label when not ok, e.g. "peer_failed", "timeout"
-    message: str = ""
+    reason: str = ""  # a short label when not ok, e.g. "engine_timeout", "member_lost"
+    message: str = ""  # who failed, at which stage, and what it said
     generation: int | None = None
+    member: str = ""  # not ok: the member it is put down to, "pod (rank r, role)"
+    stage: str = ""  # not ok: prepare, transfer, timeout, engine_load or commit
 
 
 class Publisher:
@@ -110,6 +114,10 @@ class Publisher:
     ) -> None:
         self.socket_path = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
         self.timeout = timeout
+        # Versions rise within one Publisher; a new one (a trainer restarted from an
+        # earlier step) is a new lineage, which engines follow from wherever it starts.
+        self.lineage = uuid.uuid4().hex[:16]
+        self.last_published: int | None = None  # the last version that reached every engine
         self._sock: socket.socket | None = None
         self._metas: list[TensorMeta] | None = None
         self._layout: BucketLayout | None = None
@@ -128,14 +136,23 @@ class Publisher:
         *,
         version: int,
     ) -> PublishResult:
-        """Send `named_tensors` as weight version `version` to every engine of the group."""
+        """Send `named_tensors` as weight version `version` to every engine of the group.
+
+        Raises `PublishInputError` (before anything is sent) for input that cannot be
+        published: a name twice, a value that is not a tensor, an unsupported dtype, a
+        version that is not a non-negative integer above the last published one.
+        """
         started = time.perf_counter()
         self._packed = []
-        tensors = dict(
-            named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        )
+        version = self._checked_version(version)
+        tensors = checked_tensors(named_tensors)
         try:
-            return self._publish(tensors, version)
+            result = self._publish(tensors, version)
+        except PublisherError:
+            raise
+        except BaseException:
+            self.close()  # the agent may be mid-exchange: start the next call afresh
+            raise
         finally:
             self.last_timings = PublishTimings(
                 total=time.perf_counter() - started,
@@ -143,6 +160,25 @@ class Publisher:
                 longest_pack=max(self._packed, default=0.0),
                 buckets=len(self._packed),
             )
+        if result.ok:
+            self.last_published = result.version
+        return result
+
+    def _checked_version(self, version: object) -> int:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise PublishInputError(
+                f"version: must be an int (a step number), got {type(version).__name__} {version!r}"
+            )
+        if version < 0:
+            raise PublishInputError(f"version: must be >= 0, got {version}")
+        last = self.last_published
+        if last is not None and version <= last:
+            raise PublishInputError(
+                f"version: must be above {last}, the last this Publisher published, got"
+                f" {version} (a trainer that restarts from an earlier step makes a new"
+                " Publisher: a new lineage)"
+            )
+        return version
 
     def _metas_of(
         self, tensors: dict[str, torch.Tensor]
@@ -237,7 +273,9 @@ class Publisher:
         if self._shared_at is not None:  # the agent reads the tensors: they must be written
             for device in {t.device for t in tensors.values()}:
                 torch.cuda.synchronize(device)
-        message = self._exchange(Publish(version=version, layout_hash=layout.layout_hash))
+        message = self._exchange(
+            Publish(version=version, lineage=self.lineage, layout_hash=layout.layout_hash)
+        )
         while True:
             if isinstance(message, RoundResult):
                 return PublishResult(
@@ -248,6 +286,8 @@ class Publisher:
                     reason=message.reason,
                     message=message.message,
                     generation=message.generation,
+                    member=message.member,
+                    stage=message.stage,
                 )
             if isinstance(message, HandoffError):
                 raise PublisherError(message.reason, message.message)
@@ -255,7 +295,7 @@ class Publisher:
                 raise PublisherError("protocol", f"unexpected {message.type} during a round")
             try:
                 self._fill(layout, tensors, message)
-            except (RuntimeError, KeyError, IndexError) as exc:
+            except Exception as exc:  # the agent still drives the round to its end
                 log.exception("filling bucket %d failed", message.bucket)
                 message = self._exchange(Abandon(reason="fill_failed", message=repr(exc)))
                 continue

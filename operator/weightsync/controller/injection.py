@@ -198,6 +198,8 @@ def agent_container(
         )
         options = EngineOptions.of(entry)
         env.append({"name": ENGINE_OPTIONS_ENV, "value": options.model_dump_json()})
+        if sync.spec.mode is SyncMode.COLOCATED:  # the trainer's agent loads its engine
+            env.append({"name": "WEIGHTSYNC_ENGINE_LOADED_BY_PEER", "value": "true"})
     mounts: list[dict[str, Any]] = [
         {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
         {"name": names.TOKEN_VOLUME, "mountPath": names.TOKEN_DIR, "readOnly": True},

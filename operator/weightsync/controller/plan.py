@@ -167,16 +167,20 @@ def needs_new_generation(
 def cold_members(
     planned: Sequence[Slot], generation: int, statuses: Mapping[str, AgentStatus]
 ) -> list[Slot]:
-    """Members whose agent does not report `generation` warm (or active) at their rank."""
+    """Members that took `generation`'s plan and did not warm it (their agent lists it at
+    their rank, not warm or active). One that does not list it never got the plan (a
+    replaced pod, a restarted agent): it needs a new plan, not a cooldown. One that does
+    not answer is unknown, not cold."""
     warm = (GenerationState.WARM, GenerationState.ACTIVE)
-    return [
-        slot
-        for slot in planned
-        if not any(
-            g.generation == generation and g.rank == slot.rank and g.state in warm
-            for g in getattr(statuses.get(slot.pod), "generations", [])
-        )
-    ]
+    cold = []
+    for slot in planned:
+        status = statuses.get(slot.pod)
+        if status is None:
+            continue
+        listed = [g for g in status.generations if g.generation == generation]
+        if listed and not any(g.rank == slot.rank and g.state in warm for g in listed):
+            cold.append(slot)
+    return cold
 
 
 def next_generation(planned_generation: int | None, statuses: Mapping[str, AgentStatus]) -> int:

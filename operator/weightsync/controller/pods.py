@@ -17,7 +17,7 @@ from weightsync.api.control import AgentStatus, Role
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import names, reasons
 from weightsync.controller.kube import Kube
-from weightsync.controller.readiness import gate_changes
+from weightsync.controller.readiness import Current, gate_changes
 from weightsync.controller.status import EventSpec
 from weightsync.controller.workloads import PodView, parse_time, pods_to_recreate, sync_pods
 
@@ -55,12 +55,12 @@ async def set_gates(
     *,
     statuses: Mapping[str, AgentStatus],
     errors: Mapping[str, str],
-    version: int | None,
+    current: Current,
 ) -> None:
     """Write the weights-current condition on every gated pod whose condition must change."""
     now = format_timestamp(utc_now())
     by_name = {p.name: p for p in pods}
-    for decision in gate_changes(pods, statuses, errors, version):
+    for decision in gate_changes(pods, statuses, errors, current):
         pod = by_name[decision.pod]
         # lastTransitionTime moves only when the status flips, as for any condition.
         since = pod.gate_since if pod.gate_status == decision.status_text else None

@@ -5,6 +5,8 @@ the version the trainer's source agent last published successfully (a round only
 succeeds when every member committed it). Before the first version the gate is False:
 engines start from placeholder weights (`--load-format dummy`), which must not serve.
 A pod whose agent does not answer is held False too: the operator cannot vouch for it.
+An engine restarted in place is behind whatever it reports: its agent vouches only for
+what it loaded into that engine process (`agent.engine_watch`).
 """
 
 from __future__ import annotations
@@ -31,16 +33,25 @@ class GateDecision:
         return "True" if self.status else "False"
 
 
-def current_version(source: AgentStatus | None, stored: int | None) -> int | None:
+@dataclass(frozen=True, slots=True)
+class Current:
+    """The version every ready sink must serve, and the Publisher lineage it belongs to
+    (a trainer restarted from an earlier step publishes a new lineage from lower numbers)."""
+
+    version: int | None
+    lineage: str | None = None
+
+
+def current_version(source: AgentStatus | None, stored: Current) -> Current:
     """The source agent's last published version, or the stored one while it has none
     (a restarted trainer's agent starts empty; the sinks still serve what it sent)."""
     if source is not None and source.version is not None:
-        return source.version
+        return Current(source.version, source.lineage)
     return stored
 
 
 def served_version(status: AgentStatus | None) -> int | None:
-    """The version a sink's engine serves (its agent's view if it reports no engine)."""
+    """The version a sink's agent vouches its engine serves (None: behind, or unknown)."""
     if status is None:
         return None
     if status.engine is not None:
@@ -48,8 +59,17 @@ def served_version(status: AgentStatus | None) -> int | None:
     return status.version
 
 
+def serves(status: AgentStatus | None, current: Current) -> bool:
+    """Whether the pod's engine serves `current`: the version, of the same lineage (an
+    engine loaded by a Colocated peer names no lineage: the version decides)."""
+    if current.version is None or served_version(status) != current.version:
+        return False
+    lineage = status.engine.lineage if status is not None and status.engine else None
+    return current.lineage is None or lineage is None or lineage == current.lineage
+
+
 def decide(
-    pod: PodView, status: AgentStatus | None, error: str | None, version: int | None
+    pod: PodView, status: AgentStatus | None, error: str | None, current: Current
 ) -> GateDecision:
     if status is None:
         return GateDecision(
@@ -60,10 +80,11 @@ def decide(
         )
     if status.engine is not None and status.engine.torn:
         return GateDecision(pod.name, False, reasons.ENGINE_TORN, reasons.ENGINE_TORN_MESSAGE)
+    version = current.version
     if version is None:
         return GateDecision(pod.name, False, reasons.NO_VERSION_YET, reasons.NO_VERSION_YET_MESSAGE)
     served = served_version(status)
-    if served == version:
+    if serves(status, current):
         return GateDecision(
             pod.name,
             True,
@@ -76,22 +97,30 @@ def decide(
         reasons.BEHIND_CURRENT_VERSION,
         reasons.BEHIND_CURRENT_VERSION_MESSAGE.format(
             served="no version" if served is None else f"version {served}", version=version
-        ),
+        )
+        + _lineage_note(status, current),
     )
+
+
+def _lineage_note(status: AgentStatus | None, current: Current) -> str:
+    engine = status.engine if status is not None else None
+    if engine is None or engine.version != current.version or engine.lineage is None:
+        return ""
+    return " (of another lineage: the trainer restarted from an earlier step)"
 
 
 def gate_changes(
     pods: Sequence[PodView],
     statuses: Mapping[str, AgentStatus],
     errors: Mapping[str, str],
-    version: int | None,
+    current: Current,
 ) -> list[GateDecision]:
     """Decisions for gated, live pods whose condition differs from what they carry."""
     changes = []
     for pod in pods:
         if not pod.has_gate or pod.terminating:
             continue
-        decision = decide(pod, statuses.get(pod.name), errors.get(pod.name), version)
+        decision = decide(pod, statuses.get(pod.name), errors.get(pod.name), current)
         if (pod.gate_status, pod.gate_reason) != (decision.status_text, decision.reason):
             changes.append(decision)
     return changes

@@ -59,6 +59,15 @@ GENERATION_PLANNED: Final = "GenerationPlanned"
 GENERATION_PLANNED_MESSAGE: Final = "Planned group generation {generation}: {count} ranks ({pods})."
 PLAN_REJECTED: Final = "PlanRejected"
 PLAN_REJECTED_MESSAGE: Final = "Pod {pod} did not accept generation {generation}: {error}"
+ROUND_FAILED: Final = "RoundFailed"
+ROUND_FAILED_MESSAGE: Final = (
+    "Version {version} failed at {stage}, put down to {member}: {reason}: {message}"
+)
+NEW_LINEAGE: Final = "NewLineage"
+NEW_LINEAGE_MESSAGE: Final = (
+    "The trainer started a new lineage (a new Publisher) at version {version} (was"
+    " {previous}): engines follow it, lower numbers included."
+)
 VERSION_SYNCED: Final = "VersionSynced"
 VERSION_SYNCED_MESSAGE: Final = (
     "Version {version} reached every sink in {millis} ms ({bytes} bytes)."

@@ -54,7 +54,7 @@ from weightsync.controller.plan import (
     slots,
 )
 from weightsync.controller.pods import EventPoster
-from weightsync.controller.readiness import current_version
+from weightsync.controller.readiness import Current, current_version
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.recovery import Tracker
 from weightsync.controller.settings import OperatorSettings
@@ -249,9 +249,9 @@ class Reconciler:
         )
 
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
-        version = current_version(source, old.current_version)
+        current = current_version(source, Current(old.current_version, old.lineage))
         await pod_actions.set_gates(
-            self.kube, namespace, pods, statuses=statuses, errors=errors, version=version
+            self.kube, namespace, pods, statuses=statuses, errors=errors, current=current
         )
         observation = Observation(
             spec=spec,
@@ -261,7 +261,7 @@ class Reconciler:
             desired=desired,
             planned=planned,
             planned_generation=planned_generation,
-            current_version=version,
+            current=current,
             prewarm_timed_out=timed_out,
             plan_errors=plan_errors,
         )
@@ -292,8 +292,9 @@ class Reconciler:
         recovering = await run_recoveries(
             raw=raw,
             spec=sync.spec,
-            version=current_version(
-                statuses.get(source.name) if source else None, old.current_version
+            current=current_version(
+                statuses.get(source.name) if source else None,
+                Current(old.current_version, old.lineage),
             ),
             pods=pods,
             statuses=statuses,
@@ -443,7 +444,8 @@ class Reconciler:
         deadline = time.monotonic() + PLAN_FAILURE_COOLDOWN_SECONDS
         for pod in members:
             if pod.name in errors:
-                memory.cooldown[pod.uid] = deadline
+                if pod.role is not Role.SOURCE:  # the only source never sits out
+                    memory.cooldown[pod.uid] = deadline
                 self.post_event(
                     raw,
                     EventSpec(
@@ -475,7 +477,9 @@ class Reconciler:
         cold = cold_members(planned, generation, statuses)
         uids = {p.name: p.uid for p in pods}
         for slot in cold:
-            if slot.pod in uids:
+            # The source never cools down: without it no generation could be planned at
+            # all, and the trainer would wait on a group that never forms.
+            if slot.pod in uids and slot.role is not Role.SOURCE:
                 memory.cooldown[uids[slot.pod]] = now + sync.spec.prewarm.timeout_seconds
         return bool(cold)
 

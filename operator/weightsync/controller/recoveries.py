@@ -16,6 +16,7 @@ from weightsync.api.v1alpha1 import WeightSyncSpec
 from weightsync.controller import metrics, reasons
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.pods import EventPoster
+from weightsync.controller.readiness import Current
 from weightsync.controller.recovery import (
     Decision,
     Step,
@@ -71,10 +72,11 @@ def finished_event(pod: str, finished: RecoveryStatus, retry: float) -> EventSpe
     )
 
 
-def request_for(spec: WeightSyncSpec, version: int, holders: Sequence[str]) -> RecoverRequest:
+def request_for(spec: WeightSyncSpec, current: Current, holders: Sequence[str]) -> RecoverRequest:
     timeout = max(MIN_RECOVERY_TIMEOUT_SECONDS, 10.0 * spec.transfer.timeout_seconds)
     return RecoverRequest(
-        version=version,
+        version=current.version or 0,
+        lineage=current.lineage or "",
         holders=list(holders),
         protocol=spec.recovery.protocol,
         timeout_seconds=timeout,
@@ -85,7 +87,7 @@ async def run_recoveries(
     *,
     raw: Mapping[str, Any],
     spec: WeightSyncSpec,
-    version: int | None,
+    current: Current,
     pods: Sequence[PodView],
     statuses: Mapping[str, AgentStatus],
     trackers: dict[str, Tracker],
@@ -101,7 +103,7 @@ async def run_recoveries(
         del trackers[uid]
     decisions = plan_recoveries(
         spec,
-        version,
+        current,
         pods=pods,
         statuses=statuses,
         trackers=trackers,
@@ -109,21 +111,24 @@ async def run_recoveries(
         default_port=default_port,
     )
     held_out: set[str] = set()
+    in_flight = False
     for decision in decisions:
         tracker = trackers.setdefault(decision.pod.uid, Tracker())
         _report(decision, tracker, post_event, raw)
         record(decision, tracker, now)
-        if decision.step is Step.START and version is not None:
+        if decision.step is Step.START and current.version is not None:
             pod = decision.pod
             address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
-            request = request_for(spec, version, decision.holders)
+            request = request_for(spec, current, decision.holders)
             answer = await agents.recover(address, request, token)
             _started(
                 pod.name, request, answer, tracker=tracker, post_event=post_event, raw=raw, now=now
             )
         if decision.step is not Step.ADMIT:
-            held_out.add(decision.pod.name)
-    return RecoveryPass(frozenset(held_out), in_flight=bool(held_out))
+            in_flight = True
+            if not decision.in_group:
+                held_out.add(decision.pod.name)
+    return RecoveryPass(frozenset(held_out), in_flight=in_flight)
 
 
 def _report(

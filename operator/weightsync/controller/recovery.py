@@ -1,11 +1,20 @@
 """P2P recovery of inference pods that are behind: who recovers, from whom, and when. Pure.
 
-A sink pod whose agent answers but whose engine does not serve the current version, and
-which is in no usable group generation (a replacement pod, or a restarted agent), is
-held out of the next generation while its agent pulls the current version from the
-holders' host memory (`POST /v1/recover`). Once its recovery is `done` it is planned
-into the next generation like any newcomer; its readiness gate follows the version its
-engine serves, so it turns True only at the current version.
+A sink pod whose agent answers and whose engine is alive but does not serve the current
+version recovers: its agent pulls the newest held version at or after the current one
+(of the current lineage) from the holders' host memory (`POST /v1/recover`).
+
+* In no usable group generation (a replacement pod, a restarted agent): it is held out
+  of the next generation until its recovery is `done`, then planned in like any
+  newcomer.
+* In a usable generation, with an engine its agent cannot vouch for (the engine's
+  container restarted in place): it recovers where it stands, is not held out, and a
+  round that starts meanwhile takes over (a round brings the whole version). An
+  in-group sink that merely missed a version is left to the next round.
+
+Its readiness gate follows what its agent vouches the engine serves, so it turns True
+only at the current version. A pod whose engine is down is not asked: nothing could
+load what it pulls.
 
 If the current version moved on while it recovered, the pod is admitted anyway: the
 next round (which it joins, pre-warmed) brings it current, and a trainer that publishes
@@ -28,7 +37,7 @@ from enum import StrEnum
 from weightsync.api.control import AgentStatus, RecoveryState, RecoveryStatus, Role
 from weightsync.api.v1alpha1 import SyncMode, WeightSyncSpec
 from weightsync.controller.plan import HOLDING_STATES
-from weightsync.controller.readiness import served_version
+from weightsync.controller.readiness import Current, served_version, serves
 from weightsync.controller.workloads import PodView
 
 BACKOFF_BASE_SECONDS = 2.0
@@ -64,11 +73,16 @@ class Decision:
     step: Step
     holders: tuple[str, ...] = ()  # for START: the control URLs to pull from
     finished: RecoveryStatus | None = None  # an attempt that ended and was not reported yet
+    in_group: bool = False  # it recovers where it stands: not held out of the group
 
 
-def enabled_for(spec: WeightSyncSpec, version: int | None) -> bool:
+def enabled_for(spec: WeightSyncSpec, current: Current) -> bool:
     """Recovery applies to Disaggregated groups with recovery on, once a version exists."""
-    return spec.recovery.enabled and spec.mode is SyncMode.DISAGGREGATED and version is not None
+    return (
+        spec.recovery.enabled
+        and spec.mode is SyncMode.DISAGGREGATED
+        and current.version is not None
+    )
 
 
 def agent_url(pod: PodView, default_port: int) -> str:
@@ -80,13 +94,16 @@ def in_usable_generation(status: AgentStatus) -> bool:
     return any(g.state in HOLDING_STATES for g in status.generations)
 
 
-def behind(status: AgentStatus, version: int) -> bool:
-    """Whether a sink must recover before it joins: behind, and no round can update it."""
-    if status.role is not Role.SINK or in_usable_generation(status):
+def behind(status: AgentStatus, current: Current) -> bool:
+    """Whether a sink must recover: alive, behind, and no round will soon update it."""
+    engine = status.engine
+    if status.role is not Role.SINK or engine is None or not engine.healthy:
         return False
+    if serves(status, current):
+        return False
+    if in_usable_generation(status):  # restarted in place, or the next round's business
+        return engine.version is None and not status.round_in_progress
     served = served_version(status)
-    if served == version:
-        return False
     recovery = status.recovery
     # Recovered while the trainer moved on: admit it, the next round brings it current.
     return not (
@@ -98,15 +115,16 @@ def behind(status: AgentStatus, version: int) -> bool:
 
 
 def holders_of(
-    version: int,
+    current: Current,
     pods: Sequence[PodView],
     statuses: Mapping[str, AgentStatus],
     default_port: int,
     *,
     excluding: str,
 ) -> list[str]:
-    """Control URLs of the live agents holding `version`: sinks first, by name, then the
-    source, so a sink holder spares the trainer's host when there is one."""
+    """Control URLs of the live agents holding `current` or a newer version of its
+    lineage: sinks first, by name, then the source, so a sink holder spares the trainer's
+    host when there is one."""
     found = [
         p
         for p in pods
@@ -115,10 +133,17 @@ def holders_of(
         and not p.terminating
         and p.ip is not None
         and p.has_agent
-        and getattr(statuses.get(p.name), "holding", None) == version
+        and _holds(statuses.get(p.name), current)
     ]
     found.sort(key=lambda p: (p.role is Role.SOURCE, p.name))
     return [agent_url(p, default_port) for p in found]
+
+
+def _holds(status: AgentStatus | None, current: Current) -> bool:
+    if status is None or status.holding is None or current.version is None:
+        return False
+    same = current.lineage is None or status.holding_lineage == current.lineage
+    return same and status.holding >= current.version
 
 
 def _unreported(status: AgentStatus, tracker: Tracker | None) -> RecoveryStatus | None:
@@ -133,21 +158,22 @@ def _unreported(status: AgentStatus, tracker: Tracker | None) -> RecoveryStatus 
 def decide(
     pod: PodView,
     status: AgentStatus | None,
-    version: int,
+    current: Current,
     *,
     holders: Sequence[str],
     tracker: Tracker | None,
     now: float,
 ) -> Decision:
-    """What to do about one joinable sink pod this pass (`holders`: who holds `version`)."""
+    """What to do about one joinable sink pod this pass (`holders`: who holds `current`)."""
     if status is None:
         return Decision(pod, Step.ADMIT)  # not answering: it is not planned anyway
     finished = _unreported(status, tracker)
-    if not behind(status, version):
+    if not behind(status, current):
         return Decision(pod, Step.ADMIT, finished=finished)
+    in_group = in_usable_generation(status)
     recovery = status.recovery
     if recovery is not None and recovery.state in (RecoveryState.PENDING, RecoveryState.RUNNING):
-        return Decision(pod, Step.WAIT)
+        return Decision(pod, Step.WAIT, in_group=in_group)
     failures = (tracker.failures if tracker else 0) + (
         1 if finished is not None and finished.state is RecoveryState.FAILED else 0
     )
@@ -155,14 +181,16 @@ def decide(
     if finished is not None and finished.state is RecoveryState.FAILED:
         retry_at = now + backoff_seconds(failures)
     if now < retry_at:
-        return Decision(pod, Step.WAIT, finished=finished)
+        return Decision(pod, Step.WAIT, finished=finished, in_group=in_group)
     if not holders:
         return Decision(pod, Step.ADMIT, finished=finished)
     failed = set(tracker.failed_holders) if tracker else set()
     if finished is not None:
         failed |= set(finished.holders_failed)
     fresh = tuple(url for url in holders if url not in failed)
-    return Decision(pod, Step.START, holders=fresh or tuple(holders), finished=finished)
+    return Decision(
+        pod, Step.START, holders=fresh or tuple(holders), finished=finished, in_group=in_group
+    )
 
 
 def record(decision: Decision, tracker: Tracker, now: float) -> None:
@@ -190,7 +218,7 @@ def start_refused(tracker: Tracker, now: float) -> None:
 
 def plan_recoveries(
     spec: WeightSyncSpec,
-    version: int | None,
+    current: Current,
     *,
     pods: Sequence[PodView],
     statuses: Mapping[str, AgentStatus],
@@ -199,18 +227,18 @@ def plan_recoveries(
     default_port: int,
 ) -> list[Decision]:
     """One decision per joinable sink pod (none when recovery does not apply)."""
-    if version is None or not enabled_for(spec, version):
+    if not enabled_for(spec, current):
         return []
     decisions = []
     for pod in pods:
         if pod.role is not Role.SINK or not pod.joinable:
             continue
-        holders = holders_of(version, pods, statuses, default_port, excluding=pod.name)
+        holders = holders_of(current, pods, statuses, default_port, excluding=pod.name)
         decisions.append(
             decide(
                 pod,
                 statuses.get(pod.name),
-                version,
+                current,
                 holders=holders,
                 tracker=trackers.get(pod.uid),
                 now=now,

@@ -23,6 +23,7 @@ from weightsync.api.conditions import (
 from weightsync.api.control import AgentStatus, GenerationState, Role
 from weightsync.api.v1alpha1 import (
     Member,
+    RoundFailure,
     RoundSummary,
     SyncMode,
     WeightSyncSpec,
@@ -30,7 +31,7 @@ from weightsync.api.v1alpha1 import (
 )
 from weightsync.controller import reasons
 from weightsync.controller.plan import Desired, Slot, member_role
-from weightsync.controller.readiness import served_version
+from weightsync.controller.readiness import Current, served_version
 from weightsync.controller.workloads import PodView
 
 T, F = ConditionStatus.TRUE, ConditionStatus.FALSE
@@ -72,7 +73,7 @@ class Observation:
     desired: Desired
     planned: Sequence[Slot]
     planned_generation: int | None
-    current_version: int | None
+    current: Current
     prewarm_timed_out: bool = False
     plan_errors: Mapping[str, str] = field(default_factory=dict)
 
@@ -140,6 +141,22 @@ def members(
     return result
 
 
+def last_failure(source: AgentStatus | None, stored: RoundFailure | None) -> RoundFailure | None:
+    """The source's last round if it failed, else the last failure the status recorded."""
+    report = source.last_round if source is not None else None
+    if report is None or report.ok:
+        return stored
+    finished = datetime.fromtimestamp(report.finished_at_unix_millis / 1000, UTC)
+    return RoundFailure(
+        version=report.version,
+        time=finished.replace(microsecond=0),
+        member=report.member[:512],
+        stage=report.stage[:32],
+        reason=report.reason[:128],
+        message=report.message[:1024],
+    )
+
+
 def last_round(source: AgentStatus | None, stored: RoundSummary | None) -> RoundSummary | None:
     """The source's last round if it succeeded, else the last one the status recorded."""
     report = source.last_round if source is not None else None
@@ -165,24 +182,23 @@ def _ready(obs: Observation, sinks: Sequence[Member]) -> ConditionUpdate:
             api_reasons.WAITING_FOR_MEMBERS_MESSAGE.format(joined=joined, expected=expected)
             + (f" Waiting for {obs.desired.waiting_for}." if obs.desired.waiting_for else ""),
         )  # fmt: skip
-    if obs.current_version is None:
+    current = obs.current.version
+    if current is None:
         return ConditionUpdate(
             ConditionType.READY, T, api_reasons.AWAITING_FIRST_VERSION,
             api_reasons.AWAITING_FIRST_VERSION_MESSAGE.format(count=joined),
         )  # fmt: skip
-    behind = [m for m in sinks if m.version != obs.current_version]
+    behind = [m for m in sinks if m.version != current]
     if behind:
         return ConditionUpdate(
             ConditionType.READY, F, api_reasons.MEMBERS_BEHIND,
             api_reasons.MEMBERS_BEHIND_MESSAGE.format(
-                behind=len(behind), count=len(sinks), version=obs.current_version
+                behind=len(behind), count=len(sinks), version=current
             ),
         )  # fmt: skip
     return ConditionUpdate(
         ConditionType.READY, T, api_reasons.ALL_MEMBERS_CURRENT,
-        api_reasons.ALL_MEMBERS_CURRENT_MESSAGE.format(
-            count=len(sinks), version=obs.current_version
-        ),
+        api_reasons.ALL_MEMBERS_CURRENT_MESSAGE.format(count=len(sinks), version=current),
     )  # fmt: skip
 
 
@@ -286,11 +302,13 @@ def observed_status(old: WeightSyncStatus, obs: Observation, now: datetime) -> W
     return WeightSyncStatus(
         conditions=_ordered(conditions),
         observed_generation=obs.metadata_generation,
-        current_version=obs.current_version,
+        current_version=obs.current.version,
+        lineage=obs.current.lineage,
         group_generation=obs.planned_generation,
         member_count=len(group),
         members=group,
         last_round=last_round(source, old.last_round),
+        last_failure=last_failure(source, old.last_failure),
     )
 
 
@@ -316,6 +334,31 @@ def transition_events(old: WeightSyncStatus, new: WeightSyncStatus) -> list[Even
                 "Warning" if warning else "Normal",
                 condition.reason,
                 f"{condition.type}={condition.status.value}: {condition.message}",
+            )
+        )
+    failure = new.last_failure
+    if failure is not None and failure != old.last_failure:
+        events.append(
+            EventSpec(
+                "Warning",
+                reasons.ROUND_FAILED,
+                reasons.ROUND_FAILED_MESSAGE.format(
+                    version=failure.version,
+                    member=failure.member or "the source",
+                    stage=failure.stage or "unknown",
+                    reason=failure.reason,
+                    message=failure.message,
+                ),
+            )
+        )
+    if old.lineage is not None and new.lineage is not None and new.lineage != old.lineage:
+        events.append(
+            EventSpec(
+                "Normal",
+                reasons.NEW_LINEAGE,
+                reasons.NEW_LINEAGE_MESSAGE.format(
+                    version=new.current_version, previous=old.current_version
+                ),
             )
         )
     round_ = new.last_round

@@ -121,6 +121,9 @@ def agent(
     torn: bool = False,
     round_in_progress: bool = False,
     last_round: RoundReport | None = None,
+    lineage: str | None = None,
+    engine_healthy: bool = True,
+    holding: int | None = None,
 ) -> AgentStatus:
     """An agent's status; `generations` maps number -> (state, rank)."""
     held = [
@@ -129,7 +132,9 @@ def agent(
     ]
     engine = None
     if role is Role.SINK:
-        engine = EngineStatus(healthy=True, version=engine_version, torn=torn)
+        engine = EngineStatus(
+            healthy=engine_healthy, version=engine_version, torn=torn, lineage=lineage
+        )
     active = [g.generation for g in held if g.state is GenerationState.ACTIVE]
     return AgentStatus(
         pod=pod_name,
@@ -137,10 +142,13 @@ def agent(
         generation=active[-1] if active else None,
         warm=bool(active),
         version=version,
+        lineage=lineage,
         round_in_progress=round_in_progress,
         generations=held,
         engine=engine,
         last_round=last_round,
+        holding=holding,
+        holding_lineage=lineage if holding is not None else None,
     )
 
 

@@ -199,11 +199,16 @@ def test_the_next_generation_is_past_anything_any_agent_has_seen() -> None:
     assert next_generation(None, {}) == 1
 
 
-def test_cold_members_are_those_not_warm_in_the_generation() -> None:
+def test_cold_members_took_the_plan_and_did_not_warm_it() -> None:
     _, planned, statuses = group_of_three()
     statuses["e-1"] = agent("e-1", generations={4: (F, 1)})
     assert [s.pod for s in cold_members(planned, 4, statuses)] == ["e-1"]
-    assert [s.pod for s in cold_members(planned, 5, statuses)] == ["trainer-0", "e-1", "e-2"]
+    # Nobody lists generation 5: nobody got it (replaced pods, restarted agents) and a new
+    # plan is what they need, not a cooldown; an agent that does not answer is unknown.
+    assert cold_members(planned, 5, statuses) == []
+    del statuses["e-2"]
+    statuses["trainer-0"] = agent("trainer-0", Role.SOURCE)  # a replaced trainer pod
+    assert [s.pod for s in cold_members(planned, 4, statuses)] == ["e-1"]
 
 
 def test_plans_are_valid_control_messages_addressed_to_each_rank() -> None:

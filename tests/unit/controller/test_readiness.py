@@ -7,7 +7,7 @@ import pytest
 from tests.unit.controller.builders import agent, pod, sink_view
 from weightsync.api.control import AgentStatus, Role
 from weightsync.controller import reasons
-from weightsync.controller.readiness import current_version, decide, gate_changes
+from weightsync.controller.readiness import Current, current_version, decide, gate_changes
 from weightsync.controller.workloads import pod_view
 
 
@@ -25,19 +25,34 @@ from weightsync.controller.workloads import pod_view
 def test_gate_decisions(
     status: AgentStatus | None, version: int | None, expected: tuple[bool, str]
 ) -> None:
-    decision = decide(sink_view("e"), status, "connection refused", version)
+    decision = decide(sink_view("e"), status, "connection refused", Current(version))
     assert (decision.status, decision.reason) == expected
 
 
 def test_unreachable_names_the_error() -> None:
-    decision = decide(sink_view("e"), None, "ClientConnectorError: refused", 3)
+    decision = decide(sink_view("e"), None, "ClientConnectorError: refused", Current(3))
     assert "ClientConnectorError: refused" in decision.message
 
 
 def test_current_version_follows_the_source_and_survives_its_restart() -> None:
-    assert current_version(agent("t", Role.SOURCE, version=7), 5) == 7
-    assert current_version(agent("t", Role.SOURCE, version=None), 5) == 5  # restarted trainer
-    assert current_version(None, None) is None
+    stored = Current(5, "L1")
+    source = agent("t", Role.SOURCE, version=7, lineage="L1")
+    assert current_version(source, stored) == Current(7, "L1")
+    restarted = agent("t", Role.SOURCE, version=None)
+    assert current_version(restarted, stored) == stored  # a restarted trainer's agent
+    assert current_version(None, Current(None)) == Current(None)
+
+
+def test_a_new_lineage_is_current_even_at_a_lower_version_and_the_old_one_is_behind() -> None:
+    """A trainer restarted from step 3 publishes a new lineage: engines still serving
+    step 5 of the old one do not serve the current weights."""
+    current = current_version(agent("t", Role.SOURCE, version=3, lineage="L2"), Current(5, "L1"))
+    assert current == Current(3, "L2")
+    old = decide(sink_view("e"), agent("e", engine_version=3, lineage="L1"), None, current)
+    assert (old.status, old.reason) == (False, reasons.BEHIND_CURRENT_VERSION)
+    assert "another lineage" in old.message
+    new = decide(sink_view("e"), agent("e", engine_version=3, lineage="L2"), None, current)
+    assert new.status
 
 
 def test_only_gated_live_pods_whose_condition_differs_are_changed() -> None:
@@ -60,5 +75,5 @@ def test_only_gated_live_pods_whose_condition_differs_are_changed() -> None:
     statuses = {p: agent(p, engine_version=5) for p in ("current", "ungated", "leaving")}
     statuses["behind"] = agent("behind", engine_version=4)
     statuses["new"] = agent("new", engine_version=None)
-    changes = gate_changes(pods, statuses, {}, 5)  # type: ignore[arg-type]
+    changes = gate_changes(pods, statuses, {}, Current(5))  # type: ignore[arg-type]
     assert [(c.pod, c.status) for c in changes] == [("behind", False), ("new", False)]

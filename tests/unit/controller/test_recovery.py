@@ -19,6 +19,7 @@ from weightsync.api.control import (
 )
 from weightsync.controller import metrics, reasons
 from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.readiness import Current
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.recovery import (
     Step,
@@ -64,7 +65,7 @@ def decide_new(
 ) -> Any:
     decisions = plan_recoveries(
         kwargs.get("spec", SPEC),
-        kwargs.get("version", 5),
+        Current(kwargs.get("version", 5)),
         pods=PODS,
         statuses=statuses(new, source_holds=kwargs.get("source_holds", 5)),
         trackers={NEW.uid: tracker} if tracker else {},
@@ -84,9 +85,11 @@ def test_a_fresh_sink_behind_recovers_from_the_holders_and_members_are_admitted(
 def test_sink_holders_come_before_the_source() -> None:
     found = statuses(agent(NEW.name))
     found[OLD.name] = with_(found[OLD.name], holding=5)
-    urls = holders_of(5, PODS, found, PORT, excluding=NEW.name)
+    urls = holders_of(Current(5), PODS, found, PORT, excluding=NEW.name)
     assert urls == ["http://10.0.1.1:8470", "http://10.0.0.1:8470"]
-    assert holders_of(6, PODS, found, PORT, excluding=NEW.name) == []
+    assert holders_of(Current(6), PODS, found, PORT, excluding=NEW.name) == []
+    # a newer version of the lineage serves too (the recovery takes the newest)
+    assert holders_of(Current(4), PODS, found, PORT, excluding=NEW.name) == urls
 
 
 @pytest.mark.parametrize(
@@ -95,7 +98,22 @@ def test_sink_holders_come_before_the_source() -> None:
         (agent("p"), True),  # placeholder weights, no generation
         (agent("p", engine_version=4), True),
         (agent("p", engine_version=5), False),
+        # in a warm group and merely a version behind: the next round brings it
         (agent("p", engine_version=4, generations={3: (GenerationState.WARM, 1)}), False),
+        # in a warm group, its engine restarted in place (nothing vouched): it recovers
+        (agent("p", engine_version=None, generations={3: (GenerationState.WARM, 1)}), True),
+        # ...unless a round is already bringing it the version
+        (
+            agent(
+                "p",
+                engine_version=None,
+                generations={3: (GenerationState.ACTIVE, 1)},
+                round_in_progress=True,
+            ),
+            False,
+        ),
+        # an engine that is down is not asked: nothing could load what it pulls
+        (agent("p", engine_healthy=False), False),
         (agent("p", engine_version=4, generations={3: (GenerationState.BROKEN, 1)}), True),
         # recovered 4 while the trainer published 5: admitted, the next round updates it
         (with_(agent("p", engine_version=4), recovery=recovery(RecoveryState.DONE, 4)), False),
@@ -105,7 +123,7 @@ def test_sink_holders_come_before_the_source() -> None:
     ],
 )
 def test_behind(status: AgentStatus, is_behind: bool) -> None:
-    assert behind(status, 5) is is_behind
+    assert behind(status, Current(5)) is is_behind
 
 
 def test_a_running_recovery_holds_the_pod_out() -> None:
@@ -137,7 +155,7 @@ def test_a_failed_recovery_backs_off_then_retries_other_holders() -> None:
 
     def decide_at(now: float) -> Any:
         decisions = plan_recoveries(
-            SPEC, 5, pods=PODS, statuses=found, trackers={NEW.uid: tracker}, now=now,
+            SPEC, Current(5), pods=PODS, statuses=found, trackers={NEW.uid: tracker}, now=now,
             default_port=PORT,
         )  # fmt: skip
         return next(d for d in decisions if d.pod.name == NEW.name)
@@ -205,7 +223,7 @@ def run(
     result = asyncio.run(
         run_recoveries(
             raw={"metadata": {"name": "sync", "namespace": "ns"}},
-            spec=SPEC, version=5, pods=PODS, statuses=found, trackers=trackers,
+            spec=SPEC, current=Current(5), pods=PODS, statuses=found, trackers=trackers,
             agents=agents, token="t", post_event=lambda _raw, event: events.append(event),
             now=100.0, default_port=PORT,
         )

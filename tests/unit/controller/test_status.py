@@ -11,6 +11,7 @@ from weightsync.api.control import AgentStatus, GenerationState, Role
 from weightsync.api.v1alpha1 import WeightSyncStatus
 from weightsync.controller import reasons
 from weightsync.controller.plan import desired_members, slots
+from weightsync.controller.readiness import Current
 from weightsync.controller.status import (
     Observation,
     observed_status,
@@ -40,7 +41,7 @@ def observe(
         "desired": desired,
         "planned": list(slots(desired.members)),
         "planned_generation": 2,
-        "current_version": current,
+        "current": Current(current),
     }
     fields.update(changes)
     return Observation(**fields)  # type: ignore[arg-type]

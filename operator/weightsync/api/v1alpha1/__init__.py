@@ -16,7 +16,13 @@ from weightsync.api.v1alpha1.spec import (
     TransferSpec,
     WeightSyncSpec,
 )
-from weightsync.api.v1alpha1.status import Member, MemberRole, RoundSummary, WeightSyncStatus
+from weightsync.api.v1alpha1.status import (
+    Member,
+    MemberRole,
+    RoundFailure,
+    RoundSummary,
+    WeightSyncStatus,
+)
 
 __all__ = [
     "API_VERSION",
@@ -32,6 +38,7 @@ __all__ = [
     "ReadinessGateSpec",
     "RecoveryProtocol",
     "RecoverySpec",
+    "RoundFailure",
     "RoundSummary",
     "StatefulSetRef",
     "SyncMode",

@@ -75,6 +75,28 @@ class RoundSummary(ApiModel):
     """bandwidthBytesPerSecond is bytes divided by the round's duration, rounded down."""
 
 
+class RoundFailure(ApiModel):
+    """The last round that failed, and why."""
+
+    version: Int64
+    """version is the weight version the round tried to move."""
+
+    time: Timestamp
+    """time is when the round ended."""
+
+    member: str = Field(default="", max_length=512)
+    """member is the member the failure is put down to: `pod (rank r, role)`."""
+
+    stage: str = Field(default="", max_length=32)
+    """stage is where it failed: prepare, transfer, timeout, engine_load or commit."""
+
+    reason: str = Field(default="", max_length=128)
+    """reason is a short label (also the agents' round-failure metric label)."""
+
+    message: str = Field(default="", max_length=1024)
+    """message is what the member said, cut to 1024 characters."""
+
+
 def _first_duplicate(items: list[T], key: Callable[[T], Hashable]) -> tuple[int, Hashable] | None:
     seen: set[Hashable] = set()
     for index, item in enumerate(items):
@@ -105,6 +127,10 @@ class WeightSyncStatus(ApiModel):
     """currentVersion is the newest weight version every ready sink serves; unset until the
     first round completes."""
 
+    lineage: str | None = Field(default=None, max_length=64)
+    """lineage names the trainer Publisher that published currentVersion. A new one
+    starts when the trainer restarts (from an earlier step too): engines follow it."""
+
     group_generation: Int64 | None = None
     """groupGeneration counts the group memberships the operator has planned; it grows each
     time a member joins or leaves."""
@@ -125,6 +151,9 @@ class WeightSyncStatus(ApiModel):
 
     last_round: RoundSummary | None = None
     """lastRound describes the last round that completed."""
+
+    last_failure: RoundFailure | None = None
+    """lastFailure is the last round that failed, with who failed it and why."""
 
     # The two checks below mirror the list-map keys the API server enforces.
     @field_validator("conditions")

@@ -53,6 +53,7 @@ from weightsync.controller import names
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 KILLS = 10
+RESTARTS = 4
 ROUND_UP = 120.0
 SLOW_BUCKET_BYTES = 4 << 20  # the small preset in 27 buckets
 BUCKET_DELAY_SECONDS = 0.05  # per bucket on the engines' agents: rounds of ~1.5 s
@@ -155,6 +156,48 @@ def test_engines_replaced_between_rounds_recover_from_the_holder(
     assert set(replacements) <= set(answered)
     stale = {name: vc for name, vc in answered.items() if vc[0] != vc[1]}
     assert stale == {}
+    no_tracebacks(cluster, operator, namespace)
+
+
+def test_engine_containers_restarted_in_place_are_held_out_until_current(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
+) -> None:
+    """The kubelet restarts a crashed engine container in the same pod, at the same IP,
+    with the weights it loads at start: its gate stays False until its agent has brought it
+    to the current version (recovery from the holder, no round needed)."""
+    trainer_ip = start_stack(cluster, namespace)
+    rng = random.Random(13)
+
+    def trainer_version() -> int:
+        version: int = trainer_digest(trainer_ip)["version"]
+        return version
+
+    with ReadyWatch(k8s, namespace, "app=engine", ENGINE_PORT, trainer_version) as watcher:
+        for kill in range(RESTARTS):
+            expected = trainer_digest(trainer_ip)
+            victim = rng.choice(ready(cluster, namespace, "engine", 2))
+            name = victim["metadata"]["name"]
+            attempt = kill_container(cluster.node, victim, "engine")
+
+            def back(name: str = name, attempt: int = attempt) -> dict[str, Any] | None:
+                pod = next(p for p in pods(cluster, namespace, "engine")
+                           if p["metadata"]["name"] == name)  # fmt: skip
+                restarts = {
+                    c["name"]: c["restartCount"] for c in pod["status"]["containerStatuses"]
+                }
+                ok = restarts["engine"] > attempt and condition(pod, "Ready") == "True"
+                return pod if ok else None
+
+            pod = eventually(back, timeout=ROUND_UP, message=f"{name} restarted and Ready")
+            assert pod["status"]["podIP"] == victim["status"]["podIP"]  # in place
+            assert engine_digest(pod, ENGINE_PORT) == expected  # bit-identical, no round
+            if kill % 2:
+                joins_and_syncs(cluster, namespace, trainer_ip, name)
+    # Every Ready the watcher saw served what the trainer held then (a watch may merge a
+    # quick False-True flip: it counts no transitions).
+    answered = [(name, v, cur) for name, v, cur in watcher.seen if v is not None]
+    assert [entry for entry in answered if entry[1] != entry[2]] == []
+    assert ("Normal", "Recovered") in events(cluster, namespace)
     no_tracebacks(cluster, operator, namespace)
 
 

@@ -30,9 +30,10 @@ class Stage(StrEnum):
     COMMIT = "commit"
 
 
-# Reasons that only say a peer or the transport went away: the cause lies elsewhere.
+# Reasons that only say a peer or the transport went away, or that the deadline passed
+# while waiting on the others: the cause lies elsewhere when anyone names one.
 SECONDHAND = frozenset(
-    {"peer_failed", "peer_error", "collective_error", "store_error", "commit_failed"}
+    {"peer_failed", "peer_error", "collective_error", "store_error", "commit_failed", "timeout"}
 )
 
 

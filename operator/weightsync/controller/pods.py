@@ -7,6 +7,7 @@ carry them out through the (blocking) API client, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -20,6 +21,8 @@ from weightsync.controller.kube import Kube
 from weightsync.controller.readiness import Current, gate_changes
 from weightsync.controller.status import EventSpec
 from weightsync.controller.workloads import PodView, parse_time, pods_to_recreate, sync_pods
+
+log = logging.getLogger(__name__)
 
 # Pods created this long before their WeightSync were applied together with it.
 APPLIED_TOGETHER_SECONDS = 300
@@ -64,6 +67,9 @@ async def set_gates(
         pod = by_name[decision.pod]
         # lastTransitionTime moves only when the status flips, as for any condition.
         since = pod.gate_since if pod.gate_status == decision.status_text else None
+        log.info(
+            "gate of %s/%s: %s (%s)", namespace, pod.name, decision.status_text, decision.reason
+        )
         await asyncio.to_thread(
             kube.set_pod_condition,
             namespace,
@@ -74,6 +80,34 @@ async def set_gates(
             message=decision.message,
             since=since or now,
         )
+
+
+async def close_gate_if_restarting(kube: Kube, namespace: str, pod: Mapping[str, Any]) -> bool:
+    """Close an open gate at once when a container of the pod is not ready (restarting in
+    place): before the pass's agent polls, so the restarted engine cannot turn the pod
+    Ready on the open gate. The pass then decides from the agent's word."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return False
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    gate = conditions.get(names.WEIGHTS_CURRENT) or {}
+    ready = conditions.get("ContainersReady") or {}
+    if gate.get("status") != "True" or ready.get("status") != "False":
+        return False
+    log.info(
+        "gate of %s/%s: False (%s), at once", namespace, meta["name"], reasons.CONTAINERS_NOT_READY
+    )
+    await asyncio.to_thread(
+        kube.set_pod_condition,
+        namespace,
+        meta["name"],
+        kind=names.WEIGHTS_CURRENT,
+        status="False",
+        reason=reasons.CONTAINERS_NOT_READY,
+        message=reasons.CONTAINERS_NOT_READY_MESSAGE,
+        since=format_timestamp(utc_now()),
+    )
+    return True
 
 
 async def release(kube: Kube, namespace: str, raw: Mapping[str, Any]) -> None:

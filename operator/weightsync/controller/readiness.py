@@ -6,7 +6,10 @@ succeeds when every member committed it). Before the first version the gate is F
 engines start from placeholder weights (`--load-format dummy`), which must not serve.
 A pod whose agent does not answer is held False too: the operator cannot vouch for it.
 An engine restarted in place is behind whatever it reports: its agent vouches only for
-what it loaded into that engine process (`agent.engine_watch`).
+what it loaded into that engine process (`agent.engine_watch`). And the gate closes as
+soon as the pod's containers are not ready (a container restarting), without waiting
+for the agent to notice: the restarted engine must not turn the pod Ready on an
+earlier pass's word. It opens again only on the agent's word after the restart.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ def serves(status: AgentStatus | None, current: Current) -> bool:
 def decide(
     pod: PodView, status: AgentStatus | None, error: str | None, current: Current
 ) -> GateDecision:
+    if not pod.containers_ready:
+        return GateDecision(
+            pod.name, False, reasons.CONTAINERS_NOT_READY, reasons.CONTAINERS_NOT_READY_MESSAGE
+        )
     if status is None:
         return GateDecision(
             pod.name,

@@ -29,6 +29,13 @@ def test_gate_decisions(
     assert (decision.status, decision.reason) == expected
 
 
+def test_a_pod_with_a_container_not_ready_is_held_whatever_its_agent_said() -> None:
+    # A container restarting in place: the agent's last word predates the restart.
+    view = sink_view("e", containers_ready=False)
+    decision = decide(view, agent("e", engine_version=5), None, Current(5))
+    assert (decision.status, decision.reason) == (False, reasons.CONTAINERS_NOT_READY)
+
+
 def test_unreachable_names_the_error() -> None:
     decision = decide(sink_view("e"), None, "ClientConnectorError: refused", Current(3))
     assert "ClientConnectorError: refused" in decision.message

@@ -118,3 +118,8 @@ weightsync.io/sync
 {{- fail "certManager.enabled needs Service mode: its certificate names the webhook Service, not webhook.url; unset one of them" }}
 {{- end }}
 {{- end }}
+
+{{/* The Secret with the key the agents' tokens are derived from (created by the operator). */}}
+{{- define "weightsync.tokenKeySecretName" -}}
+{{- include "weightsync.suffixed" (list . "token-key") }}
+{{- end }}

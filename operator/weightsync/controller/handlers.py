@@ -23,6 +23,7 @@ import kopf
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import admission, metrics, names
+from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
@@ -104,8 +105,12 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
     ) -> None:
         namespace = _namespaced(namespace)
         label = (body.metadata.labels or {}).get(names.SYNC_LABEL)
+        if label:
+            await pod_actions.close_gate_if_restarting(runtime.kube, namespace, body)
         index: Mapping[str, Collection[str]] = weightsyncs_by_namespace or {}
-        targets = [label] if label else list(index.get(namespace, []))
+        known = list(index.get(namespace, []))
+        # The label is the WeightSync's name or, for a long name, a hash of it.
+        targets = [n for n in known if names.sync_label(n) == label] or known
         results = await asyncio.gather(
             *(reconciler.run(namespace, target) for target in targets), return_exceptions=True
         )

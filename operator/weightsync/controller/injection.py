@@ -322,7 +322,10 @@ def engine_defaults_ops(
 def _colocated_affinity(ops: JsonPatch, spec: Mapping[str, Any], sync_name: str) -> None:
     term = {
         "labelSelector": {
-            "matchLabels": {names.SYNC_LABEL: sync_name, names.ROLE_LABEL: Role.SOURCE.value}
+            "matchLabels": {
+                names.SYNC_LABEL: names.sync_label(sync_name),
+                names.ROLE_LABEL: Role.SOURCE.value,
+            }
         },
         "topologyKey": "kubernetes.io/hostname",
     }
@@ -377,7 +380,10 @@ def injection_patch(
     if "metadata" not in pod:
         ops.append({"op": "add", "path": "/metadata", "value": {}})
     _add_to_map(
-        ops, meta, "/metadata/labels", {names.SYNC_LABEL: sync_name, names.ROLE_LABEL: role.value}
+        ops,
+        meta,
+        "/metadata/labels",
+        {names.SYNC_LABEL: names.sync_label(sync_name), names.ROLE_LABEL: role.value},
     )
     _add_to_map(
         ops,

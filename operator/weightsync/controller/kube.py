@@ -7,8 +7,6 @@ client's model classes.
 
 from __future__ import annotations
 
-import base64
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,37 +137,31 @@ class Kube:
 
     # -- the agents' token ---------------------------------------------------------
 
-    def ensure_token(self, namespace: str, sync: Mapping[str, Any], nbytes: int) -> str:
-        """The WeightSync's agent token, creating its Secret (owned by the WeightSync) once.
+    FIELD_MANAGER = "weightsync-operator"
 
-        Not server-side apply: the token is random, so re-applying would rotate it on
-        every pass; it is created once and read afterwards.
-        """
+    def apply_token(self, namespace: str, sync: Mapping[str, Any], token: str) -> None:
+        """Write the WeightSync's agent token Secret (owned by the WeightSync) by server-side
+        apply: idempotent, and never read back (`controller.tokens`)."""
         name = names.token_secret_name(sync["metadata"]["name"])
-        try:
-            secret = self.core.read_namespaced_secret(name, namespace)
-        except ApiException as error:
-            if error.status != NOT_FOUND:
-                raise
-        else:
-            return base64.b64decode((secret.data or {})[names.TOKEN_KEY]).decode()
-        token = secrets.token_urlsafe(nbytes)
-        body = client.V1Secret(
-            metadata=client.V1ObjectMeta(
-                name=name,
-                labels={names.SYNC_LABEL: sync["metadata"]["name"]},
-                owner_references=[owner_reference(sync)],
-            ),
-            type="Opaque",
-            string_data={names.TOKEN_KEY: token},
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": name,
+                "labels": {names.SYNC_LABEL: names.sync_label(sync["metadata"]["name"])},
+                "ownerReferences": [owner_reference(sync)],
+            },
+            "type": "Opaque",
+            "stringData": {names.TOKEN_KEY: token},
+        }
+        self.core.patch_namespaced_secret(
+            name,
+            namespace,
+            body,
+            field_manager=self.FIELD_MANAGER,
+            force=True,
+            _content_type="application/apply-patch+yaml",
         )
-        try:
-            self.core.create_namespaced_secret(namespace, body)
-        except ApiException as error:
-            if error.status != CONFLICT:
-                raise
-            return self.ensure_token(namespace, sync, nbytes)  # created concurrently: read it
-        return token
 
     # -- pods ----------------------------------------------------------------------
 
@@ -214,13 +206,13 @@ class Kube:
                 raise
 
 
-def owner_reference(sync: Mapping[str, Any]) -> client.V1OwnerReference:
+def owner_reference(sync: Mapping[str, Any]) -> dict[str, Any]:
     meta = sync["metadata"]
-    return client.V1OwnerReference(
-        api_version=f"{GROUP}/{VERSION}",
-        kind="WeightSync",
-        name=meta["name"],
-        uid=meta["uid"],
-        controller=True,
-        block_owner_deletion=True,
-    )
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "WeightSync",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }

@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 
 from weightsync.api import GROUP
-from weightsync.controller import handlers, metrics, names
+from weightsync.controller import handlers, metrics, names, tokens
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube, load_config
@@ -109,13 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("kopf.objects", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     kube = Kube(load_config())
+    token_key = tokens.load_key(kube.core, settings.namespace, settings.token_key_secret)
     agents = AgentClient(settings.agent_timeout_seconds)
     namespaces = args.namespace or list(settings.watch_namespaces)
     runtime = handlers.Runtime(
         settings=settings,
         kube=kube,
         agents=agents,
-        reconciler=Reconciler(kube, agents, settings, post_event),
+        reconciler=Reconciler(kube, agents, settings, post_event, token_key),
         template=agent_template(settings),
         namespaces=tuple(namespaces),
     )

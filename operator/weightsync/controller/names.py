@@ -78,6 +78,21 @@ def token_secret_name(weightsync: str) -> str:
     return f"{weightsync[: _MAX_NAME - len(suffix) - 11]}-{digest}{suffix}"
 
 
+_MAX_LABEL_VALUE = 63
+
+
+def sync_label(weightsync: str) -> str:
+    """The `weightsync.io/sync` label value for a WeightSync: its name, or, for a name
+    longer than a label value may be, a prefix and a hash of the whole name (the way
+    Kubernetes' controllers name their children). Readers compare it with this function's
+    value for each WeightSync, never parse it back into a name."""
+    if len(weightsync) <= _MAX_LABEL_VALUE:
+        return weightsync
+    digest = hashlib.sha256(weightsync.encode()).hexdigest()[:10]
+    prefix = weightsync[: _MAX_LABEL_VALUE - len(digest) - 1].rstrip("-.")
+    return f"{prefix}-{digest}"
+
+
 def node_host_dir(namespace: str, weightsync: str) -> str:
     """The hostPath directory that Colocated pods of one WeightSync share on a node."""
     return f"{NODE_HOST_ROOT}/{namespace}/{weightsync}"

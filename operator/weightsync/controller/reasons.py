@@ -42,6 +42,16 @@ NO_VERSION_YET: Final = "NoVersionYet"
 NO_VERSION_YET_MESSAGE: Final = "No weight version has been synced yet."
 AGENT_UNREACHABLE: Final = "AgentUnreachable"
 AGENT_UNREACHABLE_MESSAGE: Final = "The weightsync agent did not answer: {error}"
+AGENT_REFUSES_OPERATOR: Final = "AgentRefusesOperator"
+AGENT_REFUSES_OPERATOR_MESSAGE: Final = (
+    "The agents of {pods} refuse the operator's credentials (HTTP 401): their Secret is not"
+    " the one this operator derives (another operator key?)."
+)
+CONTAINERS_NOT_READY: Final = "ContainersNotReady"
+CONTAINERS_NOT_READY_MESSAGE: Final = (
+    "A container of the pod is not ready (restarted?): the engine is vouched for again"
+    " once they are."
+)
 ENGINE_TORN: Final = "EngineTorn"
 ENGINE_TORN_MESSAGE: Final = "The engine reports a partially loaded version."
 WEIGHTSYNC_DELETED: Final = "WeightSyncDeleted"

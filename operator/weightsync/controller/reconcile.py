@@ -38,7 +38,7 @@ from weightsync.api.base import utc_now
 from weightsync.api.control import AgentStatus, Role
 from weightsync.api.v1alpha1 import WeightSync, WeightSyncStatus
 from weightsync.api.validation import WeightSyncInvalidError
-from weightsync.controller import metrics, reasons
+from weightsync.controller import metrics, reasons, tokens
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.kube import Kube
@@ -104,6 +104,7 @@ class Memory:
     poll_soon: bool = False  # the last pass left a recovery in flight
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass
     planned_engine: str | None = None  # Colocated: the engine pod the planned group feeds
+    token_written_for: str | None = None  # the WeightSync uid whose token Secret was applied
 
 
 def stored_status(raw: Mapping[str, Any]) -> WeightSyncStatus:
@@ -129,10 +130,12 @@ class Reconciler:
         agents: AgentClient,
         settings: OperatorSettings,
         post_event: EventPoster,
+        token_key: bytes,
     ) -> None:
         self.kube = kube
         self.agents = agents
         self.settings = settings
+        self.token_key = token_key
         self.post_event = post_event
         self._memory: dict[tuple[str, str], Memory] = {}
         # Pods admitted meanwhile may have met no webhook of ours (`pods_to_recreate`).
@@ -216,9 +219,11 @@ class Reconciler:
         if missing is not None:
             await self._problem(raw, old, generation, missing)
             return Result(Outcome.WAITING, missing[1])
-        token = await asyncio.to_thread(
-            self.kube.ensure_token, namespace, raw, self.settings.agent_token_bytes
-        )
+        token = tokens.derive(self.token_key, namespace, sync.metadata.name or "")
+        uid = raw["metadata"]["uid"]
+        if memory.token_written_for != uid:  # once per WeightSync object (and per restart)
+            await asyncio.to_thread(self.kube.apply_token, namespace, raw, token)
+            memory.token_written_for = uid
         pods = sync_pods(sync, world)
         await pod_actions.recreate_uninjected(
             self.kube, self.post_event, raw, pods, self.webhook_settling
@@ -264,6 +269,7 @@ class Reconciler:
             current=current,
             prewarm_timed_out=timed_out,
             plan_errors=plan_errors,
+            agent_errors=errors,
         )
         new = observed_status(old, observation, utc_now())
         await self._write(raw, old, new)

@@ -49,7 +49,9 @@ Injected agent sidecar
 * `RENDEZVOUS_PORT`           the TCPStore port on the source agent's pod IP. Default 29470.
 
 Agent control and reconcile pacing
-* `AGENT_TOKEN_BYTES`         random bytes in each WeightSync's agent token Secret. Default 32.
+* `TOKEN_KEY_SECRET`          the Secret in `NAMESPACE` holding the key every WeightSync's agent
+                              token is derived from; created by the operator if missing.
+                              Default `weightsync-token-key`.
 * `AGENT_TIMEOUT_SECONDS`     timeout of one control-API request to an agent. Default 5.
 * `RESYNC_SECONDS`            the drift timer: how often every WeightSync is reconciled even
                               without events (also how often agents are polled). Default 5.
@@ -119,7 +121,7 @@ class OperatorSettings(BaseModel):
     agent_log_level: str = "INFO"
     rendezvous_port: int = Field(default=29470, ge=1, le=65535)
 
-    agent_token_bytes: int = Field(default=32, ge=16, le=256)
+    token_key_secret: str = "weightsync-token-key"  # noqa: S105 - a Secret's name
     agent_timeout_seconds: float = Field(default=5.0, gt=0, le=60)
     resync_seconds: float = Field(default=5.0, gt=0, le=3600)
     missing_reference_retry_seconds: float = Field(default=30.0, gt=0, le=3600)

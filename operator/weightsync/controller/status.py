@@ -76,6 +76,7 @@ class Observation:
     current: Current
     prewarm_timed_out: bool = False
     plan_errors: Mapping[str, str] = field(default_factory=dict)
+    agent_errors: Mapping[str, str] = field(default_factory=dict)  # status polls that failed
 
 
 def _ordered(conditions: Sequence[Condition]) -> list[Condition]:
@@ -86,15 +87,19 @@ def _ordered(conditions: Sequence[Condition]) -> list[Condition]:
 def problem_status(
     old: WeightSyncStatus, metadata_generation: int, reason: str, message: str, now: datetime
 ) -> WeightSyncStatus:
-    """Ready=False for something the user must fix; the rest of the status is kept."""
+    """Ready=False for something the user must fix. Conditions an earlier pass set are
+    kept; the others say what they can on this pass: no group, no round, nothing running
+    to degrade, for the same reason (never Unknown once the operator has looked)."""
     updates = [ConditionUpdate(ConditionType.READY, F, reason, message)]
-    updates.extend(
-        ConditionUpdate(
-            kind, ConditionStatus.UNKNOWN, api_reasons.RECONCILING, api_reasons.RECONCILING_MESSAGE
-        )
-        for kind in CONDITION_ORDER[1:]
-        if find_condition(old.conditions, kind) is None
-    )
+    blocked = {
+        ConditionType.PREWARMED: F,
+        ConditionType.SYNCING: F,
+        ConditionType.DEGRADED: F,
+    }
+    for kind in CONDITION_ORDER[1:]:
+        found = find_condition(old.conditions, kind)
+        if found is None or found.status == ConditionStatus.UNKNOWN:
+            updates.append(ConditionUpdate(kind, blocked[kind], reason, message))
     conditions = set_conditions(
         old.conditions, updates, observed_generation=metadata_generation, now=now
     )
@@ -173,7 +178,7 @@ def last_round(source: AgentStatus | None, stored: RoundSummary | None) -> Round
 
 
 def _ready(obs: Observation, sinks: Sequence[Member]) -> ConditionUpdate:
-    live_sinks = [p for p in obs.pods if p.role is Role.SINK and not p.terminating]
+    live_sinks = [p for p in obs.pods if p.role is Role.SINK and p.live]
     expected = 1 + (0 if obs.spec.mode is SyncMode.COLOCATED else len(live_sinks))
     joined = len(obs.planned) if obs.desired.formable else 0
     if not obs.desired.formable or joined < expected:
@@ -246,11 +251,17 @@ def _syncing(source: AgentStatus | None, sink_count: int) -> ConditionUpdate:
 
 def _degraded(obs: Observation, source: AgentStatus | None) -> ConditionUpdate:
     kind = ConditionType.DEGRADED
-    bare = sorted(p.name for p in obs.pods if not p.has_agent and not p.terminating)
+    bare = sorted(p.name for p in obs.pods if not p.has_agent and p.live)
     if bare:
         return ConditionUpdate(
             kind, T, reasons.SIDECAR_MISSING,
             reasons.SIDECAR_MISSING_MESSAGE.format(pods=", ".join(bare)),
+        )  # fmt: skip
+    refused = sorted(pod for pod, error in obs.agent_errors.items() if error.startswith("HTTP 401"))
+    if refused:  # its token is not the operator's: it cannot be planned, gated or recovered
+        return ConditionUpdate(
+            kind, T, reasons.AGENT_REFUSES_OPERATOR,
+            reasons.AGENT_REFUSES_OPERATOR_MESSAGE.format(pods=", ".join(refused)),
         )  # fmt: skip
     for slot in obs.planned:
         status = obs.statuses.get(slot.pod)
@@ -315,7 +326,10 @@ def observed_status(old: WeightSyncStatus, obs: Observation, now: datetime) -> W
 def transition_events(old: WeightSyncStatus, new: WeightSyncStatus) -> list[EventSpec]:
     """Events for conditions whose (status, reason) changed and for a newly synced version."""
     events = []
+    ready = find_condition(new.conditions, ConditionType.READY)
     for condition in new.conditions:
+        if condition.type != ConditionType.READY and ready and condition.reason == ready.reason:
+            continue  # the same cause as Ready's (a spec problem): one Event says it
         before = find_condition(old.conditions, condition.type)
         if before is not None and (before.status, before.reason) == (
             condition.status,

@@ -58,6 +58,12 @@ class PodView:
     gate_since: str | None  # its lastTransitionTime, kept while the status does not flip
     created: datetime | None
     labelled: bool  # carries weightsync.io/inject=true, i.e. opted in to injection
+    finished: bool = False  # phase Failed or Succeeded: it will never take part again
+
+    @property
+    def live(self) -> bool:
+        """It can take part, now or once started: not terminating, not finished."""
+        return not self.terminating and not self.finished
 
     @property
     def joinable(self) -> bool:
@@ -244,6 +250,7 @@ def pod_view(
         gate_since=gate.get("lastTransitionTime") if gate else None,
         created=parse_time(meta.get("creationTimestamp")),
         labelled=(meta.get("labels") or {}).get(names.INJECT_LABEL) == names.INJECT_VALUE,
+        finished=status.get("phase") in ("Failed", "Succeeded"),
     )
 
 

@@ -90,7 +90,6 @@ def test_values_reach_the_operator() -> None:
                 "agent.metricsPort": "19470",
                 "agent.rendezvousPort": "29999",
                 "agent.logLevel": '"WARNING"',
-                "agent.tokenBytes": "48",
                 "agent.image.pullPolicy": '"Always"',
                 "agent.resources.limits.memory": '"64Gi"',
                 "webhook.port": "10443",
@@ -106,7 +105,7 @@ def test_values_reach_the_operator() -> None:
     assert (settings.agent_http_port, settings.agent_metrics_port) == (18470, 19470)
     assert settings.rendezvous_port == 29999
     assert settings.agent_log_level == "WARNING"
-    assert settings.agent_token_bytes == 48
+    assert settings.token_key_secret == "ws-weightsync-token-key"
     assert settings.agent_image_pull_policy is PullPolicy.ALWAYS
     assert settings.agent_memory_limit == "64Gi"
     assert (settings.webhook_listen_port, settings.webhook_service_port) == (10443, 8443)

@@ -130,7 +130,7 @@ def test_operator_managed_certificates_by_default() -> None:
     env = env_of(operator_container(objects))
     assert env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERTS"] == "managed"
     secret = env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_SECRET"]
-    role = one(objects, "Role")
+    role = one(objects, "Role", "ws-weightsync-webhook-certs")
     named = [rule for rule in role["rules"] if rule.get("resourceNames")]
     assert named == [
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret],
@@ -159,8 +159,26 @@ def test_cert_manager_issues_a_certificate_for_the_webhook_service_and_mounts_it
     secret_volume = next(v for v in volumes if "secret" in v)
     assert secret_volume["secret"]["secretName"] == certificate["spec"]["secretName"]
     assert mounts[secret_volume["name"]] == env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_DIR"]
-    # The operator no longer keeps a Secret of its own.
-    assert not find(objects, "Role")
+    # The operator keeps no certificate Secret of its own; only the token key.
+    assert [r["metadata"]["name"] for r in find(objects, "Role")] == ["ws-weightsync-token-key"]
+
+
+def test_the_operator_reads_no_secret_but_its_token_key_and_certificates() -> None:
+    objects = render({})
+    env = env_of(operator_container(objects))
+    readable = [
+        (kind, tuple(rule.get("resourceNames") or ["*"]))
+        for kind in ("ClusterRole", "Role")
+        for role in find(objects, kind)
+        for rule in role["rules"]
+        if "secrets" in rule["resources"] and {"get", "list", "watch"} & set(rule["verbs"])
+    ]
+    assert sorted(readable) == sorted(
+        [
+            ("Role", (env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_SECRET"],)),
+            ("Role", (env["WEIGHTSYNC_OPERATOR_TOKEN_KEY_SECRET"],)),
+        ]
+    )
 
 
 def test_cert_manager_uses_a_given_issuer_instead_of_its_own() -> None:

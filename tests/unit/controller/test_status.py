@@ -195,9 +195,30 @@ def test_a_problem_sets_ready_false_keeps_the_rest_and_warns() -> None:
     fresh = problem_status(WeightSyncStatus(), 1, api_reasons.TRAINER_NOT_FOUND, "gone", NOW)
     assert conditions(fresh) == {
         "Ready": ("False", api_reasons.TRAINER_NOT_FOUND),
-        "Prewarmed": ("Unknown", api_reasons.RECONCILING),
-        "Syncing": ("Unknown", api_reasons.RECONCILING),
-        "Degraded": ("Unknown", api_reasons.RECONCILING),
+        "Prewarmed": ("False", api_reasons.TRAINER_NOT_FOUND),
+        "Syncing": ("False", api_reasons.TRAINER_NOT_FOUND),
+        "Degraded": ("False", api_reasons.TRAINER_NOT_FOUND),
     }
     (event,) = transition_events(WeightSyncStatus(), fresh)
     assert event.type == "Warning"
+
+
+def test_a_failed_pod_left_behind_is_not_waited_for() -> None:
+    # A killed engine pod stays in phase Failed beside its replacement; Ready counts the
+    # pods that can take part.
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2"), sink_view("e-0", finished=True)]
+    status = observed_status(
+        WeightSyncStatus(), observe(warm_group(4, 4), current=4, pods=pods), NOW
+    )
+    assert conditions(status)["Ready"] == ("True", api_reasons.ALL_MEMBERS_CURRENT)
+
+
+def test_agents_that_refuse_the_token_make_the_sync_degraded() -> None:
+    errors = {"e-2": "HTTP 401 unauthorized: bad token", "e-1": "timeout"}
+    observation = observe(warm_group(4, 4), current=4, agent_errors=errors)
+    status = observed_status(WeightSyncStatus(), observation, NOW)
+    degraded = find_condition(status.conditions, "Degraded")
+    assert degraded is not None
+    assert (degraded.status.value, degraded.reason) == ("True", reasons.AGENT_REFUSES_OPERATOR)
+    assert "e-2" in degraded.message
+    assert "e-1" not in degraded.message

@@ -43,6 +43,18 @@ class AgentMetrics:
             buckets=_PREWARM_BUCKETS,
             registry=self.registry,
         ).labels(role)
+        # Every label set a counter will have starts at 0, so `increase()` counts the
+        # first event too (a series born at 1 shows no increase).
+        rounds = Counter(
+            "weightsync_rounds_total",
+            "Rounds this agent took part in, by result (ok, failed).",
+            ["role", "result"],
+            registry=self.registry,
+        )
+        self.rounds_ok, self.rounds_failed = (
+            rounds.labels(role, "ok"),
+            rounds.labels(role, "failed"),
+        )
         self.round_failures = Counter(
             "weightsync_round_failures_total",
             "Failed rounds by reason and by the stage where they failed.",
@@ -83,6 +95,21 @@ class AgentMetrics:
             ["role"],
             registry=self.registry,
         ).labels(role)
+        recoveries = Counter(
+            "weightsync_recoveries_total",
+            "P2P recoveries this agent ran, by result (done, failed).",
+            ["role", "result"],
+            registry=self.registry,
+        )
+        self.recoveries_done = recoveries.labels(role, "done")
+        self.recoveries_failed = recoveries.labels(role, "failed")
+        self.recovery_last_duration = Gauge(
+            "weightsync_recovery_last_duration_seconds",
+            "Duration of this agent's last successful recovery (0: none yet). A pod often"
+            " recovers before its first scrape, which no histogram rate can show.",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
         self.recovery_failures = Counter(
             "weightsync_recovery_failures_total",
             "Failed recoveries by reason.",
@@ -100,20 +127,25 @@ class AgentMetrics:
     def round_succeeded(self, duration_seconds: float, nbytes: int, version: int) -> None:
         self.round_duration.observe(duration_seconds)
         self.round_bytes.inc(nbytes)
+        self.rounds_ok.inc()
         if duration_seconds > 0:
             self.bandwidth.set(nbytes / duration_seconds)
         self.current_version.set(version)
 
     def round_failed(self, duration_seconds: float, reason: str, stage: str = "") -> None:
         self.round_duration.observe(duration_seconds)
+        self.rounds_failed.inc()
         self.round_failures.labels(self.role, reason, stage or "prepare").inc()
 
     def recovery_succeeded(self, duration_seconds: float, nbytes: int, version: int) -> None:
         self.recovery_duration.observe(duration_seconds)
         self.recovery_bytes.inc(nbytes)
+        self.recoveries_done.inc()
+        self.recovery_last_duration.set(duration_seconds)
         if duration_seconds > 0:
             self.recovery_bandwidth.set(nbytes / duration_seconds)
         self.current_version.set(version)
 
     def recovery_failed(self, reason: str) -> None:
+        self.recoveries_failed.inc()
         self.recovery_failures.labels(self.role, reason).inc()

@@ -116,13 +116,14 @@ def agent(weightsync: str, pod: str, role: str = "sink", **extra: str) -> str:
 
 
 def test_sync_stalled_fires_when_rounds_only_fail(tmp_path: Path, rules_file: Path) -> None:
-    failures, moved = "weightsync_round_failures_total", "weightsync_round_bytes_total"
+    rounds = "weightsync_rounds_total"
     inputs = [
-        series(failures, agent("stuck", "engine-0", reason="timeout"), "0+1x40"),
-        series(moved, agent("stuck", "engine-0"), "100+0x40"),
+        # Both label sets exist from the agent's start at 0 (so the first failure counts).
+        series(rounds, agent("stuck", "engine-0", result="failed"), "0+1x40"),
+        series(rounds, agent("stuck", "engine-0", result="ok"), "3+0x40"),
         # Failures now and then, but rounds also succeed: not stalled.
-        series(failures, agent("fine", "engine-1", reason="timeout"), "0+1x40"),
-        series(moved, agent("fine", "engine-1"), "0+100x40"),
+        series(rounds, agent("fine", "engine-1", result="failed"), "0+1x40"),
+        series(rounds, agent("fine", "engine-1", result="ok"), "0+1x40"),
     ]
     expected = {"namespace": "rl", "weightsync": "stuck", "severity": "critical"}
     checks = [
@@ -151,13 +152,12 @@ def test_version_lag_fires_for_the_pod_that_stays_behind(tmp_path: Path, rules_f
 def test_recovery_failing_needs_failures_without_a_success(
     tmp_path: Path, rules_file: Path
 ) -> None:
-    failures = "weightsync_recovery_failures_total"
-    successes = "weightsync_recovery_duration_seconds_count"
+    recoveries = "weightsync_recoveries_total"
     inputs = [
-        series(failures, agent("tiny", "engine-2", reason="holders_gone"), "0+1x30"),
-        series(successes, agent("tiny", "engine-2"), "0x30"),
-        series(failures, agent("tiny", "engine-3", reason="transport"), "0+1x30"),
-        series(successes, agent("tiny", "engine-3"), "0+1x30"),
+        series(recoveries, agent("tiny", "engine-2", result="failed"), "0+1x30"),
+        series(recoveries, agent("tiny", "engine-2", result="done"), "0x30"),
+        series(recoveries, agent("tiny", "engine-3", result="failed"), "0+1x30"),
+        series(recoveries, agent("tiny", "engine-3", result="done"), "0+1x30"),
     ]
     expected = {"namespace": "rl", "weightsync": "tiny", "pod": "engine-2", "severity": "warning"}
     checks = [firing("WeightSyncRecoveryFailing", "12m", expected)]

@@ -120,6 +120,8 @@ class DemoResult:
     panels_without_data: list[str] = field(default_factory=list)
     alerts_evaluated: dict[str, int] = field(default_factory=dict)  # alert -> series returned
     dashboard_png: Path | None = None
+    # The WeightSync's Ready condition once every engine serves: (status, reason, message)
+    ready: tuple[str, str, str] = ("", "", "")
 
 
 def _http(method: str, url: str, timeout: float = 120.0) -> Any:
@@ -194,6 +196,35 @@ class Demo:
                 interval=1,
                 message="the operator registered its webhooks",
             )
+
+    def operator_may(self, verb: str, resource: str, namespace: str) -> bool:
+        """`kubectl auth can-i` as the operator's ServiceAccount."""
+        account = f"system:serviceaccount:{SYSTEM_NAMESPACE}:weightsync"
+        result = self.cluster.kubectl(
+            "auth", "can-i", verb, resource, "-n", namespace, "--as", account, check=False
+        )
+        return result.stdout.strip() == "yes"
+
+    def uninstall_chart(self) -> float:
+        """`helm uninstall`, then what a user does next: apply and delete a WeightSync and
+        delete the CRD. Seconds those took; raises if the cluster refuses or hangs."""
+        helm = str(self.cluster.bin_dir / "helm")
+        subprocess.run(
+            [helm, "uninstall", "weightsync", "--namespace", SYSTEM_NAMESPACE, "--wait",
+             "--timeout", "240s", "--kubeconfig", str(self.cluster.kubeconfig)],
+            check=True, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        started = time.monotonic()
+        other = (
+            (EXAMPLES / "weightsync.yaml")
+            .read_text()
+            .replace(f"name: {WEIGHTSYNC}\n", "name: after-uninstall\n", 1)
+        )
+        self.cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=other)
+        for name in ("after-uninstall", WEIGHTSYNC):
+            self.cluster.kubectl("delete", "weightsync", name, "-n", NAMESPACE, "--timeout=30s")
+        self.cluster.kubectl("delete", "crd", "weightsyncs.weightsync.io", "--timeout=30s")
+        return time.monotonic() - started
 
     def _webhook_registered(self) -> bool:
         result = self.cluster.kubectl("get", "mutatingwebhookconfigurations", "-o", "json")
@@ -359,6 +390,18 @@ class Demo:
         os.kill(server.pid, signal.SIGHUP)
         server.wait_targets_up()
 
+    def wait_ready_condition(self, timeout: float = 30.0) -> tuple[str, str, str]:
+        """The WeightSync's Ready condition, once True (or as it is after `timeout`): the
+        operator's next passes see the replacement in the group."""
+        deadline = time.monotonic() + timeout
+        while True:
+            conditions = (self.weightsync().get("status") or {}).get("conditions") or []
+            ready = next((c for c in conditions if c["type"] == "Ready"), {})
+            found = (ready.get("status", ""), ready.get("reason", ""), ready.get("message", ""))
+            if found[0] == "True" or time.monotonic() > deadline:
+                return found
+            time.sleep(1.0)
+
     def observe(self, result: DemoResult, since: float) -> None:
         """Every dashboard panel and alert against Prometheus, and the dashboard as a PNG."""
         server = self.prometheus
@@ -378,6 +421,8 @@ class Demo:
         for title, targets in recording["panels"].items():
             has_data = any(target["result"] for target in targets.values())
             (result.panels_with_data if has_data else result.panels_without_data).append(title)
+        recorded = self.cluster.state_dir / "dashboard_recording.json"
+        recorded.write_text(json.dumps(recording, indent=1))  # docs and tests redraw it
         result.dashboard_png = dashboards.render(
             recording, dashboard, self.cluster.state_dir / "dashboard.png"
         )
@@ -468,6 +513,8 @@ def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
         time.sleep(SETTLE_PAUSE_SECONDS)
         _print_round(console, len(result.rounds) + 1, demo.step(), result)
     console.say("every engine serves the trainer's latest version, bit-identical")
+    result.ready = demo.wait_ready_condition()
+    console.say(f"kubectl get wsync: READY {result.ready[0]} ({result.ready[1]})")
     with console.step("Reading round latencies, every dashboard panel and alert from Prometheus"):
         demo.retarget_prometheus()  # the replacement pod has an IP of its own
         time.sleep(3)  # a few scrapes of the final state

@@ -214,7 +214,7 @@ def test_pod_monitor_scrapes_the_port_and_label_the_webhook_injects() -> None:
 # cluster-scoped kinds below.
 _CLIENT_METHOD = re.compile(
     r"^(?P<verb>get|read|list|create|patch|replace|delete)_(?P<namespaced>namespaced_)?"
-    r"(?P<kind>[a-z_]+?)(?P<status>_status)?$"
+    r"(?P<kind>[a-z_]+?)(?P<sub>_status|_scale)?$"
 )
 _VERBS = {"get": "get", "read": "get", "list": "list", "create": "create", "patch": "patch",
           "replace": "update", "delete": "delete"}  # fmt: skip
@@ -248,8 +248,8 @@ def api_calls_in_controller() -> set[tuple[str, str, str]]:
             resource = (
                 "weightsyncs" if kind.endswith("custom_object") else kind.replace("_", "") + "s"
             )
-            if match["status"]:
-                resource += "/status"
+            if match["sub"]:
+                resource += "/" + match["sub"][1:]
             group = _GROUPS[resource.split("/")[0]]
             calls.add((group, resource, _VERBS[match["verb"]]))
     return calls

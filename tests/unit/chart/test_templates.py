@@ -40,7 +40,7 @@ def test_defaults_render_the_operator_and_nothing_optional() -> None:
     objects = render()
     assert kinds(objects) == {
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-        "Service", "Deployment", "ConfigMap", "Pod",
+        "Service", "Deployment", "ConfigMap", "Pod", "Job",
     }  # fmt: skip
     assert not kinds(objects) & {"Certificate", "Issuer", "NetworkPolicy", *MONITORS}
     for obj in objects:
@@ -160,7 +160,8 @@ def test_cert_manager_issues_a_certificate_for_the_webhook_service_and_mounts_it
     assert secret_volume["secret"]["secretName"] == certificate["spec"]["secretName"]
     assert mounts[secret_volume["name"]] == env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_DIR"]
     # The operator keeps no certificate Secret of its own; only the token key.
-    assert [r["metadata"]["name"] for r in find(objects, "Role")] == ["ws-weightsync-token-key"]
+    roles = sorted(r["metadata"]["name"] for r in find(objects, "Role"))
+    assert roles == ["ws-weightsync-token-key", "ws-weightsync-uninstall"]
 
 
 def test_the_operator_reads_no_secret_but_its_token_key_and_certificates() -> None:
@@ -379,7 +380,7 @@ def test_webhook_configuration_rights_are_limited_to_the_operators_own() -> None
     webhook_rules = [r for r in rules if r["apiGroups"] == ["admissionregistration.k8s.io"]]
     assert {tuple(r["verbs"]): r.get("resourceNames") for r in webhook_rules} == {
         ("create",): None,
-        ("get", "patch"): [name],
+        ("get", "patch", "delete"): [name],
     }
     # The helm test reads exactly those, and nothing else.
     test_role = next(r for r in find(objects, "ClusterRole") if is_hook(r))
@@ -392,6 +393,23 @@ def test_webhook_configuration_rights_are_limited_to_the_operators_own() -> None
         }
     ]
     assert name in one(objects, "Pod")["spec"]["containers"][0]["command"]
+
+
+def test_uninstall_runs_first_as_the_operator_and_removes_its_webhooks() -> None:
+    objects = render({"operator.watchNamespaces": '["team-a"]'})
+    job = one(objects, "Job")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    pod = job["spec"]["template"]["spec"]
+    deployment = operator_deployment(objects)
+    assert pod["serviceAccountName"] == deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    name = env_of(operator_container(objects))["WEIGHTSYNC_OPERATOR_WEBHOOK_CONFIGURATION"]
+    assert pod["containers"][0]["command"] == [
+        "weightsync-uninstall",
+        f"--operator-namespace={NAMESPACE}",
+        f"--deployment={deployment['metadata']['name']}",
+        f"--webhook-configuration={name}",
+        "--namespace=team-a",
+    ]
 
 
 def test_rbac_and_service_account_can_be_brought_by_the_user() -> None:

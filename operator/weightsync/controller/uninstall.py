@@ -7,7 +7,8 @@ Run as the operator's own ServiceAccount before Helm removes it and its rights:
 2. delete the webhook configurations it registered: `validate-claims` fails closed, and
    with nothing behind it every later `kubectl apply` of a WeightSync would be refused;
 3. for every WeightSync: open its pods' readiness gates (as deleting it would) and remove
-   the operator's finalizer, so deleting WeightSyncs or the CRD later does not hang.
+   the operator's finalizer, so deleting WeightSyncs or the CRD later does not hang;
+4. delete a `helm test` pod that failed (its hook policy keeps failed ones).
 
 The CRD and the WeightSyncs stay, as docs/install.md says.
 
@@ -58,6 +59,15 @@ def stop_operator(kube: Kube, namespace: str, deployment: str) -> None:
     )
 
 
+def delete_test_pod(kube: Kube, namespace: str, name: str) -> None:
+    """A failed `helm test` pod (hook policy keeps it) would outlive the release."""
+    try:
+        kube.core.delete_namespaced_pod(name, namespace)
+    except ApiException as error:
+        if error.status != NOT_FOUND:
+            raise
+
+
 def delete_webhooks(kube: Kube, configuration: str) -> None:
     admission = client.AdmissionregistrationV1Api(kube.api)
     for delete in (
@@ -98,10 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deployment", required=True, help="the operator's Deployment")
     parser.add_argument("--webhook-configuration", required=True)
     parser.add_argument("--namespace", action="append", default=[], help="watched namespaces")
+    parser.add_argument("--test-pod", default="", help="a failed `helm test` pod to delete")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     kube = Kube(load_config())
     stop_operator(kube, args.operator_namespace, args.deployment)
+    if args.test_pod:
+        delete_test_pod(kube, args.operator_namespace, args.test_pod)
     delete_webhooks(kube, args.webhook_configuration)
     for sync in weightsyncs(kube, args.namespace):
         let_go(kube, sync)

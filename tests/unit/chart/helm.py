@@ -88,3 +88,10 @@ def kinds(objects: list[dict[str, Any]]) -> set[str]:
 def is_hook(obj: dict[str, Any]) -> bool:
     """Whether `obj` is a Helm hook (here: the `helm test` resources)."""
     return "helm.sh/hook" in (obj["metadata"].get("annotations") or {})
+
+
+def is_test(obj: dict[str, Any]) -> bool:
+    """An object of `helm test` (its pod, and the ServiceAccount, roles and ConfigMap
+    that are plain release objects so `helm test --logs` reads only the pod)."""
+    labels = obj["metadata"].get("labels") or {}
+    return labels.get("app.kubernetes.io/component") == "test"

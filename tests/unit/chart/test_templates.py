@@ -13,6 +13,7 @@ from tests.unit.chart.helm import (
     NAMESPACE,
     find,
     is_hook,
+    is_test,
     kinds,
     one,
     render,
@@ -310,7 +311,7 @@ def _rules(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         rule
         for obj in objects
-        if obj["kind"] in ("ClusterRole", "Role") and not is_hook(obj)
+        if obj["kind"] in ("ClusterRole", "Role") and not is_hook(obj) and not is_test(obj)
         for rule in obj["rules"]
     ]
 
@@ -383,7 +384,7 @@ def test_webhook_configuration_rights_are_limited_to_the_operators_own() -> None
         ("get", "patch", "delete"): [name],
     }
     # The helm test reads exactly those, and nothing else.
-    test_role = next(r for r in find(objects, "ClusterRole") if is_hook(r))
+    test_role = next(r for r in find(objects, "ClusterRole") if is_test(r))
     assert test_role["rules"] == [
         {
             "apiGroups": ["admissionregistration.k8s.io"],
@@ -408,6 +409,7 @@ def test_uninstall_runs_first_as_the_operator_and_removes_its_webhooks() -> None
         f"--operator-namespace={NAMESPACE}",
         f"--deployment={deployment['metadata']['name']}",
         f"--webhook-configuration={name}",
+        "--test-pod=ws-weightsync-test-webhooks",
         "--namespace=team-a",
     ]
 
@@ -416,7 +418,7 @@ def test_rbac_and_service_account_can_be_brought_by_the_user() -> None:
     objects = render(
         {"rbac.create": "false", "serviceAccount.create": "false", "serviceAccount.name": '"ops"'}
     )
-    operator_objects = [o for o in objects if not is_hook(o)]
+    operator_objects = [o for o in objects if not is_hook(o) and not is_test(o)]
     rbac = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     assert not kinds(operator_objects) & rbac
     assert not find(operator_objects, "ServiceAccount")
@@ -425,7 +427,7 @@ def test_rbac_and_service_account_can_be_brought_by_the_user() -> None:
 
 def test_the_helm_test_script_is_the_charts_file() -> None:
     objects = render()
-    configmap = next(c for c in find(objects, "ConfigMap") if is_hook(c))
+    configmap = next(c for c in find(objects, "ConfigMap") if is_test(c))
     script = (CHART / "files" / "check_webhooks.py").read_text()
     assert configmap["data"]["check_webhooks.py"] == script.rstrip("\n")
     assert not find(render({"tests.enabled": "false"}), "Pod")

@@ -72,6 +72,23 @@ CURRENT_VERSION = Gauge(
 )
 
 
+# Every label set a counter will have starts at 0: a series born at its first event
+# shows no increase() for that event (the first failure would never count).
+for _result in ("ok", "waiting", "invalid", "gone", "error"):
+    RECONCILES.labels(_result)
+for _webhook, _results in (
+    ("inject-agent", ("injected", "skipped", "error")),
+    ("validate-claims", ("allowed", "denied", "error")),
+):
+    for _result in _results:
+        ADMISSIONS.labels(_webhook, _result)
+for _route in ("status", "plan", "recover"):
+    for _result in ("ok", "rejected", "unreachable", "invalid"):
+        AGENT_REQUESTS.labels(_route, _result)
+for _result in ("started", "done", "failed", "refused"):
+    RECOVERIES.labels(_result)
+
+
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted WeightSync's series."""
     for gauge in (GROUP_GENERATION, MEMBERS, CURRENT_VERSION):

@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: demo demo-down setup test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
-        cluster-up cluster-down
+        cluster-up cluster-down chaos
 
 demo: setup  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
 	$(PY) -m tests.e2e.demo run $(DEMO_ARGS)
@@ -34,6 +34,9 @@ test-cluster: setup
 
 test-e2e: setup
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
+
+chaos: setup  ## the seeded fault matrix on the real node: 100 faults (CI runs 4), report printed
+	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} $(PY) -m pytest -m e2e tests/e2e/test_chaos.py -s $(PYTEST_ARGS)
 
 test-gpu:  ## on a GPU machine: the same contracts over NCCL
 	NCCL_NVLS_ENABLE=0 python3 -m pytest -m "gpu or multigpu" -p no:cacheprovider tests/gpu $(PYTEST_ARGS)

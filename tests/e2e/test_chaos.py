@@ -54,7 +54,7 @@ from tests.cluster.test_operator_support import (
 from tests.e2e.test_recovery import answers, in_group, no_tracebacks
 from tests.support.eventually import eventually
 from tests.support.kube import condition
-from tests.support.recovery import engine_digest, kill_container, replace_pod
+from tests.support.recovery import engine_digest, kill_container, replace_pod, running_container
 from weightsync.controller import names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
@@ -186,16 +186,6 @@ def _restarts(pod: dict[str, Any]) -> int:
     return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
 
 
-def _engine_pid(cluster: LocalCluster, pod: dict[str, Any]) -> int:
-    name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
-    for c in cluster.node.containers():
-        if (c["namespace"], c["pod"], c["container"]) == (namespace, name, "engine") and c[
-            "state"
-        ] == "CONTAINER_RUNNING":
-            return int(str(c["pid"]))
-    raise LookupError(f"no running engine container in {name}")
-
-
 def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorProcess,
            rng: random.Random) -> None:  # fmt: skip
     victims = pods(cluster, namespace, "engine")
@@ -205,7 +195,7 @@ def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorP
     elif kind == "engine_replace":
         replace_pod(cluster, victim)
     elif kind == "engine_freeze":
-        pid = _engine_pid(cluster, victim)
+        pid = int(str(running_container(cluster.node, victim, "engine")["pid"]))
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(2 * TIMEOUT_SECONDS)

@@ -26,9 +26,8 @@ def http_json(method: str, url: str, timeout: float = 60.0, token: str = "") -> 
         return json.loads(reply.read())
 
 
-def kill_container(node: RealNode, pod: dict[str, Any], container: str) -> int:
-    """SIGKILL a container's process on the real node, as a crash would; the kubelet then
-    restarts it in place (same pod, same IP). Returns the restart count it had."""
+def running_container(node: RealNode, pod: dict[str, Any], container: str) -> dict[str, Any]:
+    """The node's one running instance of `container` of `pod` (pid, attempt, id...)."""
     name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
     running = [
         c
@@ -38,8 +37,15 @@ def kill_container(node: RealNode, pod: dict[str, Any], container: str) -> int:
     ]
     if len(running) != 1:
         raise LookupError(f"{container} of {namespace}/{name}: {len(running)} running")
-    os.kill(int(str(running[0]["pid"])), signal.SIGKILL)
-    return int(str(running[0]["attempt"]))
+    return running[0]
+
+
+def kill_container(node: RealNode, pod: dict[str, Any], container: str) -> int:
+    """SIGKILL a container's process on the real node, as a crash would; the kubelet then
+    restarts it in place (same pod, same IP). Returns the restart count it had."""
+    found = running_container(node, pod, container)
+    os.kill(int(str(found["pid"])), signal.SIGKILL)
+    return int(str(found["attempt"]))
 
 
 def replace_pod(cluster: LocalCluster, pod: dict[str, Any]) -> None:

@@ -179,19 +179,14 @@ KWOK_NODES = {"type": "kwok"}
 
 
 def template(
-    app: str,
-    containers: list[dict[str, Any]],
-    *,
-    inject: bool,
-    local: bool,
-    annotations: dict[str, str] | None = None,
+    app: str, containers: list[dict[str, Any]], *, inject: bool, local: bool
 ) -> dict[str, Any]:
     """A pod template: on the real node if `local` (its containers run), else on KWOK's."""
     labels = {"app": app}
     if inject:
         labels[names.INJECT_LABEL] = names.INJECT_VALUE
     return {
-        "metadata": {"labels": labels, "annotations": dict(annotations or {})},
+        "metadata": {"labels": labels},
         "spec": {
             "containers": containers,
             "terminationGracePeriodSeconds": 1,
@@ -233,23 +228,19 @@ def engines(
     preset: str = "tiny",
     bucket_delay_seconds: float = 0.0,
 ) -> dict[str, Any]:
-    """A Deployment of reference engines; `bucket_delay_seconds` slows their agents' rounds
-    and recoveries (per bucket) so a test can act while one runs."""
+    """A Deployment of reference engines; `bucket_delay_seconds` slows each bucket's load
+    (rounds and recoveries) so a test can act while one runs."""
     container: dict[str, Any] = {
         "name": "engine",
         "image": ENGINE_IMAGE,
         "imagePullPolicy": "Never",
         "command": ["weightsync-reference-engine", "--host", "$(POD_IP)",
-                    "--port", str(ENGINE_PORT), "--preset", preset],
+                    "--port", str(ENGINE_PORT), "--preset", preset,
+                    "--load-delay-seconds", str(bucket_delay_seconds)],
         "env": [POD_IP_ENV],
         "readinessProbe": {"httpGet": {"path": "/health", "port": ENGINE_PORT},
                            "periodSeconds": 2},
     }  # fmt: skip
-    slow = (
-        {names.DEBUG_BUCKET_DELAY_ANNOTATION: str(bucket_delay_seconds)}
-        if bucket_delay_seconds
-        else {}
-    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -257,7 +248,7 @@ def engines(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": {"app": name}},
-            "template": template(name, [container], inject=inject, local=local, annotations=slow),
+            "template": template(name, [container], inject=inject, local=local),
         },
     }
 

@@ -123,7 +123,13 @@ def start(config: ContractConfig, workdir: Path, st: Stack) -> tuple[AgentProc, 
     sinks: list[AgentProc] = []
     engines: list[Engine] = []
     for index, device in enumerate(config.devices[1:], start=1):
-        engine = st.start_engine(f"engine-{index}", preset=config.preset, seed=0, device=device)
+        engine = st.start_engine(
+            f"engine-{index}",
+            preset=config.preset,
+            seed=0,
+            device=device,
+            load_delay_seconds=config.bucket_delay_seconds,
+        )
         engines.append(engine)
         sinks.append(
             st.start_agent(
@@ -131,9 +137,6 @@ def start(config: ContractConfig, workdir: Path, st: Stack) -> tuple[AgentProc, 
                 role="sink",
                 device=device,
                 engine=engine,
-                extra_env={
-                    "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS": str(config.bucket_delay_seconds)
-                },
             )
         )
     source = st.start_agent("source-0", role="source", device=config.devices[0])

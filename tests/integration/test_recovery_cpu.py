@@ -162,17 +162,16 @@ def test_a_corrupt_holder_is_dropped_and_its_buckets_come_from_the_other() -> No
 
 
 # ------------------------------------------------------------------ agents and engines
-def _p2p_env(index: int, delay: float = 0.0) -> dict[str, str]:
-    env = {"WEIGHTSYNC_P2P_HOST": f"127.0.0.{21 + index}", "WEIGHTSYNC_P2P_PROTOCOL": "tcp"}
-    if delay:
-        env["WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS"] = str(delay)
-    return env
+def _p2p_env(index: int) -> dict[str, str]:
+    return {"WEIGHTSYNC_P2P_HOST": f"127.0.0.{21 + index}", "WEIGHTSYNC_P2P_PROTOCOL": "tcp"}
 
 
 def _sink(st: Stack, index: int, delay: float = 0.0) -> AgentProc:
-    engine = st.start_engine(f"engine-{index}", preset=CONFIG.preset, seed=0, device="cpu")
+    engine = st.start_engine(
+        f"engine-{index}", preset=CONFIG.preset, seed=0, device="cpu", load_delay_seconds=delay
+    )
     agent = st.start_agent(
-        f"sink-{index}", role="sink", device="cpu", engine=engine, extra_env=_p2p_env(index, delay)
+        f"sink-{index}", role="sink", device="cpu", engine=engine, extra_env=_p2p_env(index)
     )
     _wait_up(agent)
     return agent

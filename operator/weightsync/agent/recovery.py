@@ -221,7 +221,6 @@ class Recovery:
         token: Callable[[], str],
         depth: Callable[[], int],
         engine_timeout_seconds: float,
-        debug_bucket_delay_seconds: float,
         on_recovered: Callable[[int, str], None],
     ) -> None:
         self._pool = pool
@@ -231,7 +230,6 @@ class Recovery:
         self._token = token
         self._depth = depth
         self._engine_timeout = engine_timeout_seconds
-        self._debug_delay = debug_bucket_delay_seconds
         self._on_recovered = on_recovered
         self._task: asyncio.Task[None] | None = None
         self._request: RecoverRequest | None = None
@@ -355,8 +353,6 @@ class Recovery:
         return version, agreement.lineage
 
     async def _load(self, bucket: Bucket, slot: int) -> None:
-        if self._debug_delay:
-            await asyncio.sleep(self._debug_delay)
         await self._engine(
             f"load bucket {bucket.index}", self._adapter.load_bucket(slot, bucket.tensors)
         )

@@ -89,7 +89,6 @@ class Agent:
                 token=settings.bearer_token,
                 depth=self._pipeline_depth,
                 engine_timeout_seconds=settings.engine_timeout_seconds,
-                debug_bucket_delay_seconds=settings.debug_bucket_delay_seconds,
                 on_recovered=self._recovered,
             )
 
@@ -110,7 +109,6 @@ class Agent:
                 self.pool,
                 self.adapter,
                 engine_timeout_seconds=self.settings.engine_timeout_seconds,
-                debug_bucket_delay_seconds=self.settings.debug_bucket_delay_seconds,
                 holder=self.holder,
                 before_round=self._yield_recovery,
                 on_round_start=self._sink_round_started,

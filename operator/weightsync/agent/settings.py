@@ -51,7 +51,6 @@ class AgentSettings(BaseModel):
     p2p_devices: str = ""  # RDMA NIC names, comma-separated; empty: Mooncake picks
     # Test hook: sleep this long before handing each bucket to the engine, so a test
     # can kill a member mid-round. Never set in production.
-    debug_bucket_delay_seconds: float = Field(default=0.0, ge=0)
 
     @field_validator("p2p_protocol", mode="before")
     @classmethod

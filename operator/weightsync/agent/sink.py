@@ -64,7 +64,6 @@ class SinkRound(RankRound):
         adapter: EngineAdapter,
         *,
         engine_timeout_seconds: float,
-        debug_bucket_delay_seconds: float = 0.0,
         holder: Holder | None = None,
     ) -> None:
         super().__init__(generation, header.seq, pool.device)
@@ -73,7 +72,6 @@ class SinkRound(RankRound):
         self.pool = pool
         self.adapter = adapter
         self.engine_timeout = engine_timeout_seconds
-        self.debug_delay = debug_bucket_delay_seconds
         self.holder = holder
         self.committed = False
         self.lane = EngineLane(engine_timeout_seconds, self.trace, self.deadline)
@@ -121,8 +119,6 @@ class SinkRound(RankRound):
             if self.header.checksum:
                 view = slots[slot_index][: bucket.nbytes]
                 checksums.append(await self.group.run(partial(bucket_checksum, view)))
-            if self.debug_delay:
-                await asyncio.sleep(self.debug_delay)
             load = self._engine(
                 f"load bucket {bucket.index}",
                 "engine_load",
@@ -252,7 +248,6 @@ class SinkLoop:
         adapter: EngineAdapter,
         *,
         engine_timeout_seconds: float,
-        debug_bucket_delay_seconds: float,
         holder: Holder | None = None,
         before_round: Callable[[], Awaitable[None]] | None = None,
         on_round_start: Callable[[RoundHeader, Generation], None],
@@ -262,7 +257,6 @@ class SinkLoop:
         self.pool = pool
         self.adapter = adapter
         self.engine_timeout = engine_timeout_seconds
-        self.debug_delay = debug_bucket_delay_seconds
         self.holder = holder
         self.before_round = before_round
         self.on_round_start = on_round_start
@@ -326,7 +320,6 @@ class SinkLoop:
             self.pool,
             self.adapter,
             engine_timeout_seconds=self.engine_timeout,
-            debug_bucket_delay_seconds=self.debug_delay,
             holder=self.holder,
         )
         try:

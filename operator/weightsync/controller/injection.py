@@ -31,10 +31,6 @@ What a selected pod gets:
   to a container that sets `command` or `args`: `args` alone would replace the image's
   CMD. The sink agent gets the entry's `pauseMode` and `flushCache` as JSON in
   `WEIGHTSYNC_ENGINE_OPTIONS`;
-* test-only: a pod annotated `weightsync.io/debug-bucket-delay-seconds: "<s>"` (a
-  finite number >= 0; anything else is ignored) gets that value as the sidecar's
-  `WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS`, so a round or a recovery lasts long enough
-  for an end-to-end test to kill a member in the middle of it;
 * labels `weightsync.io/sync` and `weightsync.io/role`, and annotations recording
   what was injected (`weightsync.io/injected`, `agent-port`, `agent-device`,
   `injected-into`).
@@ -52,7 +48,6 @@ mutation is idempotent (the API server may call a webhook twice).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,24 +107,6 @@ def agent_device(pod: Mapping[str, Any]) -> str:
             if str((resources.get(kind) or {}).get(names.GPU_RESOURCE, "0")) not in ("", "0"):
                 return "cuda:0"
     return "cpu"
-
-
-def debug_env(annotations: Mapping[str, Any] | None) -> list[dict[str, str]]:
-    """The sidecar env the test-only debug annotations ask for (empty for every real pod).
-
-    A value that is not a finite number >= 0 is ignored: the agent would refuse it at
-    startup and crash-loop, which is worse for a typo than no delay.
-    """
-    raw = (annotations or {}).get(names.DEBUG_BUCKET_DELAY_ANNOTATION)
-    if raw is None:
-        return []
-    try:
-        seconds = float(str(raw).strip())
-    except ValueError:
-        return []
-    if not math.isfinite(seconds) or seconds < 0:
-        return []
-    return [{"name": names.DEBUG_BUCKET_DELAY_ENV, "value": str(raw).strip()}]
 
 
 GiB = 1 << 30
@@ -399,7 +376,6 @@ def injection_patch(
     shm = not colocated and not spec.get("hostIPC") and not _mounts_shm(pod)
     _append(ops, spec, "/spec/volumes", _volumes(sync, namespace, shm=shm))
     agent = agent_container(sync, role, inference_index, device, template, shm=shm)
-    agent["env"].extend(debug_env(meta.get("annotations")))
     _append(ops, spec, "/spec/initContainers", [agent])
     for index, container in enumerate(containers):
         _container_ops(ops, index, container, role, colocated=colocated, shm=shm)

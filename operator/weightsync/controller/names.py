@@ -30,12 +30,6 @@ AGENT_PORT_ANNOTATION: Final = f"{GROUP}/agent-port"
 AGENT_DEVICE_ANNOTATION: Final = f"{GROUP}/agent-device"
 INJECTED_CONTAINERS_ANNOTATION: Final = f"{GROUP}/injected-into"  # workload containers touched
 
-# Test-only annotation users may put on a pod template: its value becomes the sidecar's
-# `WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS` (sleep before handing each bucket to the engine,
-# also per bucket during a recovery), so e2e tests can kill a member mid-round.
-DEBUG_BUCKET_DELAY_ANNOTATION: Final = f"{GROUP}/debug-bucket-delay-seconds"
-DEBUG_BUCKET_DELAY_ENV: Final = "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS"
-
 # The pod readiness gate on inference pods: True only while the pod serves the
 # WeightSync's current version.
 WEIGHTS_CURRENT: Final = f"{GROUP}/weights-current"

@@ -12,7 +12,7 @@ from weightsync.api.control import Role
 from weightsync.api.engines import ENGINE_OPTIONS_ENV, EngineOptions
 from weightsync.api.v1alpha1.spec import PauseMode
 from weightsync.controller import names
-from weightsync.controller.injection import AgentTemplate, debug_env, injection_patch
+from weightsync.controller.injection import AgentTemplate, injection_patch
 
 TEMPLATE = AgentTemplate(
     image="agent:1", requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}
@@ -263,36 +263,3 @@ def test_sink_agent_gets_the_entry_engine_options_as_json() -> None:
     assert options == EngineOptions(pause_mode=PauseMode.KEEP, flush_cache=False)
     _, trainer = inject(pod("trainer-0").build(), Role.SOURCE)
     assert ENGINE_OPTIONS_ENV not in env_of(agent_of(trainer))
-
-
-@pytest.mark.parametrize(
-    ("value", "env"),
-    [
-        ("0.2", [{"name": "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS", "value": "0.2"}]),
-        (" 1 ", [{"name": "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS", "value": "1"}]),
-        ("0", [{"name": "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS", "value": "0"}]),
-        ("-1", []),
-        ("nan", []),
-        ("inf", []),
-        ("soon", []),
-        (None, []),
-    ],
-)
-def test_only_a_finite_non_negative_debug_delay_becomes_agent_env(
-    value: str | None, env: list[dict[str, str]]
-) -> None:
-    annotations = {"other": "x"} if value is None else {names.DEBUG_BUCKET_DELAY_ANNOTATION: value}
-    assert debug_env(annotations) == env
-    assert debug_env(None) == []
-
-
-@pytest.mark.parametrize("role", [Role.SOURCE, Role.SINK])
-def test_the_debug_delay_annotation_reaches_the_sidecar_and_nothing_else(role: Role) -> None:
-    annotations = {"keep": "me", names.DEBUG_BUCKET_DELAY_ANNOTATION: "0.2"}
-    _, patched = inject(pod("p").set("metadata.annotations", annotations).build(), role)
-    assert env_of(agent_of(patched))["WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS"] == "0.2"
-    for container in patched["spec"]["containers"]:
-        assert "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS" not in env_of(container)
-    assert patched["metadata"]["annotations"]["keep"] == "me"
-    _, plain = inject(pod("p").build(), role)
-    assert "WEIGHTSYNC_DEBUG_BUCKET_DELAY_SECONDS" not in env_of(agent_of(plain))

@@ -129,10 +129,17 @@ class ReferenceEngine:
 
     `shm_dir`: where CPU arenas live in shared memory so an agent can fill them (`stage`);
     None keeps CPU arenas private (loads only). GPU arenas are always shareable.
+    `load_delay_seconds`: a slow engine for tests: each bucket's load (or stage) takes that
+    much longer, so a test can act while a round or a recovery is in its middle.
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, version: int | None = None, *, shm_dir: str | None = None
+        self,
+        model: LlamaForCausalLM,
+        version: int | None = None,
+        *,
+        shm_dir: str | None = None,
+        load_delay_seconds: float = 0.0,
     ) -> None:
         self.model = model
         self.version = version
@@ -148,6 +155,7 @@ class ReferenceEngine:
         self._staged_names: dict[str, BucketPlan] = {}
         self._staging_version: int | None = None
         self._shm_dir = shm_dir
+        self._load_delay = load_delay_seconds
         self._arena_ids = itertools.count(1)
         # Who this process is: a restarted engine (same address) is another incarnation,
         # and nothing an adapter mapped from this one is valid there.
@@ -265,12 +273,17 @@ class ReferenceEngine:
         has `load_bucket` return only then), so the engine never copies anything here.
         """
         started = time.perf_counter()
+        self._slow_down()
         with self._update_lock:
             if not self.shares_arenas:
                 raise EngineError("unsupported", "this engine's arenas cannot be shared")
             arena = self._take_arena(plan)
             self._stats.add(plan.payload_bytes, time.perf_counter() - started)
             return arena
+
+    def _slow_down(self) -> None:
+        if self._load_delay:  # outside the update lock: an abort is not held up by it
+            time.sleep(self._load_delay)
 
     def _take_arena(self, plan: BucketPlan) -> Arena:
         """This update's arena for `plan` (its staged one, a spare, or a new one)."""
@@ -291,6 +304,7 @@ class ReferenceEngine:
     def load_plan(self, slot: int, plan: BucketPlan) -> None:
         """Copy one bucket from slot `slot` into its staging arena; return once copied."""
         started = time.perf_counter()
+        self._slow_down()
         with self._update_lock:
             if self._staging_version is None:
                 raise EngineError("no_update", "load before begin")

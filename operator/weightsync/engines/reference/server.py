@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -196,6 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
+        "--load-delay-seconds",
+        type=float,
+        default=0.0,
+        help="tests: each bucket load takes this much longer, so a test can act mid-round",
+    )
+    parser.add_argument(
         "--shm-dir",
         default="/dev/shm",  # noqa: S108 - POSIX shared memory, not a temp dir
         help="where a CPU engine keeps its staging arenas so the agent can fill them; "
@@ -216,7 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         dtype=torch_dtype(args.dtype),
         device=args.device,
     )
-    engine = ReferenceEngine(model, shm_dir=None if args.shm_dir == "none" else args.shm_dir)
+    if not math.isfinite(args.load_delay_seconds) or args.load_delay_seconds < 0:
+        parser.error("--load-delay-seconds must be a finite number >= 0")
+    engine = ReferenceEngine(
+        model,
+        shm_dir=None if args.shm_dir == "none" else args.shm_dir,
+        load_delay_seconds=args.load_delay_seconds,
+    )
     address = args.update_socket or f"@weightsync-reference-{args.host}-{args.port}"
     channel: UpdateChannelServer | None = None
     if address != "none":

@@ -1,6 +1,6 @@
 """The benchmark's phase breakdown: one round's traces from every process, lined up.
 
-Sources: the agents' `round phases` log lines (`weightsync.agent.rounds.PhaseTrace`), the
+Sources: the agents' `round phases` log lines (`weightsync.agent.trace.PhaseTrace`), the
 reference engines' `update phases` lines and the Publisher's `last_timings`. All
 processes run on one host, so their wall clocks (`start_unix`) line them up.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightsync.agent.rounds import PHASES_LOG_PREFIX
+from weightsync.agent.trace import PHASES_LOG_PREFIX
 from weightsync.client.publisher import PublishTimings
 from weightsync.engines.reference.engine import UPDATE_LOG_PREFIX
 

@@ -24,7 +24,7 @@ from weightsync.agent.generations import PlanRejectedError
 from weightsync.agent.handoff_server import serve_publisher
 from weightsync.agent.recovery import RecoveryFailed
 from weightsync.agent.service import Agent
-from weightsync.api.control import ErrorResponse, MembershipPlan, RecoverRequest, Role
+from weightsync.api.control import ErrorResponse, MembershipPlan, RecoverRequest
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +127,12 @@ async def serve(agent: Agent, stop: asyncio.Event) -> None:
         for runner, host, port in sites:
             await runner.setup()
             await web.TCPSite(runner, host, port).start()
-        if settings.role == Role.SOURCE:
+        if agent.source is not None:
+            source = agent.source
             settings.socket.parent.mkdir(parents=True, exist_ok=True)
             settings.socket.unlink(missing_ok=True)
             server = await asyncio.start_unix_server(
-                lambda r, w: serve_publisher(agent, r, w), path=str(settings.socket)
+                lambda r, w: serve_publisher(source, r, w), path=str(settings.socket)
             )
         agent.start()
         log.info(

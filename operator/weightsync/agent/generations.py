@@ -36,7 +36,7 @@ class Generation:
     group: Group | None = None
     error: str | None = None
     task: asyncio.Task[None] | None = None
-    next_seq: int = 0  # the next doorbell sequence number (source side)
+    next_seq: int = 0  # the next doorbell sequence number: `take_seq` moves it on
     layouts_sent: set[str] = field(default_factory=set)
     formed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -58,6 +58,13 @@ class Generation:
             prewarm_millis=None if prewarm is None else round(prewarm * 1000),
             error=self.error,
         )
+
+    def take_seq(self) -> int:
+        """The doorbell sequence number of the next round or switch notice: the source
+        takes it to ring, a sink to listen (both move on in step)."""
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
 
     def mark_broken(self, reason: str) -> None:
         self.error = reason

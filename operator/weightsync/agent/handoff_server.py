@@ -22,7 +22,7 @@ from weightsync.transfer.handoff import (
 from weightsync.transfer.layout import LayoutError, TensorMeta
 
 if TYPE_CHECKING:
-    from weightsync.agent.service import Agent
+    from weightsync.agent.source_loop import SourceLoop
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class SocketFillChannel:
 
 
 async def serve_publisher(
-    agent: Agent, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    source: SourceLoop, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
     """One Publisher connection: Attach and Publish requests until it closes."""
     try:
@@ -64,7 +64,7 @@ async def serve_publisher(
             if isinstance(message, Attach):
                 try:
                     metas = [TensorMeta(n, tuple(s), d) for n, s, d in message.tensors]
-                    attached = await agent.attach_publisher(metas, message.sources)
+                    attached = await source.attach(metas, message.sources)
                     await write_message(writer, attached)
                 except (LayoutError, RoundFailed, SlotError) as exc:
                     reason = "bad_layout" if isinstance(exc, LayoutError) else "slots_unavailable"
@@ -72,8 +72,8 @@ async def serve_publisher(
                         reason = exc.reason
                     await write_message(writer, HandoffError(reason=reason, message=str(exc)))
             elif isinstance(message, Publish):
-                result = await agent.publish(
-                    message, SocketFillChannel(reader, writer, agent.fill_timeout)
+                result = await source.publish(
+                    message, SocketFillChannel(reader, writer, source.fill_timeout)
                 )
                 await write_message(writer, result)
             else:

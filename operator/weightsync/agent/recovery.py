@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from weightsync.agent.bucket_pull import PullSummary, pull_buckets
 from weightsync.agent.holder import transfer_protocol
 from weightsync.agent.metrics import AgentMetrics
-from weightsync.agent.rounds import SlotPool
+from weightsync.agent.slot_pool import SlotPool
 from weightsync.api.control import (
     Holding,
     RecoverRequest,

@@ -23,25 +23,22 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from weightsync.agent.failures import Stage
-from weightsync.agent.generations import Generation, Generations
-from weightsync.agent.holder import Holder
-from weightsync.agent.rounds import (
+from weightsync.agent.doorbell import (
     DOORBELL,
-    FAILURE_GRACE_SECONDS,
     Doorbell,
-    EngineLane,
-    RankRound,
-    RoundFailed,
     RoundHeader,
-    RoundOutcome,
-    SlotPool,
     SwitchNotice,
     checksum_key,
     doorbell_key,
     failure_key,
     layout_key,
 )
+from weightsync.agent.engine_lane import EngineLane
+from weightsync.agent.failures import Stage
+from weightsync.agent.generations import Generation, Generations
+from weightsync.agent.holder import Holder
+from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
+from weightsync.agent.slot_pool import SlotPool
 from weightsync.api.control import GenerationState
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
@@ -250,7 +247,7 @@ class SinkLoop:
         engine_timeout_seconds: float,
         holder: Holder | None = None,
         before_round: Callable[[], Awaitable[None]] | None = None,
-        on_round_start: Callable[[RoundHeader, Generation], None],
+        on_round_start: Callable[[Generation], None],
         on_round_end: Callable[[RoundOutcome, bool], None],
     ) -> None:
         self.generations = generations
@@ -274,7 +271,7 @@ class SinkLoop:
             bell = await self._wait_doorbell(generation)
             if bell is None:
                 continue
-            generation.next_seq += 1
+            generation.take_seq()
             if isinstance(bell, SwitchNotice):
                 log.info("switching from generation %d to %d", generation.number, bell.generation)
                 generation.retire()
@@ -357,7 +354,7 @@ class SinkLoop:
         started = time.monotonic()
         if self.before_round is not None:
             await self.before_round()
-        self.on_round_start(header, generation)
+        self.on_round_start(generation)
         try:
             runner = await self._prepare(generation, header)
         except (RoundFailed, LayoutError, dist.DistError) as exc:

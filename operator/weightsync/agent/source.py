@@ -23,20 +23,12 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from weightsync.agent.doorbell import RoundHeader, checksum_key, doorbell_key, layout_key
+from weightsync.agent.engine_lane import EngineLane
 from weightsync.agent.failures import SECONDHAND, Stage, root_cause
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
-from weightsync.agent.rounds import (
-    FAILURE_GRACE_SECONDS,
-    EngineLane,
-    RankRound,
-    RoundFailed,
-    RoundHeader,
-    RoundOutcome,
-    checksum_key,
-    doorbell_key,
-    layout_key,
-)
+from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
 from weightsync.transfer.buffers import BucketSlots
@@ -67,8 +59,7 @@ class SourceRound(RankRound):
         hold_from: Mapping[str, torch.Tensor] | None = None,
         deadline: float | None = None,
     ) -> None:
-        super().__init__(generation, generation.next_seq, slots.device, deadline)
-        generation.next_seq += 1
+        super().__init__(generation, generation.take_seq(), slots.device, deadline)
         self.layout = layout
         self.slots = slots
         self.version = version

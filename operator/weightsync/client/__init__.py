@@ -6,8 +6,8 @@ from weightsync.client.publisher import (
     LayoutChangedError,
     Publisher,
     PublisherError,
-    PublishResult,
 )
+from weightsync.transfer.handoff import PublishResult
 
 __all__ = [
     "AgentUnavailableError",

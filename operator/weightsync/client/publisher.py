@@ -47,7 +47,7 @@ from weightsync.transfer.handoff import (
     Message,
     ProtocolError,
     Publish,
-    RoundResult,
+    PublishResult,
     recv_message,
     send_message,
 )
@@ -91,19 +91,6 @@ class PublishTimings:
     def waiting(self) -> float:
         """Time spent waiting on the agent (broadcast, engines, votes) rather than packing."""
         return self.total - self.pack
-
-
-@dataclass(frozen=True, slots=True)
-class PublishResult:
-    version: int
-    ok: bool
-    duration_seconds: float  # as measured by the agent, header to commit
-    bytes: int
-    reason: str = ""  # a short label when not ok, e.g. "engine_timeout", "member_lost"
-    message: str = ""  # who failed, at which stage, and what it said
-    generation: int | None = None
-    member: str = ""  # not ok: the member it is put down to, "pod (rank r, role)"
-    stage: str = ""  # not ok: prepare, transfer, timeout, engine_load or commit
 
 
 class Publisher:
@@ -203,7 +190,14 @@ class Publisher:
                     if exc.reason not in _NOT_YET:
                         raise
                     # The operator has not planned the group yet: a failed round, not a bug.
-                    return PublishResult(version, False, 0.0, 0, exc.reason, str(exc))
+                    return PublishResult(
+                        version=version,
+                        ok=False,
+                        duration_seconds=0.0,
+                        bytes=0,
+                        reason=exc.reason,
+                        message=str(exc),
+                    )
             result = self._round(tensors, version)
             if result.reason != "layout_mismatch":
                 return result
@@ -277,18 +271,8 @@ class Publisher:
             Publish(version=version, lineage=self.lineage, layout_hash=layout.layout_hash)
         )
         while True:
-            if isinstance(message, RoundResult):
-                return PublishResult(
-                    version=message.version,
-                    ok=message.ok,
-                    duration_seconds=message.duration_seconds,
-                    bytes=message.bytes,
-                    reason=message.reason,
-                    message=message.message,
-                    generation=message.generation,
-                    member=message.member,
-                    stage=message.stage,
-                )
+            if isinstance(message, PublishResult):
+                return message
             if isinstance(message, HandoffError):
                 raise PublisherError(message.reason, message.message)
             if not isinstance(message, Fill):

@@ -10,17 +10,17 @@ Tensor bytes travel through the shared bucket slots (`buffers.SlotHandles`).
                              <-  Fill(bucket k, slot k % depth)     (up to depth ahead)
     Filled(k)                ->                          (slot k now holds bucket k)
     ...                                                  (agent broadcasts k, frees slot)
-                             <-  RoundResult(version, ok, duration, bytes, reason)
+                             <-  PublishResult(version, ok, duration, bytes, reason)
 
 On GPU the Publisher shares its tensors once in `Attach.sources` (CUDA IPC); when the agent
 can map them (`Attached.agent_packs`), it packs every bucket itself, in the process and on
 the GPU stream that broadcasts it (two processes' kernels on one GPU are time-sliced, not
-overlapped), and a round is just `Publish` -> `RoundResult`: the Publisher synchronises
+overlapped), and a round is just `Publish` -> `PublishResult`: the Publisher synchronises
 its device first, so the agent reads finished weights, and does not touch them until the
 result comes. A tensor set whose storages moved is attached again.
 
 A Publisher that cannot fill a bucket sends `Abandon`; the agent still drives the
-round to its end so every rank fails it together, then answers `RoundResult(ok=False)`.
+round to its end so every rank fails it together, then answers `PublishResult(ok=False)`.
 Any request may be answered by `HandoffError` (e.g. `layout_mismatch`, `no_group`).
 """
 
@@ -88,14 +88,16 @@ class Abandon(_Msg):
     message: str = ""
 
 
-class RoundResult(_Msg):
-    type: Literal["round_result"] = "round_result"
+class PublishResult(_Msg):
+    """How a round ended, as the Publisher's `publish()` returns it."""
+
+    type: Literal["publish_result"] = "publish_result"
     version: int
-    ok: bool
-    duration_seconds: float
+    ok: bool  # every engine serves exactly this version's bytes
+    duration_seconds: float  # as measured by the agent, header to commit
     bytes: int
-    reason: str = ""
-    message: str = ""
+    reason: str = ""  # a short label when not ok, e.g. "engine_timeout", "member_lost"
+    message: str = ""  # who failed, at which stage, and what it said
     generation: int | None = None
     member: str = ""  # failed: "pod (rank r, role)" the failure is put down to
     stage: str = ""  # failed: prepare, transfer, timeout, engine_load or commit
@@ -108,7 +110,7 @@ class HandoffError(_Msg):
 
 
 Message = Annotated[
-    Attach | Attached | Publish | Fill | Filled | Abandon | RoundResult | HandoffError,
+    Attach | Attached | Publish | Fill | Filled | Abandon | PublishResult | HandoffError,
     Field(discriminator="type"),
 ]
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from tests.integration.stack import free_port
+from weightsync.agent.engine_lane import EngineLane
 from weightsync.agent.generations import Generation
 from weightsync.agent.group import GroupSpec, form_group
-from weightsync.agent.rounds import EngineLane, PhaseTrace, naming_peers
+from weightsync.agent.rounds import naming_peers
 from weightsync.agent.source import SourceRound
+from weightsync.agent.trace import PhaseTrace
 from weightsync.api.control import (
     Backend,
     GenerationState,

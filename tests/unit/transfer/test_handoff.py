@@ -18,7 +18,7 @@ from weightsync.transfer.handoff import (
     HandoffError,
     ProtocolError,
     Publish,
-    RoundResult,
+    PublishResult,
     decode,
     encode,
     recv_message,
@@ -37,7 +37,7 @@ MESSAGES = [
     Fill(bucket=4, slot=0),
     Filled(bucket=4),
     Abandon(reason="fill_failed", message="boom"),
-    RoundResult(version=3, ok=False, duration_seconds=0.5, bytes=0, reason="timeout"),
+    PublishResult(version=3, ok=False, duration_seconds=0.5, bytes=0, reason="timeout"),
     HandoffError(reason="layout_mismatch", message="attach again"),
 ]
 

@@ -1,0 +1,37 @@
+"""The agent's bucket slots: the buffers a round's buckets pass through."""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.transfer.buffers import BucketSlots
+from weightsync.transfer.layout import BucketLayout
+
+
+class SlotPool:
+    """The agent's bucket slots, reallocated only when a layout needs more capacity."""
+
+    def __init__(self, device: torch.device, shm_dir: str) -> None:
+        self.device = device
+        self.shm_dir = shm_dir
+        self.slots: BucketSlots | None = None
+        self.epoch = 0  # bumps on reallocation; consumers re-attach when it changes
+
+    def ensure(self, layout: BucketLayout, depth: int) -> BucketSlots:
+        current = self.slots
+        if (
+            current is not None
+            and current.capacity >= layout.capacity_bytes
+            and len(current.slots) == depth
+        ):
+            return current
+        if current is not None:
+            current.close()
+        self.slots = BucketSlots(depth, layout.capacity_bytes, self.device, self.shm_dir)
+        self.epoch += 1
+        return self.slots
+
+    def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None

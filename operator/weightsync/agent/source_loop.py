@@ -1,0 +1,257 @@
+"""The source's half of the agent: the Publisher attaches, then each `publish` is a round.
+
+A round enters here from the Publisher's socket (`agent.handoff_server`), chooses the
+newest warm generation (telling older ones to switch), checks that the Publisher's
+layout and slots still hold, attaches the Colocated engine to the slots when they
+change, and runs one `SourceRound`. The `Agent` hears about it through two callbacks,
+as it does from the `SinkLoop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from weightsync.agent.doorbell import SwitchNotice, doorbell_key
+from weightsync.agent.engine_adapter import adapter_for
+from weightsync.agent.generations import Generation, Generations
+from weightsync.agent.holder import Holder
+from weightsync.agent.packing import SourcePacker
+from weightsync.agent.rounds import RoundFailed, RoundOutcome
+from weightsync.agent.slot_pool import SlotPool
+from weightsync.agent.source import FillChannel, SourceRound
+from weightsync.api.control import GenerationState, LocalEngine
+from weightsync.engines.base import EngineAdapter, EngineError
+from weightsync.transfer.buffers import SlotError, TensorSources, open_sources
+from weightsync.transfer.handoff import Attached, Publish, PublishResult
+from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
+
+log = logging.getLogger(__name__)
+
+_SWITCH_NOTICE_SECONDS = 5.0  # the most a round waits to tell an old generation to switch
+
+
+class SourceLoop:
+    def __init__(
+        self,
+        generations: Generations,
+        pool: SlotPool,
+        holder: Holder,
+        *,
+        device: torch.device,
+        own_engine: EngineAdapter | None,
+        engine_timeout_seconds: float,
+        member: str,
+        committed: Callable[[], tuple[int | None, str | None]],
+        on_round_start: Callable[[Generation], None],
+        on_round_end: Callable[[RoundOutcome], None],
+    ) -> None:
+        self.generations = generations
+        self.pool = pool
+        self.holder = holder
+        self.device = device
+        self.own_engine = own_engine
+        self.engine_timeout = engine_timeout_seconds
+        self.member = member  # how a failure here names this rank
+        self.committed = committed  # the (version, lineage) the last round committed
+        self.on_round_start = on_round_start
+        self.on_round_end = on_round_end
+        self.layout: BucketLayout | None = None  # the Publisher's, from its last attach
+        self._lock = asyncio.Lock()  # one attach or round at a time
+        self._publisher_epoch = -1  # the slot epoch the Publisher was last given
+        self._packer: SourcePacker | None = None  # the Publisher's tensors, when shared
+        # A Colocated plan's engine (in another pod on this GPU), its adapter, and the slot
+        # epoch it attached.
+        self._planned_engine: tuple[LocalEngine, EngineAdapter] | None = None
+        self._engine_epoch = -1
+
+    @property
+    def fill_timeout(self) -> float:
+        plan = self.generations.newest_plan()
+        return plan.transfer.timeout_seconds if plan else 60.0
+
+    async def close(self) -> None:
+        if self._planned_engine is not None:
+            await self._planned_engine[1].close()
+
+    # ---------------------------------------------------------------- attach
+    async def attach(self, metas: list[TensorMeta], sources: TensorSources | None) -> Attached:
+        plan = self.generations.newest_plan()
+        if plan is None:
+            raise RoundFailed("no_plan", "the agent has no membership plan yet")
+        async with self._lock:
+            layout = plan_layout(metas, plan.transfer.bucket_size_bytes)
+            slots = self.pool.ensure(layout, plan.transfer.pipeline_depth)
+            self.layout = layout
+            self._publisher_epoch = self.pool.epoch
+            self._packer = await self._map_sources(layout, sources)
+        log.info(
+            "layout %s: %d tensors, %d buckets, %d bytes, packed by the %s",
+            layout.layout_hash[:12],
+            len(metas),
+            len(layout.buckets),
+            layout.total_bytes,
+            "agent" if self._packer is not None else "Publisher",
+        )
+        return Attached(
+            layout_hash=layout.layout_hash,
+            bucket_size_bytes=layout.bucket_size_bytes,
+            alignment=layout.alignment,
+            slots=slots.handles,
+            agent_packs=self._packer is not None,
+        )
+
+    async def _map_sources(
+        self, layout: BucketLayout, sources: TensorSources | None
+    ) -> SourcePacker | None:
+        """The Publisher's tensors mapped here, if shared and on this agent's GPU."""
+        if sources is None or self.device.type != "cuda":
+            return None
+        names = [(m.name, m.shape, m.dtype) for m in layout.tensors]
+        try:
+            tensors = await asyncio.to_thread(open_sources, sources, names)
+        except (SlotError, RuntimeError, SystemError) as exc:  # torch's IPC open: SystemError
+            log.warning("cannot map the Publisher's tensors, it packs them itself: %s", exc)
+            return None
+        if any(t.device != self.device for t in tensors):
+            log.warning("the Publisher's tensors are not on %s: it packs them itself", self.device)
+            return None
+        return SourcePacker(layout, tensors)
+
+    # ---------------------------------------------------------------- a round
+    async def publish(self, request: Publish, channel: FillChannel) -> PublishResult:
+        """One round; whatever goes wrong, the Publisher gets a result that says what."""
+        async with self._lock:
+            started = time.monotonic()
+            try:
+                self._check_version(request)
+                outcome = await self._round(request, channel, started)
+            except RoundFailed as exc:
+                outcome = RoundOutcome.failed(
+                    request.version,
+                    None,
+                    started,
+                    exc.reason,
+                    str(exc),
+                    lineage=request.lineage,
+                    member=self.member,
+                    stage=exc.stage.value,
+                )
+            except Exception as exc:
+                log.exception("round for version %d failed unexpectedly", request.version)
+                outcome = RoundOutcome.failed(
+                    request.version,
+                    None,
+                    started,
+                    "internal_error",
+                    repr(exc),
+                    lineage=request.lineage,
+                )
+            self.on_round_end(outcome)
+        return outcome.result()
+
+    def _check_version(self, request: Publish) -> None:
+        """Versions rise within a lineage (a Publisher); a new lineage starts anywhere."""
+        last, lineage = self.committed()
+        if request.lineage == lineage and last is not None and request.version <= last:
+            raise RoundFailed(
+                "stale_version",
+                f"version {request.version} is not above {last}, the last committed by this"
+                " Publisher: versions must rise (a restarted trainer gets a new Publisher)",
+            )
+
+    async def _round(self, request: Publish, channel: FillChannel, started: float) -> RoundOutcome:
+        layout = self.layout
+        if layout is None or request.layout_hash != layout.layout_hash:
+            raise RoundFailed("layout_mismatch", "the tensor set changed: attach again")
+        # publish() returns within the transfer timeout: waiting for a group counts too.
+        deadline = started + self.fill_timeout
+        generation = await self._select_generation(deadline)
+        transfer = generation.plan.transfer
+        if transfer.bucket_size_bytes != layout.bucket_size_bytes:
+            raise RoundFailed("layout_mismatch", "the plan changed the bucket size: attach again")
+        slots = self.pool.ensure(layout, transfer.pipeline_depth)
+        if self.pool.epoch != self._publisher_epoch:
+            raise RoundFailed("layout_mismatch", "the bucket slots changed: attach again")
+        engine = await self._engine(generation.plan.local_engine)
+        if engine is not None and self._engine_epoch != self.pool.epoch:
+            try:
+                await asyncio.wait_for(engine.attach_buffers(slots.slots), self.engine_timeout)
+            except (EngineError, TimeoutError) as exc:
+                raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
+            self._engine_epoch = self.pool.epoch
+        group = generation.group
+        packer = self._packer if self._packer and self._packer.layout is layout else None
+        if packer is not None and group is not None:
+            channel = packer.channel(slots.slots, group.run)
+        self.on_round_start(generation)
+        runner = SourceRound(
+            generation,
+            layout,
+            slots,
+            request.version,
+            channel,
+            lineage=request.lineage,
+            local_engine=engine,
+            engine_timeout_seconds=self.engine_timeout,
+            holder=self.holder,
+            hold_from=packer.by_name if packer is not None else None,
+            deadline=deadline,
+        )
+        return await runner.run()
+
+    async def _select_generation(self, deadline: float) -> Generation:
+        """The newest warm generation; older ones are told to switch, then retired.
+
+        With none warm, waits until `deadline` for one: a plan being pre-warmed, or the
+        generation the operator plans after a failed round broke the last one.
+        """
+        newest = self.generations.newest_usable()
+        while newest is None and (left := deadline - time.monotonic()) > 0:
+            async with self.generations.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.generations.changed.wait(), left)
+            newest = self.generations.newest_usable()
+        if newest is None:
+            raise RoundFailed("no_group", "no warm group generation; waiting for a plan")
+        for old in self.generations.all():
+            if old.number < newest.number and old.state != GenerationState.RETIRED:
+                await self._switch_away(old, newest.number)
+        if newest.state != GenerationState.ACTIVE:
+            newest.state = GenerationState.ACTIVE
+        return newest
+
+    async def _switch_away(self, old: Generation, target: int) -> None:
+        """Ring `old`'s doorbell with a switch notice (its sinks follow), then retire it."""
+        group = old.group
+        if group is not None:
+            key = doorbell_key(old.take_seq())
+            notice = SwitchNotice(generation=target).model_dump_json()
+            try:
+                await asyncio.wait_for(
+                    group.run(lambda: group.ctl.set(key, notice)), _SWITCH_NOTICE_SECONDS
+                )
+            except (TimeoutError, RuntimeError) as exc:
+                log.warning("could not tell generation %d to switch: %s", old.number, exc)
+        old.retire()
+
+    async def _engine(self, planned: LocalEngine | None) -> EngineAdapter | None:
+        """The engine a round hands buckets to: the plan's (Colocated), else the agent's
+        own, if any. A new planned engine (its pod was replaced) attaches anew."""
+        if planned is None:
+            return self.own_engine
+        if self._planned_engine is not None:
+            known, adapter = self._planned_engine
+            if known == planned:
+                return adapter
+            await adapter.close()
+        log.info("colocated engine: %s of pod %s at %s", planned.engine, planned.pod, planned.url)
+        adapter = adapter_for(planned.engine, planned.url, planned.options)
+        self._planned_engine = (planned, adapter)
+        self._engine_epoch = -1
+        return adapter

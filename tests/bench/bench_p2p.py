@@ -37,7 +37,6 @@ import torch
 from tests.integration.stack import AgentProc, Stack, free_port, http_json, wait_warm
 from tests.support.eventually import eventually
 from weightsync.agent.bucket_pull import pull_buckets
-from weightsync.agent.holder import held_offsets
 from weightsync.agent.recovery import choose_holders
 from weightsync.api.control import (
     Backend,
@@ -55,8 +54,9 @@ from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.engines.reference.model import PRESETS, build_model, randomize
 from weightsync.transfer.buffers import torch_dtype
+from weightsync.transfer.held import held_offsets
 from weightsync.transfer.layout import BucketLayout
-from weightsync.transfer.p2p import Endpoints, HeldRegion, P2PProtocol
+from weightsync.transfer.p2p import Endpoints, HeldRegion
 
 TARGET = 0.80
 HOLDER_HOST, BENCH_HOST, SINK_HOST = "127.0.0.61", "127.0.0.62", "127.0.0.63"
@@ -97,7 +97,7 @@ def publish_and_hold(
     return holding_of(holder)
 
 
-def raw_read(endpoints: Endpoints, protocol: P2PProtocol, holding: Holding) -> float:
+def raw_read(endpoints: Endpoints, protocol: RecoveryProtocol, holding: Holding) -> float:
     """Seconds to read the held region bucket by bucket, straight through the engine."""
     endpoint = endpoints.get(protocol)
     layout = BucketLayout.from_json(holding.layout)
@@ -114,7 +114,7 @@ def raw_read(endpoints: Endpoints, protocol: P2PProtocol, holding: Holding) -> f
 
 
 def weightsync_pull(
-    endpoints: Endpoints, protocol: P2PProtocol, holder: AgentProc, holding: Holding
+    endpoints: Endpoints, protocol: RecoveryProtocol, holder: AgentProc, holding: Holding
 ) -> float:
     """Seconds for the recovery's pull path (agreement, 2 slots, checksums), no engine."""
     request = RecoverRequest(
@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
     args = parser.parse_args()
-    protocol = P2PProtocol(args.protocol)
+    protocol = RecoveryProtocol(args.protocol.upper())
     for text in machine_lines():
         print(text)
 

@@ -25,11 +25,10 @@ from torch._C._distributed_c10d import (
 )
 
 from tests.integration.stack import free_port
-from weightsync.engines.base import TensorSlice
 from weightsync.engines.reference.adapter import ReferenceEngineAdapter
 from weightsync.engines.reference.model import PRESETS, state_dict_metas
 from weightsync.transfer.buffers import BucketSlots, torch_dtype
-from weightsync.transfer.layout import align_up
+from weightsync.transfer.layout import TensorSlice, align_up
 
 Worker = Callable[[int, int, TCPStore, dict[str, Any]], dict[str, float]]
 

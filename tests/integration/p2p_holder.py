@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from weightsync.transfer.p2p import P2PProtocol, TransferEngineEndpoint
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.transfer.p2p import TransferEngineEndpoint
 
 
 def pattern(nbytes: int, seed: int) -> torch.Tensor:
@@ -27,7 +28,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, required=True)
     args = parser.parse_args()
     held = pattern(args.nbytes, args.seed)
-    endpoint = TransferEngineEndpoint(args.host, P2PProtocol.TCP)
+    endpoint = TransferEngineEndpoint(args.host, RecoveryProtocol.TCP)
     endpoint.register(held)
     print(
         json.dumps({"segment": endpoint.segment, "address": held.data_ptr(), "nbytes": args.nbytes})

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.integration.p2p_holder import pattern
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.transfer.broadcast import bucket_checksum
 from weightsync.transfer.p2p import (
     Chunk,
     HeldRegion,
     P2PError,
-    P2PProtocol,
     TransferEngineEndpoint,
     pull,
 )
@@ -55,7 +55,7 @@ def start_holder() -> Iterator[HolderFactory]:
 
 @pytest.fixture(scope="module")
 def puller() -> Iterator[TransferEngineEndpoint]:
-    endpoint = TransferEngineEndpoint("127.0.0.9", P2PProtocol.TCP)
+    endpoint = TransferEngineEndpoint("127.0.0.9", RecoveryProtocol.TCP)
     yield endpoint
     endpoint.close()
 

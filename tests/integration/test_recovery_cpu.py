@@ -31,7 +31,7 @@ from tests.integration.stack import (
 )
 from tests.support.eventually import eventually
 from weightsync.agent.bucket_pull import PullSummary, pull_buckets
-from weightsync.agent.holder import Holder, held_offsets
+from weightsync.agent.holder import Holder
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.recovery import choose_holders
 from weightsync.api.control import (
@@ -45,8 +45,9 @@ from weightsync.api.control import (
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.engines.reference.model import PRESETS, build_model, randomize
+from weightsync.transfer.held import held_offsets
 from weightsync.transfer.layout import Bucket, TensorMeta, plan_layout
-from weightsync.transfer.p2p import Chunk, Endpoints, HeldRegion, P2PProtocol, pull
+from weightsync.transfer.p2p import Chunk, Endpoints, HeldRegion, pull
 
 CONFIG = ContractConfig(backend=Backend.GLOO, devices=["cpu"] * 5, timeout_seconds=20.0)
 RECOVERY_TIMEOUT = 60.0
@@ -66,8 +67,8 @@ def endpoints() -> Iterator[Endpoints]:
 def test_a_chunk_given_back_by_a_dead_holder_finds_a_taker(endpoints: Endpoints) -> None:
     """One chunk, the dead holder first: its reader takes the chunk, fails and puts it
     back after the live holder's reader found the queue empty; the live one must wait."""
-    holder_end = endpoints.get(P2PProtocol.TCP)
-    puller = Endpoints(lambda: "127.0.0.42").get(P2PProtocol.TCP)
+    holder_end = endpoints.get(RecoveryProtocol.TCP)
+    puller = Endpoints(lambda: "127.0.0.42").get(RecoveryProtocol.TCP)
     held = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     holder_end.register(held)
     live = HeldRegion("live", holder_end.segment, held.data_ptr(), held.numel())
@@ -95,7 +96,7 @@ def _staged_holder(
             for b in layout.buckets
         ]
     holder = Holder(
-        torch.device("cpu"), endpoints, P2PProtocol.TCP, AgentMetrics("sink"), enabled=True
+        torch.device("cpu"), endpoints, RecoveryProtocol.TCP, AgentMetrics("sink"), enabled=True
     )
     slot = torch.zeros(layout.capacity_bytes, dtype=torch.uint8)
 
@@ -138,7 +139,7 @@ def test_a_corrupt_holder_is_dropped_and_its_buckets_come_from_the_other() -> No
     summary = PullSummary()
     asyncio.run(
         pull_buckets(
-            puller.get(P2PProtocol.TCP),
+            puller.get(RecoveryProtocol.TCP),
             regions,
             layout,
             agreement.checksums,

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from weightsync.agent.holder import held_checksum, held_offsets
+from weightsync.transfer.held import held_checksum, held_offsets
 from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.p2p import (
     Chunk,

@@ -44,33 +44,15 @@ import torch
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
-from weightsync.transfer.broadcast import host_crc32
 from weightsync.transfer.buffers import copy_tensors, slot_views
+from weightsync.transfer.held import held_checksum, held_offsets
 from weightsync.transfer.layout import Bucket, BucketLayout
-from weightsync.transfer.p2p import Endpoints, P2PError, P2PProtocol, TransferEngineEndpoint
+from weightsync.transfer.p2p import Endpoints, P2PError, TransferEngineEndpoint
 
 log = logging.getLogger(__name__)
 
 _HOLDING_WAIT_SECONDS = 60.0  # how long GET /v1/holding waits for a fresh commit's checksums
 _HOLD_QUEUE_BYTES = 64 << 20  # device-to-host bytes `stage_tensors` keeps queued at most
-
-
-def held_offsets(layout: BucketLayout) -> list[int]:
-    """Where each bucket starts in a held version: the buckets back to back, in order."""
-    offsets: list[int] = []
-    at = 0
-    for bucket in layout.buckets:
-        offsets.append(at)
-        at += bucket.nbytes
-    return offsets
-
-
-def api_protocol(protocol: P2PProtocol) -> RecoveryProtocol:
-    return RecoveryProtocol(protocol.value.upper())
-
-
-def transfer_protocol(protocol: RecoveryProtocol) -> P2PProtocol:
-    return P2PProtocol(protocol.value.lower())
 
 
 @dataclass(eq=False)
@@ -96,7 +78,7 @@ class Holder:
         self,
         device: torch.device,
         endpoints: Endpoints,
-        protocol: P2PProtocol,
+        protocol: RecoveryProtocol,
         metrics: AgentMetrics,
         *,
         enabled: bool,
@@ -351,7 +333,7 @@ class Holder:
             segment=self._endpoint.segment,
             address=held.buffer.data_ptr(),
             nbytes=held.layout.total_bytes,
-            protocol=api_protocol(self.protocol),
+            protocol=self.protocol,
             checksums=list(checksums),
         )
 
@@ -388,17 +370,3 @@ def _copy_groups(
 def _checksum_after(done: torch.cuda.Event, target: torch.Tensor, bucket: Bucket) -> int:
     done.synchronize()
     return held_checksum(target, bucket)
-
-
-def held_checksum(region: torch.Tensor, bucket: Bucket) -> int:
-    """CRC-32 of a bucket's tensor bytes in `region` (host memory laid out like the
-    bucket), in order. The alignment padding between tensors is left out: a holder that
-    copies slots keeps whatever the source's slot held there, one that copies the
-    published tensors keeps its own buffer's bytes, and both must agree."""
-    data = region.view(torch.uint8)
-    crc = 0
-    for t in bucket.tensors:
-        if t.offset + t.nbytes > data.numel():
-            raise ValueError(f"tensor {t.name!r} lies outside the region")
-        crc = host_crc32(data[t.offset : t.offset + t.nbytes], crc)
-    return crc

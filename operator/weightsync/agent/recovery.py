@@ -34,7 +34,6 @@ import aiohttp
 from pydantic import ValidationError
 
 from weightsync.agent.bucket_pull import PullSummary, pull_buckets
-from weightsync.agent.holder import transfer_protocol
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.api.control import (
@@ -327,7 +326,7 @@ class Recovery:
         self._version = agreement.version
         layout = agreement.layout
         slots = self._pool.ensure(layout, self._depth()).slots
-        endpoint = await asyncio.to_thread(self._endpoints.get, transfer_protocol(request.protocol))
+        endpoint = await asyncio.to_thread(self._endpoints.get, request.protocol)
         regions = [HeldRegion(url, h.segment, h.address, h.nbytes) for url, h in agreement.holders]
         adapter, version = self._adapter, agreement.version
         await self._engine("attach", adapter.attach_buffers(slots))

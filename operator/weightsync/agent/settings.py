@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from weightsync.api.control import Role
 from weightsync.api.engines import EngineOptions
-from weightsync.transfer.p2p import P2PProtocol
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
 ENV_PREFIX = "WEIGHTSYNC_"
 DEFAULT_SOCKET = "/var/run/weightsync/agent.sock"
@@ -47,15 +47,13 @@ class AgentSettings(BaseModel):
     # unset, the source holds and sinks hold only when their plan says so.
     holder: bool | None = None
     p2p_host: str | None = None  # the Mooncake segment's host; defaults to `http_host`
-    p2p_protocol: P2PProtocol = P2PProtocol.TCP  # what holders serve and pulls use
+    p2p_protocol: RecoveryProtocol = RecoveryProtocol.TCP  # what holders serve
     p2p_devices: str = ""  # RDMA NIC names, comma-separated; empty: Mooncake picks
-    # Test hook: sleep this long before handing each bucket to the engine, so a test
-    # can kill a member mid-round. Never set in production.
 
     @field_validator("p2p_protocol", mode="before")
     @classmethod
-    def _lower_protocol(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value
+    def _upper_protocol(cls, value: object) -> object:  # `tcp` as well as the API's `TCP`
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("engine_options", mode="before")
     @classmethod

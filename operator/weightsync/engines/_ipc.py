@@ -34,7 +34,8 @@ import torch
 from torch.multiprocessing import reductions
 
 from weightsync.engines._http import REASON_BAD_BUCKET
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
+from weightsync.transfer.layout import TensorSlice
 
 CPU_DEVICE_KEY = "cpu"
 

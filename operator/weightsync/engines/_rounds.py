@@ -30,7 +30,8 @@ from weightsync.engines._http import (
     error_reason,
 )
 from weightsync.engines._ipc import LogicalSlot, export_slots
-from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth, TensorSlice
+from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
+from weightsync.transfer.layout import TensorSlice
 
 if TYPE_CHECKING:
     import torch

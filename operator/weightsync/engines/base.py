@@ -31,16 +31,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-
-@dataclass(frozen=True, slots=True)
-class TensorSlice:
-    """Where one whole tensor lies inside a bucket buffer."""
-
-    name: str
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
-    shape: tuple[int, ...]
-    offset: int  # bytes from the start of the bucket
-    nbytes: int
+    from weightsync.transfer.layout import TensorSlice
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,8 @@ from weightsync.engines._http import (
 )
 from weightsync.engines._ipc import LogicalSlot, check_slices, metadata_record
 from weightsync.engines._rounds import Round, RoundAdapter
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
+from weightsync.transfer.layout import TensorSlice
 
 log = logging.getLogger(__name__)
 

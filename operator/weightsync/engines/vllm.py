@@ -54,7 +54,8 @@ from weightsync.engines._http import (
 )
 from weightsync.engines._ipc import check_slices
 from weightsync.engines._rounds import Round, RoundAdapter
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
+from weightsync.transfer.layout import TensorSlice
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from weightsync.engines.base import TensorSlice
+from weightsync.transfer.layout import TensorSlice
 
 DEFAULT_SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shared memory, not a temp dir
 

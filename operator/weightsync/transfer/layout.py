@@ -21,8 +21,6 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from weightsync.engines.base import TensorSlice
-
 DEFAULT_ALIGNMENT = 256
 
 # Element sizes by torch dtype name (without "torch."); planning must not need torch.
@@ -45,6 +43,17 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "complex64": 8,
     "complex128": 16,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlice:
+    """Where one whole tensor lies inside a bucket buffer."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the bucket
+    nbytes: int
 
 
 class LayoutError(ValueError):

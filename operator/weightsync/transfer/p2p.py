@@ -20,8 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
+
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
 if TYPE_CHECKING:
     import torch
@@ -29,11 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_SECONDS = 0.005  # how often an idle reader looks for a chunk another one gave back
-
-
-class P2PProtocol(StrEnum):
-    TCP = "tcp"
-    RDMA = "rdma"
 
 
 class P2PError(RuntimeError):
@@ -60,14 +56,14 @@ def mooncake_available() -> tuple[bool, str]:
 class TransferEngineEndpoint:
     """One process's Mooncake transfer engine: registers memory and reads peers' memory."""
 
-    def __init__(self, host: str, protocol: P2PProtocol, device_names: str = "") -> None:
+    def __init__(self, host: str, protocol: RecoveryProtocol, device_names: str = "") -> None:
         ok, why = mooncake_available()
         if not ok:
             raise P2PError("transport_unavailable", f"Mooncake transfer engine unavailable: {why}")
         from mooncake.engine import TransferEngine
 
         self._engine: Any = TransferEngine()
-        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol.value, device_names)
+        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol.value.lower(), device_names)
         if code != 0:
             raise P2PError("init_failed", f"transfer engine init on {host} ({protocol}) -> {code}")
         self.protocol = protocol
@@ -292,10 +288,10 @@ class Endpoints:
     def __init__(self, host: Callable[[], str], device_names: str = "") -> None:
         self._host = host
         self.device_names = device_names
-        self._by_protocol: dict[P2PProtocol, TransferEngineEndpoint] = {}
+        self._by_protocol: dict[RecoveryProtocol, TransferEngineEndpoint] = {}
         self._lock = threading.Lock()
 
-    def get(self, protocol: P2PProtocol) -> TransferEngineEndpoint:
+    def get(self, protocol: RecoveryProtocol) -> TransferEngineEndpoint:
         """The endpoint for `protocol`; blocks while the engine starts (call off the loop)."""
         with self._lock:
             endpoint = self._by_protocol.get(protocol)

@@ -9,12 +9,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from weightsync.agent.holder import Holder, _copy_groups, held_checksum, held_offsets
+from weightsync.agent.holder import Holder, _copy_groups
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.transfer.held import held_checksum, held_offsets
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
-from weightsync.transfer.p2p import Endpoints, P2PProtocol
+from weightsync.transfer.p2p import Endpoints
 
 DEPTH = 2
 
@@ -46,7 +47,7 @@ def version_bytes(layout: BucketLayout, seed: int) -> list[torch.Tensor]:
 
 def new_holder(endpoints: Endpoints, *, enabled: bool = True) -> tuple[Holder, AgentMetrics]:
     metrics = AgentMetrics("sink", CollectorRegistry())
-    holder = Holder(torch.device("cpu"), endpoints, P2PProtocol.TCP, metrics, enabled=enabled)
+    holder = Holder(torch.device("cpu"), endpoints, RecoveryProtocol.TCP, metrics, enabled=enabled)
     return holder, metrics
 
 
@@ -105,7 +106,7 @@ def test_a_committed_round_becomes_the_held_version(endpoints: Endpoints) -> Non
     assert holder.commit(1, "L1")
     expect_held(holder, LAYOUT, 1, buckets)
     assert held_gauge(metrics) == 1
-    assert holding_segment(holder) == endpoints.get(P2PProtocol.TCP).segment
+    assert holding_segment(holder) == endpoints.get(RecoveryProtocol.TCP).segment
     holder.close()
 
 

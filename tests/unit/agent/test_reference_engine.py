@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
 from weightsync.engines.reference.engine import ReferenceEngine, tensor_digest
 from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
 from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
-from weightsync.transfer.layout import BucketLayout, plan_layout
+from weightsync.transfer.layout import BucketLayout, TensorSlice, plan_layout
 
 CONFIG = PRESETS["tiny"]
 

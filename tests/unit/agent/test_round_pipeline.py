@@ -28,9 +28,9 @@ from weightsync.api.control import (
     Role,
     TransferOptions,
 )
-from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth, TensorSlice
+from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
 from weightsync.transfer.buffers import BucketSlots
-from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
+from weightsync.transfer.layout import BucketLayout, TensorMeta, TensorSlice, plan_layout
 
 
 def test_the_lane_runs_calls_in_order_and_keeps_the_first_failure() -> None:

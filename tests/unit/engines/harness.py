@@ -14,9 +14,9 @@ from tests.unit.engines.fakes.sglang_server import FakeSGLang
 from tests.unit.engines.fakes.vllm_server import FakeVLLM
 from tests.unit.engines.support import buckets, cpu_slots, pack
 from weightsync.engines._rounds import RoundAdapter
-from weightsync.engines.base import TensorSlice
 from weightsync.engines.sglang import SGLangAdapter, SGLangSettings
 from weightsync.engines.vllm import VLLMAdapter, VLLMSettings
+from weightsync.transfer.layout import TensorSlice
 
 Fake = FakeSGLang | FakeVLLM
 

@@ -23,7 +23,8 @@ from aiohttp import web
 
 from tests.unit.engines.support import pack
 from weightsync.engines._rounds import RoundAdapter
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
+from weightsync.transfer.layout import TensorSlice
 
 RECORDINGS = Path(__file__).parent / "recordings"
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from weightsync.engines.base import TensorSlice
+from weightsync.transfer.layout import TensorSlice
 
 T = TypeVar("T")
 

@@ -11,7 +11,8 @@ import torch
 from tests.unit.engines.fakes.common import serve
 from tests.unit.engines.harness import CASES, EngineCase, connected
 from tests.unit.engines.support import make_model, pack, run, zeros_like_model
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
+from weightsync.transfer.layout import TensorSlice
 
 pytestmark = pytest.mark.parametrize("case", CASES, ids=str)
 

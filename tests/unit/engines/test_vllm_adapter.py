@@ -16,8 +16,9 @@ from tests.unit.engines.fakes.vllm_server import (
 )
 from tests.unit.engines.harness import VLLM, connected
 from tests.unit.engines.support import make_model, run, zeros_like_model
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
 from weightsync.engines.vllm import VLLM_INJECTION, VLLMSettings, contiguous_runs
+from weightsync.transfer.layout import TensorSlice
 
 
 def test_runs_split_at_gaps_and_refuse_overlaps() -> None:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
-from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth, TensorSlice
+from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
 from weightsync.engines.reference.channel import (
     AbortRequest,
     BeginRequest,
@@ -41,6 +41,7 @@ from weightsync.transfer.buffers import (
     open_slots,
 )
 from weightsync.transfer.handoff import ProtocolError
+from weightsync.transfer.layout import TensorSlice
 
 log = logging.getLogger(__name__)
 

@@ -44,10 +44,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
 from weightsync.engines.reference.engine import BucketPlan, ReferenceEngine
 from weightsync.transfer.buffers import SlotError, SlotHandle
 from weightsync.transfer.handoff import ProtocolError, frame, read_frame, recv_frame
+from weightsync.transfer.layout import TensorSlice
 
 log = logging.getLogger(__name__)
 

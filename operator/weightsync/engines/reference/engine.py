@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.engines.base import EngineError, EngineHealth, TensorSlice
+from weightsync.engines.base import EngineError, EngineHealth
 from weightsync.engines.reference.model import LlamaForCausalLM, greedy_generate
 from weightsync.transfer.buffers import (
     BucketSlots,
@@ -47,7 +47,7 @@ from weightsync.transfer.buffers import (
     open_slots,
     torch_dtype,
 )
-from weightsync.transfer.layout import DEFAULT_ALIGNMENT, align_up
+from weightsync.transfer.layout import DEFAULT_ALIGNMENT, TensorSlice, align_up
 
 log = logging.getLogger(__name__)
 

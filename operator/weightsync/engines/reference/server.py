@@ -35,11 +35,12 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from weightsync.engines.base import EngineError, TensorSlice
+from weightsync.engines.base import EngineError
 from weightsync.engines.reference.channel import UpdateChannelServer
 from weightsync.engines.reference.engine import ReferenceEngine
 from weightsync.engines.reference.model import PRESETS, build_model
 from weightsync.transfer.buffers import SlotHandles, torch_dtype
+from weightsync.transfer.layout import TensorSlice
 
 log = logging.getLogger(__name__)
 

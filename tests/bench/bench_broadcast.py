@@ -45,15 +45,8 @@ import torch
 from tests.bench.bench_phases import RoundRecord, attach_logs, breakdown, median_record
 from tests.bench.bench_workers import naive_worker, raw_worker, spawn_workers
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, wait_warm
-from weightsync.api.control import (
-    Backend,
-    MembershipPlan,
-    Mode,
-    PlanMember,
-    Rendezvous,
-    Role,
-    TransferOptions,
-)
+from weightsync.api.control import Backend, MembershipPlan, PlanMember, Rendezvous, TransferOptions
+from weightsync.api.v1alpha1 import Role, SyncMode
 from weightsync.client import Publisher, PublishResult
 from weightsync.engines.reference.model import PRESETS, state_dict_metas
 from weightsync.transfer.buffers import torch_dtype
@@ -178,7 +171,7 @@ def plan_for(
     *,
     generation: int,
     shape: Shape,
-    mode: Mode,
+    mode: SyncMode,
 ) -> MembershipPlan:
     return MembershipPlan(
         sync_name="bench",
@@ -260,7 +253,7 @@ def run_weightsync(
         agents = [source, *sinks]
         pods = [a.proc.name for a in agents]
         port = free_port()
-        mode = Mode.COLOCATED if colocated else Mode.DISAGGREGATED
+        mode = SyncMode.COLOCATED if colocated else SyncMode.DISAGGREGATED
         version = 0
         assert source.socket_path is not None
         with Publisher(source.socket_path, timeout=600) as publisher:

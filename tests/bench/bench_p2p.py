@@ -47,9 +47,9 @@ from weightsync.api.control import (
     RecoveryState,
     RecoveryStatus,
     Rendezvous,
-    Role,
     TransferOptions,
 )
+from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.engines.reference.model import PRESETS, build_model, randomize

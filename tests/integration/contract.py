@@ -23,12 +23,11 @@ from weightsync.api.control import (
     Backend,
     LocalEngine,
     MembershipPlan,
-    Mode,
     PlanMember,
     Rendezvous,
-    Role,
     TransferOptions,
 )
+from weightsync.api.v1alpha1 import Role, SyncMode
 from weightsync.client import Publisher, PublishResult
 from weightsync.engines.reference.engine import tensor_digest
 from weightsync.engines.reference.model import (
@@ -63,7 +62,7 @@ def make_plan(
     pods: list[str],
     port: int,
     *,
-    mode: Mode = Mode.DISAGGREGATED,
+    mode: SyncMode = SyncMode.DISAGGREGATED,
     local_engine: Engine | None = None,
 ) -> MembershipPlan:
     local = None
@@ -258,7 +257,7 @@ def run_colocated(workdir: Path, device: str, rounds: int = 3) -> None:
             for generation, engine in enumerate([first, second], start=1):
                 plan = make_plan(
                     config, generation, 0, ["source-0"], free_port(),
-                    mode=Mode.COLOCATED, local_engine=engine,
+                    mode=SyncMode.COLOCATED, local_engine=engine,
                 )  # fmt: skip
                 source.put_plan(plan)
                 wait_warm([source], generation, timeout=30.0)

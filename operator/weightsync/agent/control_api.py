@@ -138,7 +138,7 @@ async def serve(agent: Agent, stop: asyncio.Event) -> None:
         log.info(
             "agent %s (%s) serving on %s:%d",
             settings.pod_name,
-            settings.role.value,
+            settings.role.label,
             settings.http_host,
             settings.http_port,
         )

@@ -89,7 +89,7 @@ def root_cause(
         return FailureNote(
             rank=lost.rank,
             pod=lost.pod,
-            role=lost.role.value,
+            role=lost.role.label,
             stage=notes[0].stage,
             reason="member_lost",
             message=f"no word from it; the others saw: {notes[0].reason}: {notes[0].message}",

@@ -36,12 +36,7 @@ from pydantic import ValidationError
 from weightsync.agent.bucket_pull import PullSummary, pull_buckets
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.slot_pool import SlotPool
-from weightsync.api.control import (
-    Holding,
-    RecoverRequest,
-    RecoveryState,
-    RecoveryStatus,
-)
+from weightsync.api.control import Holding, RecoverRequest, RecoveryState, RecoveryStatus
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.layout import Bucket, BucketLayout, LayoutError
 from weightsync.transfer.p2p import (

@@ -196,7 +196,7 @@ class RankRound:
         return FailureNote(
             rank=me.rank,
             pod=me.pod,
-            role=me.role.value,
+            role=me.role.label,
             stage=failure.stage,
             reason=failure.reason,
             message=str(failure),

@@ -32,9 +32,9 @@ from weightsync.api.control import (
     PlanAccepted,
     RecoverRequest,
     RecoveryStatus,
-    Role,
     RoundReport,
 )
+from weightsync.api.v1alpha1 import Role
 from weightsync.engines.base import EngineAdapter
 from weightsync.transfer.p2p import Endpoints
 
@@ -45,7 +45,7 @@ class Agent:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
         self.device = torch.device(settings.device)
-        self.metrics = AgentMetrics(settings.role.value)
+        self.metrics = AgentMetrics(settings.role.label)
         self.generations = Generations(self.device, self.metrics)
         self.pool = SlotPool(self.device, str(settings.shm_dir))
         self.adapter: EngineAdapter | None = build_adapter(settings)

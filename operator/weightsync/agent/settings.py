@@ -9,8 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from weightsync.api.control import Role
 from weightsync.api.engines import EngineOptions
+from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
 ENV_PREFIX = "WEIGHTSYNC_"

@@ -23,24 +23,15 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.spec import RecoveryProtocol, SyncMode
+from weightsync.api.v1alpha1.status import Role
 
 MiB = 1 << 20
-
-
-class Role(StrEnum):
-    SOURCE = "source"
-    SINK = "sink"
 
 
 class Backend(StrEnum):
     GLOO = "gloo"
     NCCL = "nccl"
-
-
-class Mode(StrEnum):
-    DISAGGREGATED = "Disaggregated"
-    COLOCATED = "Colocated"
 
 
 class _Message(BaseModel):
@@ -88,7 +79,7 @@ class MembershipPlan(_Message):
     generation: int = Field(ge=1)
     rank: int = Field(ge=0)
     backend: Backend
-    mode: Mode = Mode.DISAGGREGATED
+    mode: SyncMode = SyncMode.DISAGGREGATED
     rendezvous: Rendezvous
     members: list[PlanMember] = Field(min_length=1)
     transfer: TransferOptions = TransferOptions()
@@ -111,9 +102,9 @@ class MembershipPlan(_Message):
             raise ValueError("the source member is rank 0: it hosts the rendezvous store")
         if self.rank >= len(self.members):
             raise ValueError(f"rank {self.rank} is not a member of the plan")
-        if self.mode == Mode.COLOCATED and len(self.members) != 1:
+        if self.mode == SyncMode.COLOCATED and len(self.members) != 1:
             raise ValueError("a Colocated plan has only the source member")
-        if self.local_engine is not None and self.mode != Mode.COLOCATED:
+        if self.local_engine is not None and self.mode != SyncMode.COLOCATED:
             raise ValueError("only a Colocated plan names a local engine")
         return self
 

@@ -52,9 +52,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.api.control import Role
 from weightsync.api.engines import ENGINE_OPTIONS_ENV, INJECTIONS, EngineOptions
-from weightsync.api.v1alpha1 import SyncMode, WeightSync
+from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
 from weightsync.controller import names
 from weightsync.controller.workloads import has_agent
 
@@ -151,7 +150,7 @@ def agent_container(
     """The sidecar container (a restartable init container); `shm`: mount the pod's
     shared-memory volume at /dev/shm."""
     env: list[dict[str, Any]] = [
-        {"name": "WEIGHTSYNC_ROLE", "value": role.value},
+        {"name": "WEIGHTSYNC_ROLE", "value": role.label},
         _field_env("WEIGHTSYNC_POD_NAME", "metadata.name"),
         _field_env("WEIGHTSYNC_POD_IP", "status.podIP"),
         {"name": "WEIGHTSYNC_HTTP_HOST", "value": "$(WEIGHTSYNC_POD_IP)"},
@@ -301,7 +300,7 @@ def _colocated_affinity(ops: JsonPatch, spec: Mapping[str, Any], sync_name: str)
         "labelSelector": {
             "matchLabels": {
                 names.SYNC_LABEL: names.sync_label(sync_name),
-                names.ROLE_LABEL: Role.SOURCE.value,
+                names.ROLE_LABEL: Role.SOURCE.label,
             }
         },
         "topologyKey": "kubernetes.io/hostname",
@@ -360,7 +359,7 @@ def injection_patch(
         ops,
         meta,
         "/metadata/labels",
-        {names.SYNC_LABEL: names.sync_label(sync_name), names.ROLE_LABEL: role.value},
+        {names.SYNC_LABEL: names.sync_label(sync_name), names.ROLE_LABEL: role.label},
     )
     _add_to_map(
         ops,

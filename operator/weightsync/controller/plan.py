@@ -35,14 +35,12 @@ from weightsync.api.control import (
     GenerationState,
     LocalEngine,
     MembershipPlan,
-    Mode,
     PlanMember,
     Rendezvous,
-    Role,
     TransferOptions,
 )
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1 import MemberRole, SyncMode, WeightSyncSpec
+from weightsync.api.v1alpha1 import Role, SyncMode, WeightSyncSpec
 from weightsync.controller.workloads import PodView
 
 HOLDING_STATES = frozenset({GenerationState.FORMING, GenerationState.WARM, GenerationState.ACTIVE})
@@ -72,14 +70,6 @@ class Desired:
     @property
     def formable(self) -> bool:
         return not self.waiting_for
-
-
-def member_role(role: Role) -> MemberRole:
-    return MemberRole.SOURCE if role is Role.SOURCE else MemberRole.SINK
-
-
-def control_role(role: MemberRole) -> Role:
-    return Role.SOURCE if role is MemberRole.SOURCE else Role.SINK
 
 
 def desired_members(
@@ -235,7 +225,7 @@ def build_plans(
             generation=generation,
             rank=rank,
             backend=backend_for(members),
-            mode=Mode(spec.mode.value),
+            mode=spec.mode,
             rendezvous=Rendezvous(host=members[0].ip or "", port=rendezvous_port),
             members=plan_members,
             transfer=transfer,

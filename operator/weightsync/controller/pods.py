@@ -14,7 +14,8 @@ from typing import Any
 
 from weightsync.api import parse_weightsync
 from weightsync.api.base import format_timestamp, utc_now
-from weightsync.api.control import AgentStatus, Role
+from weightsync.api.control import AgentStatus
+from weightsync.api.v1alpha1 import Role
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import names, reasons
 from weightsync.controller.kube import Kube

@@ -35,8 +35,8 @@ from pydantic import ValidationError
 from weightsync.api import ConditionType, find_condition, parse_weightsync
 from weightsync.api import reasons as api_reasons
 from weightsync.api.base import utc_now
-from weightsync.api.control import AgentStatus, Role
-from weightsync.api.v1alpha1 import WeightSync, WeightSyncStatus
+from weightsync.api.control import AgentStatus
+from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics, reasons, tokens
 from weightsync.controller import pods as pod_actions
@@ -47,7 +47,6 @@ from weightsync.controller.plan import (
     Slot,
     build_plans,
     cold_members,
-    control_role,
     desired_members,
     needs_new_generation,
     next_generation,
@@ -237,7 +236,7 @@ class Reconciler:
             raw, sync, pods, (statuses, old), token=token, memory=memory
         )
         excluded |= recovering.held_out
-        previous = [Slot(m.rank, m.pod, control_role(m.role)) for m in old.members]
+        previous = [Slot(m.rank, m.pod, m.role) for m in old.members]
         desired = desired_members(
             spec,
             pods,

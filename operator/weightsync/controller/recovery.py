@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from weightsync.api.control import AgentStatus, RecoveryState, RecoveryStatus, Role
-from weightsync.api.v1alpha1 import SyncMode, WeightSyncSpec
+from weightsync.api.control import AgentStatus, RecoveryState, RecoveryStatus
+from weightsync.api.v1alpha1 import Role, SyncMode, WeightSyncSpec
 from weightsync.controller.plan import HOLDING_STATES
 from weightsync.controller.readiness import Current, served_version, serves
 from weightsync.controller.workloads import PodView

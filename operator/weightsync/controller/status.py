@@ -20,9 +20,10 @@ from weightsync.api.conditions import (
     find_condition,
     set_conditions,
 )
-from weightsync.api.control import AgentStatus, GenerationState, Role
+from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import (
     Member,
+    Role,
     RoundFailure,
     RoundSummary,
     SyncMode,
@@ -30,7 +31,7 @@ from weightsync.api.v1alpha1 import (
     WeightSyncStatus,
 )
 from weightsync.controller import reasons
-from weightsync.controller.plan import Desired, Slot, member_role
+from weightsync.controller.plan import Desired, Slot
 from weightsync.controller.readiness import Current, served_version
 from weightsync.controller.workloads import PodView
 
@@ -136,7 +137,7 @@ def members(
         result.append(
             Member(
                 pod=slot.pod,
-                role=member_role(slot.role),
+                role=slot.role,
                 rank=slot.rank,
                 node=pod.node if pod is not None else None,
                 version=version,
@@ -299,7 +300,7 @@ def source_status(obs: Observation) -> AgentStatus | None:
 def observed_status(old: WeightSyncStatus, obs: Observation, now: datetime) -> WeightSyncStatus:
     pods = {p.name: p for p in obs.pods}
     group = members(obs.planned, obs.planned_generation, pods, obs.statuses)
-    sinks = [m for m in group if m.role.value == "Sink"]
+    sinks = [m for m in group if m.role == Role.SINK]
     source = source_status(obs)
     updates = [
         _ready(obs, sinks),

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from weightsync.api.control import Role
-from weightsync.api.v1alpha1 import WeightSync
+from weightsync.api.v1alpha1 import Role, WeightSync
 from weightsync.controller import names
 
 Obj = Mapping[str, Any]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from weightsync.agent.failures import FailureNote, Stage, parse_note, parse_ranks, root_cause
-from weightsync.api.control import PlanMember, Role
+from weightsync.api.control import PlanMember
+from weightsync.api.v1alpha1 import Role
 
 MEMBERS = [
     PlanMember(rank=r, pod=f"pod-{r}", host="10.0.0.1", role=Role.SOURCE if r == 0 else Role.SINK)

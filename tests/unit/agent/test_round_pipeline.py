@@ -22,12 +22,11 @@ from weightsync.api.control import (
     Backend,
     GenerationState,
     MembershipPlan,
-    Mode,
     PlanMember,
     Rendezvous,
-    Role,
     TransferOptions,
 )
+from weightsync.api.v1alpha1 import Role, SyncMode
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.layout import BucketLayout, TensorMeta, TensorSlice, plan_layout
@@ -176,7 +175,7 @@ def test_colocated_fill_overlaps_the_engine_and_never_refills_a_slot_in_use(
         generation=1,
         rank=0,
         backend=Backend.GLOO,
-        mode=Mode.COLOCATED,
+        mode=SyncMode.COLOCATED,
         rendezvous=Rendezvous(host="127.0.0.1", port=port),
         members=[PlanMember(rank=0, pod="source-0", host="127.0.0.1", role=Role.SOURCE)],
         transfer=TransferOptions(pipeline_depth=depth, timeout_seconds=10.0),

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from weightsync.agent.settings import AgentSettings, SettingsError
-from weightsync.api.control import Role
+from weightsync.api.v1alpha1 import Role
 
 
 def test_from_env_reads_prefixed_fields_only() -> None:

@@ -16,9 +16,9 @@ from weightsync.api.crd import openapi_schema
 from weightsync.api.v1alpha1 import (
     Engine,
     Member,
-    MemberRole,
     PauseMode,
     RecoveryProtocol,
+    Role,
     RoundSummary,
     SyncMode,
     WeightSyncStatus,
@@ -137,7 +137,7 @@ def test_python_names_and_json_names_both_construct() -> None:
 
 def test_status_serialises_without_unset_fields() -> None:
     status = WeightSyncStatus(
-        members=[Member(pod="trainer-0", role=MemberRole.SOURCE, rank=0, warm=False)],
+        members=[Member(pod="trainer-0", role=Role.SOURCE, rank=0, warm=False)],
         member_count=1,
     )
     assert status.to_k8s() == {

@@ -13,10 +13,9 @@ from weightsync.api.control import (
     EngineStatus,
     GenerationState,
     GenerationStatus,
-    Role,
     RoundReport,
 )
-from weightsync.api.v1alpha1 import WeightSync
+from weightsync.api.v1alpha1 import Role, WeightSync
 from weightsync.controller import names
 from weightsync.controller.workloads import PodView, pod_view
 

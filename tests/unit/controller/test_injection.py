@@ -8,8 +8,8 @@ import jsonpatch
 import pytest
 
 from tests.unit.controller.builders import pod, sync
-from weightsync.api.control import Role
 from weightsync.api.engines import ENGINE_OPTIONS_ENV, EngineOptions
+from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import PauseMode
 from weightsync.controller import names
 from weightsync.controller.injection import AgentTemplate, injection_patch

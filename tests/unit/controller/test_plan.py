@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
-from weightsync.api.control import AgentStatus, Backend, GenerationState, Mode, Role
+from weightsync.api.control import AgentStatus, Backend, GenerationState
+from weightsync.api.v1alpha1 import Role, SyncMode
 from weightsync.controller.plan import (
     Desired,
     Slot,
@@ -136,7 +137,7 @@ def test_a_colocated_plan_tells_the_source_where_its_engine_listens() -> None:
         rendezvous_port=29470,
         engine=engine,
     )
-    assert plan.mode is Mode.COLOCATED
+    assert plan.mode is SyncMode.COLOCATED
     local = plan.local_engine
     assert local is not None
     assert (local.pod, local.engine, local.url) == ("e-1", "SGLang", "http://10.0.1.1:30000")
@@ -239,7 +240,7 @@ def test_plans_are_valid_control_messages_addressed_to_each_rank() -> None:
     assert (first.rendezvous.host, first.rendezvous.port) == ("10.0.0.9", 29470)
     assert first.generation == 7
     assert first.backend is Backend.GLOO
-    assert first.mode is Mode.DISAGGREGATED
+    assert first.mode is SyncMode.DISAGGREGATED
     assert first.transfer.bucket_size_bytes == 1 << 20
     assert first.transfer.pipeline_depth == 3
     assert first.transfer.timeout_seconds == 9.0

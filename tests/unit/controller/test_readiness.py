@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.controller.builders import agent, pod, sink_view
-from weightsync.api.control import AgentStatus, Role
+from weightsync.api.control import AgentStatus
+from weightsync.api.v1alpha1 import Role
 from weightsync.controller import reasons
 from weightsync.controller.readiness import Current, current_version, decide, gate_changes
 from weightsync.controller.workloads import pod_view

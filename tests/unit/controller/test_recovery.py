@@ -15,8 +15,8 @@ from weightsync.api.control import (
     RecoverRequest,
     RecoveryState,
     RecoveryStatus,
-    Role,
 )
+from weightsync.api.v1alpha1 import Role
 from weightsync.controller import metrics, reasons
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.readiness import Current

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 from tests.unit.controller.builders import agent, round_report, sink_view, source_view, sync
 from weightsync.api import find_condition
 from weightsync.api import reasons as api_reasons
-from weightsync.api.control import AgentStatus, GenerationState, Role
-from weightsync.api.v1alpha1 import WeightSyncStatus
+from weightsync.api.control import AgentStatus, GenerationState
+from weightsync.api.v1alpha1 import Role, WeightSyncStatus
 from weightsync.controller import reasons
 from weightsync.controller.plan import desired_members, slots
 from weightsync.controller.readiness import Current

@@ -8,7 +8,7 @@ from typing import Any
 
 from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import pod, sink_view, sync
-from weightsync.api.control import Role
+from weightsync.api.v1alpha1 import Role
 from weightsync.controller.admission import claim_errors, older_than, workload_of
 from weightsync.controller.kube import selector_string
 from weightsync.controller.workloads import (

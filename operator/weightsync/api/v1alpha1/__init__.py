@@ -18,7 +18,7 @@ from weightsync.api.v1alpha1.spec import (
 )
 from weightsync.api.v1alpha1.status import (
     Member,
-    MemberRole,
+    Role,
     RoundFailure,
     RoundSummary,
     WeightSyncStatus,
@@ -31,13 +31,13 @@ __all__ = [
     "Engine",
     "InferenceSpec",
     "Member",
-    "MemberRole",
     "ObjectMeta",
     "PauseMode",
     "PrewarmSpec",
     "ReadinessGateSpec",
     "RecoveryProtocol",
     "RecoverySpec",
+    "Role",
     "RoundFailure",
     "RoundSummary",
     "StatefulSetRef",

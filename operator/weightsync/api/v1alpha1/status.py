@@ -24,11 +24,19 @@ MAX_MEMBERS = 1024
 T = TypeVar("T")
 
 
-class MemberRole(StrEnum):
-    """What a rank does in a round."""
+class Role(StrEnum):
+    """What a rank does in a round; `label` is its spelling in labels, env and metrics."""
 
     SOURCE = "Source"
     SINK = "Sink"
+
+    @property
+    def label(self) -> str:
+        return self.value.lower()
+
+    @classmethod
+    def _missing_(cls, value: object) -> Role | None:  # the label spelling parses too
+        return next((r for r in cls if isinstance(value, str) and r.label == value), None)
 
 
 class Member(ApiModel):
@@ -37,7 +45,7 @@ class Member(ApiModel):
     pod: str = Field(min_length=1, max_length=DNS_SUBDOMAIN_MAX_LENGTH)
     """pod is the name of the pod whose agent holds this rank."""
 
-    role: MemberRole
+    role: Role
     """role is Source (a trainer rank that publishes) or Sink (an inference rank)."""
 
     rank: Int32

@@ -9,12 +9,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from weightsync.api import agent_env
 from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
-
-ENV_PREFIX = "WEIGHTSYNC_"
-DEFAULT_SOCKET = "/var/run/weightsync/agent.sock"
 
 
 class SettingsError(ValueError):
@@ -33,7 +31,7 @@ class AgentSettings(BaseModel):
     metrics_port: int = Field(default=9470, ge=0, le=65535)  # 0: no metrics listener
     token: SecretStr | None = None
     token_file: Path | None = None
-    socket: Path = Path(DEFAULT_SOCKET)  # the Publisher's Unix socket (source role)
+    socket: Path = Path(agent_env.SOCKET_PATH)  # the Publisher's Unix socket (source role)
     device: str = "cpu"  # "cpu" or "cuda:N": where the bucket slots live
     shm_dir: Path = Path("/dev/shm")  # noqa: S108 - POSIX shared memory, not a temp dir
     engine: str | None = None  # "Reference" | "SGLang" | "VLLM"; sinks, or Colocated sources
@@ -98,9 +96,9 @@ class AgentSettings(BaseModel):
         known = set(cls.model_fields)
         values: dict[str, str] = {}
         for key, value in env.items():
-            if not key.startswith(ENV_PREFIX):
+            if not key.startswith(agent_env.PREFIX):
                 continue
-            field = key.removeprefix(ENV_PREFIX).lower()
+            field = key.removeprefix(agent_env.PREFIX).lower()
             if field in known:
                 values[field] = value
         return cls.model_validate(values)

@@ -18,8 +18,6 @@ from pydantic import BaseModel, ConfigDict, StrictBool
 
 from weightsync.api.v1alpha1.spec import InferenceSpec, PauseMode
 
-ENGINE_OPTIONS_ENV = "WEIGHTSYNC_ENGINE_OPTIONS"
-
 
 @dataclass(frozen=True, slots=True)
 class EngineFlag:

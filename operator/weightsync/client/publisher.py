@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from weightsync.api import agent_env
 from weightsync.client.inputs import PublishInputError, checked_tensors
 from weightsync.transfer.buffers import (
     copy_tensors,
@@ -54,9 +55,6 @@ from weightsync.transfer.handoff import (
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
 
 log = logging.getLogger(__name__)
-
-SOCKET_ENV = "WEIGHTSYNC_SOCKET"
-DEFAULT_SOCKET = "/var/run/weightsync/agent.sock"
 
 
 _NOT_YET = frozenset({"no_plan"})
@@ -99,7 +97,9 @@ class Publisher:
     def __init__(
         self, socket_path: str | os.PathLike[str] | None = None, *, timeout: float = 600.0
     ) -> None:
-        self.socket_path = Path(socket_path or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+        self.socket_path = Path(
+            socket_path or os.environ.get(agent_env.SOCKET) or agent_env.SOCKET_PATH
+        )
         self.timeout = timeout
         # Versions rise within one Publisher; a new one (a trainer restarted from an
         # earlier step) is a new lineage, which engines follow from wherever it starts.

@@ -52,7 +52,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.api.engines import ENGINE_OPTIONS_ENV, INJECTIONS, EngineOptions
+from weightsync.api import agent_env
+from weightsync.api.engines import INJECTIONS, EngineOptions
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
 from weightsync.controller import names
 from weightsync.controller.workloads import has_agent
@@ -150,34 +151,33 @@ def agent_container(
     """The sidecar container (a restartable init container); `shm`: mount the pod's
     shared-memory volume at /dev/shm."""
     env: list[dict[str, Any]] = [
-        {"name": "WEIGHTSYNC_ROLE", "value": role.label},
-        _field_env("WEIGHTSYNC_POD_NAME", "metadata.name"),
-        _field_env("WEIGHTSYNC_POD_IP", "status.podIP"),
-        {"name": "WEIGHTSYNC_HTTP_HOST", "value": "$(WEIGHTSYNC_POD_IP)"},
-        {"name": "WEIGHTSYNC_HTTP_PORT", "value": str(template.http_port)},
-        {"name": "WEIGHTSYNC_METRICS_PORT", "value": str(template.metrics_port)},
-        {"name": "WEIGHTSYNC_TOKEN_FILE", "value": f"{names.TOKEN_DIR}/{names.TOKEN_KEY}"},
-        {"name": "WEIGHTSYNC_SOCKET", "value": names.SOCKET_PATH},
-        {"name": "WEIGHTSYNC_DEVICE", "value": device},
-        {"name": "WEIGHTSYNC_LOG_LEVEL", "value": template.log_level},
-        # What holders serve and pulls use (P2P recovery); the agent reads it lowercased.
-        {"name": "WEIGHTSYNC_P2P_PROTOCOL", "value": sync.spec.recovery.protocol.value},
+        {"name": agent_env.ROLE, "value": role.label},
+        _field_env(agent_env.POD_NAME, "metadata.name"),
+        _field_env(agent_env.POD_IP, "status.podIP"),
+        {"name": agent_env.HTTP_HOST, "value": f"$({agent_env.POD_IP})"},
+        {"name": agent_env.HTTP_PORT, "value": str(template.http_port)},
+        {"name": agent_env.METRICS_PORT, "value": str(template.metrics_port)},
+        {"name": agent_env.TOKEN_FILE, "value": f"{names.TOKEN_DIR}/{names.TOKEN_KEY}"},
+        {"name": agent_env.SOCKET, "value": agent_env.SOCKET_PATH},
+        {"name": agent_env.DEVICE, "value": device},
+        {"name": agent_env.LOG_LEVEL, "value": template.log_level},
+        # What holders serve and pulls use (P2P recovery).
+        {"name": agent_env.P2P_PROTOCOL, "value": sync.spec.recovery.protocol.value},
         # Who holds is the plans' business (`plan.holder_ranks`): none when recovery is
         # off or the group is Colocated, where a held copy would only cost PCIe time.
-        {"name": "WEIGHTSYNC_HOLDER", "value": "false"},
+        {"name": agent_env.HOLDER, "value": "false"},
     ]
     if role is Role.SINK and inference_index is not None:
         entry = sync.spec.inference[inference_index]
-        env.append({"name": "WEIGHTSYNC_ENGINE", "value": entry.engine.value})
-        env.append(
-            {"name": "WEIGHTSYNC_ENGINE_URL", "value": f"http://$(WEIGHTSYNC_POD_IP):{entry.port}"}
-        )
+        env.append({"name": agent_env.ENGINE, "value": entry.engine.value})
+        url = f"http://$({agent_env.POD_IP}):{entry.port}"
+        env.append({"name": agent_env.ENGINE_URL, "value": url})
         options = EngineOptions.of(entry)
-        env.append({"name": ENGINE_OPTIONS_ENV, "value": options.model_dump_json()})
+        env.append({"name": agent_env.ENGINE_OPTIONS, "value": options.model_dump_json()})
         if sync.spec.mode is SyncMode.COLOCATED:  # the trainer's agent loads its engine
-            env.append({"name": "WEIGHTSYNC_ENGINE_LOADED_BY_PEER", "value": "true"})
+            env.append({"name": agent_env.ENGINE_LOADED_BY_PEER, "value": "true"})
     mounts: list[dict[str, Any]] = [
-        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
+        {"name": names.SOCKET_VOLUME, "mountPath": agent_env.SOCKET_DIR},
         {"name": names.TOKEN_VOLUME, "mountPath": names.TOKEN_DIR, "readOnly": True},
     ]
     if sync.spec.mode is SyncMode.COLOCATED:
@@ -256,20 +256,20 @@ def _container_ops(
     base = f"/spec/containers/{index}"
     mounted_paths = {m.get("mountPath") for m in container.get("volumeMounts") or []}
     mounts = []
-    if names.SOCKET_DIR not in mounted_paths:
-        mounts.append({"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR})
+    if agent_env.SOCKET_DIR not in mounted_paths:
+        mounts.append({"name": names.SOCKET_VOLUME, "mountPath": agent_env.SOCKET_DIR})
     if colocated and names.NODE_DIR not in mounted_paths:
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
     if shm:
         mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
     _append(ops, container, f"{base}/volumeMounts", mounts)
     env_names = {e.get("name") for e in container.get("env") or []}
-    if role is Role.SOURCE and "WEIGHTSYNC_SOCKET" not in env_names:
+    if role is Role.SOURCE and agent_env.SOCKET not in env_names:
         _append(
             ops,
             container,
             f"{base}/env",
-            [{"name": "WEIGHTSYNC_SOCKET", "value": names.SOCKET_PATH}],
+            [{"name": agent_env.SOCKET, "value": agent_env.SOCKET_PATH}],
         )
 
 

@@ -37,8 +37,6 @@ WEIGHTS_CURRENT: Final = f"{GROUP}/weights-current"
 AGENT_CONTAINER: Final = "weightsync-agent"
 AGENT_COMMAND: Final = ("weightsync-agent",)
 SOCKET_VOLUME: Final = "weightsync-socket"
-SOCKET_DIR: Final = "/var/run/weightsync"
-SOCKET_PATH: Final = f"{SOCKET_DIR}/agent.sock"
 # Names of the token volume, its mount and its Secret key; not secrets themselves.
 TOKEN_VOLUME: Final = "weightsync-token"  # noqa: S105
 TOKEN_DIR: Final = "/var/run/secrets/weightsync.io"  # noqa: S105

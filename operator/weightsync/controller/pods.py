@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from weightsync.api import parse_weightsync
+from weightsync.api import parse_weightsync, reasons
 from weightsync.api.base import format_timestamp, utc_now
 from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role
 from weightsync.api.validation import WeightSyncInvalidError
-from weightsync.controller import names, reasons
+from weightsync.controller import names
 from weightsync.controller.kube import Kube
 from weightsync.controller.readiness import Current, gate_changes
 from weightsync.controller.status import EventSpec

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from weightsync.api import reasons
 from weightsync.api.control import AgentStatus
-from weightsync.controller import reasons
 from weightsync.controller.workloads import PodView
 
 

@@ -32,13 +32,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from weightsync.api import ConditionType, find_condition, parse_weightsync
-from weightsync.api import reasons as api_reasons
+from weightsync.api import ConditionType, find_condition, parse_weightsync, reasons
 from weightsync.api.base import utc_now
 from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
 from weightsync.api.validation import WeightSyncInvalidError
-from weightsync.controller import metrics, reasons, tokens
+from weightsync.controller import metrics, tokens
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.kube import Kube
@@ -203,8 +202,8 @@ class Reconciler:
         try:
             sync = parse_weightsync(raw)
         except WeightSyncInvalidError as error:
-            message = api_reasons.INVALID_SPEC_MESSAGE.format(errors=error)
-            await self._problem(raw, old, generation, (api_reasons.INVALID_SPEC, message))
+            message = reasons.INVALID_SPEC_MESSAGE.format(errors=error)
+            await self._problem(raw, old, generation, (reasons.INVALID_SPEC, message))
             return Result(Outcome.INVALID, message)
         problem = await self._spec_problem(namespace, raw, sync)
         if problem is not None:
@@ -334,7 +333,8 @@ class Reconciler:
                 continue  # an invalid WeightSync syncs nothing, so it claims nothing
         conflicts = claim_conflicts(sync, older)
         if conflicts:
-            return reasons.WORKLOAD_CLAIMED, "; ".join(conflicts) + "."
+            message = reasons.WORKLOAD_CLAIMED_MESSAGE.format(conflicts="; ".join(conflicts))
+            return reasons.WORKLOAD_CLAIMED, message
         return None
 
     @staticmethod
@@ -345,14 +345,14 @@ class Reconciler:
     ) -> Problem | None:
         if statefulset is None:
             return (
-                api_reasons.TRAINER_NOT_FOUND,
-                api_reasons.TRAINER_NOT_FOUND_MESSAGE.format(name=trainer),
+                reasons.TRAINER_NOT_FOUND,
+                reasons.TRAINER_NOT_FOUND_MESSAGE.format(name=trainer),
             )
         for name, deployment in deployments.items():
             if deployment is None:
                 return (
-                    api_reasons.DEPLOYMENT_NOT_FOUND,
-                    api_reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
+                    reasons.DEPLOYMENT_NOT_FOUND,
+                    reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
                 )
         return None
 

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.api import reasons
 from weightsync.api.control import AgentStatus, RecoverRequest, RecoveryState, RecoveryStatus
 from weightsync.api.v1alpha1 import WeightSyncSpec
-from weightsync.controller import metrics, reasons
+from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.readiness import Current

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from weightsync.api import reasons as api_reasons
+from weightsync.api import reasons
 from weightsync.api.conditions import (
     Condition,
     ConditionStatus,
@@ -30,7 +30,6 @@ from weightsync.api.v1alpha1 import (
     WeightSyncSpec,
     WeightSyncStatus,
 )
-from weightsync.controller import reasons
 from weightsync.controller.plan import Desired, Slot
 from weightsync.controller.readiness import Current, served_version
 from weightsync.controller.workloads import PodView
@@ -45,9 +44,9 @@ CONDITION_ORDER = (
 # Ready=False for these is the user's to fix: the transition is a Warning Event.
 USER_ERRORS = frozenset(
     {
-        api_reasons.INVALID_SPEC,
-        api_reasons.TRAINER_NOT_FOUND,
-        api_reasons.DEPLOYMENT_NOT_FOUND,
+        reasons.INVALID_SPEC,
+        reasons.TRAINER_NOT_FOUND,
+        reasons.DEPLOYMENT_NOT_FOUND,
         reasons.WORKLOAD_CLAIMED,
         reasons.SOURCE_RANKS_UNSUPPORTED,
     }
@@ -184,58 +183,56 @@ def _ready(obs: Observation, sinks: Sequence[Member]) -> ConditionUpdate:
     joined = len(obs.planned) if obs.desired.formable else 0
     if not obs.desired.formable or joined < expected:
         return ConditionUpdate(
-            ConditionType.READY, F, api_reasons.WAITING_FOR_MEMBERS,
-            api_reasons.WAITING_FOR_MEMBERS_MESSAGE.format(joined=joined, expected=expected)
+            ConditionType.READY, F, reasons.WAITING_FOR_MEMBERS,
+            reasons.WAITING_FOR_MEMBERS_MESSAGE.format(joined=joined, expected=expected)
             + (f" Waiting for {obs.desired.waiting_for}." if obs.desired.waiting_for else ""),
         )  # fmt: skip
     current = obs.current.version
     if current is None:
         return ConditionUpdate(
-            ConditionType.READY, T, api_reasons.AWAITING_FIRST_VERSION,
-            api_reasons.AWAITING_FIRST_VERSION_MESSAGE.format(count=joined),
+            ConditionType.READY, T, reasons.AWAITING_FIRST_VERSION,
+            reasons.AWAITING_FIRST_VERSION_MESSAGE.format(count=joined),
         )  # fmt: skip
     behind = [m for m in sinks if m.version != current]
     if behind:
         return ConditionUpdate(
-            ConditionType.READY, F, api_reasons.MEMBERS_BEHIND,
-            api_reasons.MEMBERS_BEHIND_MESSAGE.format(
+            ConditionType.READY, F, reasons.MEMBERS_BEHIND,
+            reasons.MEMBERS_BEHIND_MESSAGE.format(
                 behind=len(behind), count=len(sinks), version=current
             ),
         )  # fmt: skip
     return ConditionUpdate(
-        ConditionType.READY, T, api_reasons.ALL_MEMBERS_CURRENT,
-        api_reasons.ALL_MEMBERS_CURRENT_MESSAGE.format(count=len(sinks), version=current),
+        ConditionType.READY, T, reasons.ALL_MEMBERS_CURRENT,
+        reasons.ALL_MEMBERS_CURRENT_MESSAGE.format(count=len(sinks), version=current),
     )  # fmt: skip
 
 
 def _prewarmed(obs: Observation, group: Sequence[Member]) -> ConditionUpdate:
     kind = ConditionType.PREWARMED
     if not obs.spec.prewarm.enabled:
-        return ConditionUpdate(
-            kind, F, api_reasons.PREWARM_DISABLED, api_reasons.PREWARM_DISABLED_MESSAGE
-        )
+        return ConditionUpdate(kind, F, reasons.PREWARM_DISABLED, reasons.PREWARM_DISABLED_MESSAGE)
     generation = obs.planned_generation
     if generation is None or not group:
         return ConditionUpdate(
-            kind, F, api_reasons.WAITING_FOR_MEMBERS, "No group generation is planned yet."
+            kind, F, reasons.WAITING_FOR_MEMBERS, "No group generation is planned yet."
         )
     cold = [m.rank for m in group if not m.warm]
     if not cold:
         return ConditionUpdate(
-            kind, T, api_reasons.GROUP_WARM,
-            api_reasons.GROUP_WARM_MESSAGE.format(generation=generation, count=len(group)),
+            kind, T, reasons.GROUP_WARM,
+            reasons.GROUP_WARM_MESSAGE.format(generation=generation, count=len(group)),
         )  # fmt: skip
     if obs.prewarm_timed_out:
         return ConditionUpdate(
-            kind, F, api_reasons.PREWARM_TIMED_OUT,
-            api_reasons.PREWARM_TIMED_OUT_MESSAGE.format(
+            kind, F, reasons.PREWARM_TIMED_OUT,
+            reasons.PREWARM_TIMED_OUT_MESSAGE.format(
                 generation=generation, seconds=obs.spec.prewarm.timeout_seconds,
                 ranks=", ".join(str(rank) for rank in cold),
             ),
         )  # fmt: skip
     return ConditionUpdate(
-        kind, F, api_reasons.WARMING,
-        api_reasons.WARMING_MESSAGE.format(
+        kind, F, reasons.WARMING,
+        reasons.WARMING_MESSAGE.format(
             generation=generation, warm=len(group) - len(cold), count=len(group)
         ),
     )  # fmt: skip
@@ -244,10 +241,10 @@ def _prewarmed(obs: Observation, group: Sequence[Member]) -> ConditionUpdate:
 def _syncing(source: AgentStatus | None, sink_count: int) -> ConditionUpdate:
     if source is not None and source.round_in_progress:
         return ConditionUpdate(
-            ConditionType.SYNCING, T, api_reasons.ROUND_IN_PROGRESS,
-            reasons.ROUND_OPEN_MESSAGE.format(count=sink_count),
+            ConditionType.SYNCING, T, reasons.ROUND_IN_PROGRESS,
+            reasons.ROUND_IN_PROGRESS_MESSAGE.format(count=sink_count),
         )  # fmt: skip
-    return ConditionUpdate(ConditionType.SYNCING, F, api_reasons.IDLE, api_reasons.IDLE_MESSAGE)
+    return ConditionUpdate(ConditionType.SYNCING, F, reasons.IDLE, reasons.IDLE_MESSAGE)
 
 
 def _degraded(obs: Observation, source: AgentStatus | None) -> ConditionUpdate:
@@ -274,20 +271,20 @@ def _degraded(obs: Observation, source: AgentStatus | None) -> ConditionUpdate:
         error = obs.plan_errors.get(slot.pod) or (broken[0].error if broken else None)
         if broken or slot.pod in obs.plan_errors:
             return ConditionUpdate(
-                kind, T, api_reasons.MEMBER_FAILED,
-                api_reasons.MEMBER_FAILED_MESSAGE.format(
+                kind, T, reasons.MEMBER_FAILED,
+                reasons.MEMBER_FAILED_MESSAGE.format(
                     pod=slot.pod, rank=slot.rank, error=error or "generation broken"
                 ),
             )  # fmt: skip
     report = source.last_round if source is not None else None
     if report is not None and not report.ok:
         return ConditionUpdate(
-            kind, T, api_reasons.ROUND_FAILED,
-            api_reasons.ROUND_FAILED_MESSAGE.format(
+            kind, T, reasons.ROUND_FAILED,
+            reasons.ROUND_FAILED_MESSAGE.format(
                 version=report.version, error=report.message or report.reason
             ),
         )  # fmt: skip
-    return ConditionUpdate(kind, F, api_reasons.AS_EXPECTED, api_reasons.AS_EXPECTED_MESSAGE)
+    return ConditionUpdate(kind, F, reasons.AS_EXPECTED, reasons.AS_EXPECTED_MESSAGE)
 
 
 def source_status(obs: Observation) -> AgentStatus | None:
@@ -342,7 +339,7 @@ def transition_events(old: WeightSyncStatus, new: WeightSyncStatus) -> list[Even
         warning = (
             (condition.type == ConditionType.READY and condition.reason in USER_ERRORS)
             or (condition.type == ConditionType.DEGRADED and condition.status is T)
-            or condition.reason == api_reasons.PREWARM_TIMED_OUT
+            or condition.reason == reasons.PREWARM_TIMED_OUT
         )
         events.append(
             EventSpec(
@@ -357,7 +354,7 @@ def transition_events(old: WeightSyncStatus, new: WeightSyncStatus) -> list[Even
             EventSpec(
                 "Warning",
                 reasons.ROUND_FAILED,
-                reasons.ROUND_FAILED_MESSAGE.format(
+                reasons.ROUND_FAILED_EVENT_MESSAGE.format(
                     version=failure.version,
                     member=failure.member or "the source",
                     stage=failure.stage or "unknown",

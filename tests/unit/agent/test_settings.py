@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from weightsync.agent.settings import AgentSettings, SettingsError
+from weightsync.api import agent_env
 from weightsync.api.v1alpha1 import Role
 
 
@@ -57,3 +58,11 @@ def test_token_file_is_reread(tmp_path: Path) -> None:
     token_file.write_text("  \n")
     with pytest.raises(SettingsError, match="empty"):
         settings.bearer_token()
+
+
+def test_every_variable_the_webhook_writes_is_a_setting_the_agent_reads() -> None:
+    """The environment contract is one list (`api.agent_env`): each of its settings
+    variables names an AgentSettings field, and the only other one is the pod IP they expand."""
+    fields = {agent_env.env_name(name) for name in AgentSettings.model_fields}
+    assert set(agent_env.SETTINGS) <= fields
+    assert agent_env.POD_IP not in fields  # expanded by the others, never read

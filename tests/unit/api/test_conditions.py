@@ -69,7 +69,7 @@ def test_status_flip_moves_transition_time() -> None:
 
 def test_flip_to_unknown_and_back_moves_it_each_time() -> None:
     t2 = T1 + timedelta(minutes=1)
-    unknown = ConditionUpdate(ConditionType.READY, ConditionStatus.UNKNOWN, reasons.RECONCILING)
+    unknown = ConditionUpdate(ConditionType.READY, ConditionStatus.UNKNOWN, "Reconciling")
     conditions = set_condition([], READY, observed_generation=1, now=T0)
     conditions = set_condition(conditions, unknown, observed_generation=1, now=T1)
     conditions = set_condition(conditions, READY, observed_generation=1, now=t2)
@@ -97,7 +97,7 @@ def test_input_list_is_not_modified() -> None:
 
 def test_set_conditions_stamps_one_generation_on_all() -> None:
     updates = [
-        ConditionUpdate(kind, ConditionStatus.UNKNOWN, reasons.RECONCILING)
+        ConditionUpdate(kind, ConditionStatus.UNKNOWN, "Reconciling")
         for kind in ConditionType
     ]
     conditions = set_conditions([], updates, observed_generation=5, now=T0)

@@ -8,7 +8,8 @@ import jsonpatch
 import pytest
 
 from tests.unit.controller.builders import pod, sync
-from weightsync.api.engines import ENGINE_OPTIONS_ENV, EngineOptions
+from weightsync.api import agent_env
+from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import PauseMode
 from weightsync.controller import names
@@ -77,7 +78,7 @@ def test_sink_gets_a_native_sidecar_with_engine_settings_and_the_readiness_gate(
     # Readable by the non-root sidecar without a pod fsGroup; no workload container mounts it.
     assert volumes[names.TOKEN_VOLUME]["secret"]["defaultMode"] == 0o444
     assert patched["spec"]["containers"][0]["volumeMounts"] == [
-        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
+        {"name": names.SOCKET_VOLUME, "mountPath": agent_env.SOCKET_DIR},
         {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR},
     ]
     assert "env" not in patched["spec"]["containers"][0]  # sinks need no Publisher socket env
@@ -101,12 +102,12 @@ def test_source_shares_the_socket_with_every_trainer_container_and_gets_no_gate(
     _, patched = inject(raw, Role.SOURCE)
     trainer, logger = patched["spec"]["containers"]
     assert trainer["volumeMounts"][-2:] == [
-        {"name": names.SOCKET_VOLUME, "mountPath": names.SOCKET_DIR},
+        {"name": names.SOCKET_VOLUME, "mountPath": agent_env.SOCKET_DIR},
         {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR},
     ]
     assert trainer["volumeMounts"][0] == {"name": "data", "mountPath": "/data"}
-    assert env_of(trainer) == {"A": "1", "WEIGHTSYNC_SOCKET": names.SOCKET_PATH}
-    assert env_of(logger) == {"WEIGHTSYNC_SOCKET": names.SOCKET_PATH}
+    assert env_of(trainer) == {"A": "1", "WEIGHTSYNC_SOCKET": agent_env.SOCKET_PATH}
+    assert env_of(logger) == {"WEIGHTSYNC_SOCKET": agent_env.SOCKET_PATH}
     assert "readinessGates" not in patched["spec"]
     env = env_of(agent_of(patched))
     assert env["WEIGHTSYNC_ROLE"] == "source"
@@ -259,7 +260,15 @@ def test_sink_agent_gets_the_entry_engine_options_as_json() -> None:
         spec__inference__0__pauseMode="Keep",
         spec__inference__0__flushCache=False,
     )
-    options = EngineOptions.model_validate_json(env_of(agent_of(patched))[ENGINE_OPTIONS_ENV])
+    options = EngineOptions.model_validate_json(env_of(agent_of(patched))[agent_env.ENGINE_OPTIONS])
     assert options == EngineOptions(pause_mode=PauseMode.KEEP, flush_cache=False)
     _, trainer = inject(pod("trainer-0").build(), Role.SOURCE)
-    assert ENGINE_OPTIONS_ENV not in env_of(agent_of(trainer))
+    assert agent_env.ENGINE_OPTIONS not in env_of(agent_of(trainer))
+
+
+@pytest.mark.parametrize("role", [Role.SOURCE, Role.SINK])
+def test_the_sidecar_gets_only_variables_of_the_agent_env_contract(role: Role) -> None:
+    _, patched = inject(pod("p").build(), role)
+    names_written = set(env_of(agent_of(patched)))
+    assert names_written <= {*agent_env.SETTINGS, agent_env.POD_IP}
+    assert agent_env.ROLE in names_written

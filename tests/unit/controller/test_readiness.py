@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.controller.builders import agent, pod, sink_view
+from weightsync.api import reasons
 from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller import reasons
 from weightsync.controller.readiness import Current, current_version, decide, gate_changes
 from weightsync.controller.workloads import pod_view
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
+from weightsync.api import reasons
 from weightsync.api.control import (
     AgentStatus,
     GenerationState,
@@ -17,7 +18,7 @@ from weightsync.api.control import (
     RecoveryStatus,
 )
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller import metrics, reasons
+from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.readiness import Current
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries

@@ -5,11 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from tests.unit.controller.builders import agent, round_report, sink_view, source_view, sync
-from weightsync.api import find_condition
-from weightsync.api import reasons as api_reasons
+from weightsync.api import find_condition, reasons
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role, WeightSyncStatus
-from weightsync.controller import reasons
 from weightsync.controller.plan import desired_members, slots
 from weightsync.controller.readiness import Current
 from weightsync.controller.status import (
@@ -63,10 +61,10 @@ def conditions(status: WeightSyncStatus) -> dict[str, tuple[str, str]]:
 def test_a_warm_group_before_the_first_version() -> None:
     status = observed_status(WeightSyncStatus(), observe(warm_group(), current=None), NOW)
     assert conditions(status) == {
-        "Ready": ("True", api_reasons.AWAITING_FIRST_VERSION),
-        "Prewarmed": ("True", api_reasons.GROUP_WARM),
-        "Syncing": ("False", api_reasons.IDLE),
-        "Degraded": ("False", api_reasons.AS_EXPECTED),
+        "Ready": ("True", reasons.AWAITING_FIRST_VERSION),
+        "Prewarmed": ("True", reasons.GROUP_WARM),
+        "Syncing": ("False", reasons.IDLE),
+        "Degraded": ("False", reasons.AS_EXPECTED),
     }
     assert [c.type for c in status.conditions] == ["Ready", "Prewarmed", "Syncing", "Degraded"]
     assert status.group_generation == 2
@@ -82,7 +80,7 @@ def test_a_warm_group_before_the_first_version() -> None:
 
 def test_after_a_round_every_sink_current() -> None:
     status = observed_status(WeightSyncStatus(), observe(warm_group(4, 4), current=4), NOW)
-    assert conditions(status)["Ready"] == ("True", api_reasons.ALL_MEMBERS_CURRENT)
+    assert conditions(status)["Ready"] == ("True", reasons.ALL_MEMBERS_CURRENT)
     assert status.current_version == 4
     assert [m.version for m in status.members] == [4, 4, 4]
     assert status.last_round is not None
@@ -95,14 +93,14 @@ def test_a_sink_behind_and_a_cold_member() -> None:
     statuses = warm_group(4, 4)
     statuses["e-2"] = agent("e-2", generations={2: (GenerationState.FORMING, 2)}, engine_version=3)
     status = observed_status(WeightSyncStatus(), observe(statuses, current=4), NOW)
-    assert conditions(status)["Ready"] == ("False", api_reasons.MEMBERS_BEHIND)
-    assert conditions(status)["Prewarmed"] == ("False", api_reasons.WARMING)
+    assert conditions(status)["Ready"] == ("False", reasons.MEMBERS_BEHIND)
+    assert conditions(status)["Prewarmed"] == ("False", reasons.WARMING)
     timed_out = observed_status(
         WeightSyncStatus(), observe(statuses, current=4, prewarm_timed_out=True), NOW
     )
     prewarmed = find_condition(timed_out.conditions, "Prewarmed")
     assert prewarmed is not None
-    assert prewarmed.reason == api_reasons.PREWARM_TIMED_OUT
+    assert prewarmed.reason == reasons.PREWARM_TIMED_OUT
     assert "cold ranks: 2" in prewarmed.message
 
 
@@ -113,7 +111,7 @@ def test_waiting_for_members_counts_every_live_inference_pod() -> None:
     status = observed_status(WeightSyncStatus(), observe(statuses, current=None, pods=pods), NOW)
     ready = find_condition(status.conditions, "Ready")
     assert ready is not None
-    assert (ready.status.value, ready.reason) == ("False", api_reasons.WAITING_FOR_MEMBERS)
+    assert (ready.status.value, ready.reason) == ("False", reasons.WAITING_FOR_MEMBERS)
     assert ready.message.startswith("2 of 3 ranks")
 
 
@@ -133,14 +131,14 @@ def test_degraded_for_missing_sidecars_failed_rounds_and_refused_plans() -> None
         last_round=round_report(5, ok=False, reason="peer_failed"),
     )  # fmt: skip
     status = observed_status(WeightSyncStatus(), observe(statuses, current=4), NOW)
-    assert conditions(status)["Degraded"] == ("True", api_reasons.ROUND_FAILED)
+    assert conditions(status)["Degraded"] == ("True", reasons.ROUND_FAILED)
     assert status.last_round is None  # a failed round is not a completed one
 
     refused = observe(warm_group(), current=None, plan_errors={"e-1": "HTTP 409 plan_rejected"})
     status = observed_status(WeightSyncStatus(), refused, NOW)
     degraded = find_condition(status.conditions, "Degraded")
     assert degraded is not None
-    assert degraded.reason == api_reasons.MEMBER_FAILED
+    assert degraded.reason == reasons.MEMBER_FAILED
     assert "HTTP 409" in degraded.message
 
 
@@ -148,17 +146,17 @@ def test_syncing_while_the_source_reports_a_round() -> None:
     statuses = warm_group(4, 4)
     statuses["trainer-0"] = statuses["trainer-0"].model_copy(update={"round_in_progress": True})
     status = observed_status(WeightSyncStatus(), observe(statuses, current=4), NOW)
-    assert conditions(status)["Syncing"] == ("True", api_reasons.ROUND_IN_PROGRESS)
+    assert conditions(status)["Syncing"] == ("True", reasons.ROUND_IN_PROGRESS)
 
 
 def test_transition_times_move_only_on_flips_and_events_follow_changes() -> None:
     first = observed_status(WeightSyncStatus(), observe(warm_group(), current=None), NOW)
     events = transition_events(WeightSyncStatus(), first)
     assert {(e.type, e.reason) for e in events} == {
-        ("Normal", api_reasons.AWAITING_FIRST_VERSION),
-        ("Normal", api_reasons.GROUP_WARM),
-        ("Normal", api_reasons.IDLE),
-        ("Normal", api_reasons.AS_EXPECTED),
+        ("Normal", reasons.AWAITING_FIRST_VERSION),
+        ("Normal", reasons.GROUP_WARM),
+        ("Normal", reasons.IDLE),
+        ("Normal", reasons.AS_EXPECTED),
     }
     later = NOW + timedelta(minutes=1)
     second = observed_status(first, observe(warm_group(4, 4), current=4), later)
@@ -169,7 +167,7 @@ def test_transition_times_move_only_on_flips_and_events_follow_changes() -> None
     assert ready_after.last_transition_time == ready_before.last_transition_time  # still True
     events = transition_events(first, second)
     assert [(e.type, e.reason) for e in events] == [
-        ("Normal", api_reasons.ALL_MEMBERS_CURRENT),
+        ("Normal", reasons.ALL_MEMBERS_CURRENT),
         ("Normal", reasons.VERSION_SYNCED),
     ]
     assert (
@@ -182,22 +180,22 @@ def test_transition_times_move_only_on_flips_and_events_follow_changes() -> None
 
 def test_a_problem_sets_ready_false_keeps_the_rest_and_warns() -> None:
     first = observed_status(WeightSyncStatus(), observe(warm_group(4, 4), current=4), NOW)
-    message = api_reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name="engine-b")
-    broken = problem_status(first, 4, api_reasons.DEPLOYMENT_NOT_FOUND, message, NOW)
-    assert conditions(broken)["Ready"] == ("False", api_reasons.DEPLOYMENT_NOT_FOUND)
+    message = reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name="engine-b")
+    broken = problem_status(first, 4, reasons.DEPLOYMENT_NOT_FOUND, message, NOW)
+    assert conditions(broken)["Ready"] == ("False", reasons.DEPLOYMENT_NOT_FOUND)
     assert conditions(broken)["Prewarmed"] == conditions(first)["Prewarmed"]
     assert broken.members == first.members
     assert broken.observed_generation == 4
     (event,) = transition_events(first, broken)
-    assert (event.type, event.reason) == ("Warning", api_reasons.DEPLOYMENT_NOT_FOUND)
+    assert (event.type, event.reason) == ("Warning", reasons.DEPLOYMENT_NOT_FOUND)
     assert "engine-b" in event.message
 
-    fresh = problem_status(WeightSyncStatus(), 1, api_reasons.TRAINER_NOT_FOUND, "gone", NOW)
+    fresh = problem_status(WeightSyncStatus(), 1, reasons.TRAINER_NOT_FOUND, "gone", NOW)
     assert conditions(fresh) == {
-        "Ready": ("False", api_reasons.TRAINER_NOT_FOUND),
-        "Prewarmed": ("False", api_reasons.TRAINER_NOT_FOUND),
-        "Syncing": ("False", api_reasons.TRAINER_NOT_FOUND),
-        "Degraded": ("False", api_reasons.TRAINER_NOT_FOUND),
+        "Ready": ("False", reasons.TRAINER_NOT_FOUND),
+        "Prewarmed": ("False", reasons.TRAINER_NOT_FOUND),
+        "Syncing": ("False", reasons.TRAINER_NOT_FOUND),
+        "Degraded": ("False", reasons.TRAINER_NOT_FOUND),
     }
     (event,) = transition_events(WeightSyncStatus(), fresh)
     assert event.type == "Warning"
@@ -210,7 +208,7 @@ def test_a_failed_pod_left_behind_is_not_waited_for() -> None:
     status = observed_status(
         WeightSyncStatus(), observe(warm_group(4, 4), current=4, pods=pods), NOW
     )
-    assert conditions(status)["Ready"] == ("True", api_reasons.ALL_MEMBERS_CURRENT)
+    assert conditions(status)["Ready"] == ("True", reasons.ALL_MEMBERS_CURRENT)
 
 
 def test_agents_that_refuse_the_token_make_the_sync_degraded() -> None:

@@ -1,0 +1,57 @@
+"""The agent's environment: the contract between the webhook that writes it
+(`controller.injection`) and the agent that reads it (`agent.settings`: variable
+`WEIGHTSYNC_FOO_BAR` is the settings field `foo_bar`). The Publisher reads `SOCKET` too."""
+
+from __future__ import annotations
+
+from typing import Final
+
+PREFIX: Final = "WEIGHTSYNC_"
+
+# Where the sidecar listens for the Publisher: an emptyDir both containers mount.
+SOCKET_DIR: Final = "/var/run/weightsync"
+SOCKET_PATH: Final = f"{SOCKET_DIR}/agent.sock"
+
+
+def env_name(field: str) -> str:
+    """The variable of the settings field `field`."""
+    return PREFIX + field.upper()
+
+
+ROLE: Final = env_name("role")
+POD_NAME: Final = env_name("pod_name")
+HTTP_HOST: Final = env_name("http_host")
+HTTP_PORT: Final = env_name("http_port")
+METRICS_PORT: Final = env_name("metrics_port")
+TOKEN_FILE: Final = env_name("token_file")
+SOCKET: Final = env_name("socket")
+DEVICE: Final = env_name("device")
+LOG_LEVEL: Final = env_name("log_level")
+P2P_PROTOCOL: Final = env_name("p2p_protocol")
+HOLDER: Final = env_name("holder")
+ENGINE: Final = env_name("engine")
+ENGINE_URL: Final = env_name("engine_url")
+ENGINE_OPTIONS: Final = env_name("engine_options")  # JSON: the entry's EngineOptions
+ENGINE_LOADED_BY_PEER: Final = env_name("engine_loaded_by_peer")
+
+# Not a setting: the pod IP from the downward API, which HTTP_HOST and ENGINE_URL expand.
+POD_IP: Final = env_name("pod_ip")
+
+# Every variable the webhook may write that the agent reads as a setting.
+SETTINGS: Final = (
+    ROLE,
+    POD_NAME,
+    HTTP_HOST,
+    HTTP_PORT,
+    METRICS_PORT,
+    TOKEN_FILE,
+    SOCKET,
+    DEVICE,
+    LOG_LEVEL,
+    P2P_PROTOCOL,
+    HOLDER,
+    ENGINE,
+    ENGINE_URL,
+    ENGINE_OPTIONS,
+    ENGINE_LOADED_BY_PEER,
+)

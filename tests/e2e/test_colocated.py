@@ -1,6 +1,7 @@
 """Colocated mode end to end: the operator names the engine on the trainer's node in the
 source agent's plan, and the hand-off reaches it through the shared slots (shared memory
-here, CUDA IPC on GPUs); a replaced engine pod is named in the next generation.
+here, CUDA IPC on GPUs); a restarted operator keeps that choice; a replaced engine pod is
+named in the next generation.
 
 Real operator, webhook (hostIPC, node-local directory, affinity to the trainer's node),
 scheduler, and agents, reference engine and trainer as containers on the real node.
@@ -71,6 +72,19 @@ def test_the_colocated_engine_is_synced_through_the_plan_and_followed_when_repla
         lambda: ready(cluster, namespace, "engine", 1), timeout=Timeouts.ROUND, message="Ready"
     )
     assert engine_digest(serving, ENGINE_PORT) == trainer_digest(ip)  # bit-identical
+
+    # A restarted operator reads its engine choice back from the source agent: the group
+    # is not planned again (nor moved to another engine), and rounds go on in it.
+    operator.stop()
+    operator.start()
+    eventually(
+        lambda: operator.passes() >= 3, timeout=Timeouts.API, message="3 passes after restart"
+    )
+    assert sync_status(cluster, namespace)["groupGeneration"] == first
+    result = step(ip)
+    assert result["ok"], result
+    assert result["generation"] == first
+    assert engine_digest(serving, ENGINE_PORT) == trainer_digest(ip)
 
     # The engine's pod is replaced: the new one lands on the trainer's node, planned in.
     replace_pod(cluster, engine)

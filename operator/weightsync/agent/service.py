@@ -157,6 +157,7 @@ class Agent:
         call to a possibly frozen engine."""
         engine = self.watch.status() if self.watch is not None else None
         active = self.generations.active() or self.generations.newest_usable()
+        plan = self.generations.newest_plan()
         return AgentStatus(
             pod=self.settings.pod_name,
             role=self.settings.role,
@@ -171,6 +172,7 @@ class Agent:
             recovery=self.recovery.status() if self.recovery is not None else None,
             holding=self.holder.held_version,
             holding_lineage=self.holder.held_lineage,
+            local_engine=plan.local_engine.pod if plan and plan.local_engine else None,
         )
 
     # ---------------------------------------------------------------- recovery

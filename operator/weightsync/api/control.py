@@ -214,6 +214,9 @@ class AgentStatus(_Message):
     recovery: RecoveryStatus | None = None
     holding: int | None = None  # the version held for P2P pulls; None when none
     holding_lineage: str | None = None
+    # Colocated: the pod whose engine the newest plan has this agent load. The operator
+    # reads its engine choice back from here, so a restart keeps it.
+    local_engine: str | None = None
 
 
 class Holding(_Message):

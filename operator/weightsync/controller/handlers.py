@@ -6,7 +6,7 @@
 * a timer per WeightSync -> the same pass, for drift and for polling the agents.
 * pod events (labelled pods only: the watch itself is filtered server-side) -> a pass
   for the WeightSync that selects the pod (all of the namespace's if it carries no
-  sync label yet); passes coalesce, so a burst of pod updates costs one or two.
+  sync label yet); passes coalesce (`scheduling`), so a burst costs one or two.
 * delete -> open the readiness gates the WeightSync held (the finalizer's job).
 * admission -> `admission.inject` and `admission.claim_errors`.
 """
@@ -50,8 +50,8 @@ class Runtime:
         return not self.namespaces or namespace in self.namespaces
 
 
-def _raise_for(result: Result | None, retry_seconds: float) -> None:
-    if result is None or result.outcome in (Outcome.OK, Outcome.GONE):
+def _raise_for(result: Result, retry_seconds: float) -> None:
+    if result.outcome in (Outcome.OK, Outcome.GONE):
         return
     if result.outcome is Outcome.WAITING:
         raise kopf.TemporaryError(result.message, delay=retry_seconds)

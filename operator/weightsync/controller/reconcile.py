@@ -25,14 +25,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
 
-from weightsync.api import ConditionType, find_condition, parse_weightsync, reasons
+from weightsync.api import parse_weightsync, reasons
 from weightsync.api.base import utc_now
 from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
@@ -40,24 +40,19 @@ from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics, tokens
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.generations import Planner
 from weightsync.controller.kube import Kube
+from weightsync.controller.memory import Memory
 from weightsync.controller.plan import (
-    Desired,
     Slot,
-    build_plans,
-    cold_members,
     desired_members,
-    needs_new_generation,
-    next_generation,
-    slots,
 )
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.readiness import Current, current_version
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
-from weightsync.controller.recovery import Tracker
+from weightsync.controller.scheduling import PassScheduler
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.status import (
-    EventSpec,
     Observation,
     observed_status,
     problem_status,
@@ -71,7 +66,6 @@ from weightsync.controller.workloads import (
 
 log = logging.getLogger(__name__)
 
-PLAN_FAILURE_COOLDOWN_SECONDS = 10.0  # a pod that refused a plan sits out this long
 RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery running
 
 Problem = tuple[str, str]  # (reason, message) for Ready=False
@@ -90,21 +84,6 @@ class Result:
     message: str = ""
 
 
-@dataclass
-class Memory:
-    """Soft per-WeightSync state; losing it (a restart) costs at most a slower timeout."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    dirty: bool = False
-    planned_at: dict[int, float] = field(default_factory=dict)
-    cooldown: dict[str, float] = field(default_factory=dict)  # pod uid -> monotonic deadline
-    recoveries: dict[str, Tracker] = field(default_factory=dict)  # by pod uid
-    poll_soon: bool = False  # the last pass left a recovery in flight
-    poll: asyncio.Task[None] | None = None  # the pending follow-up pass
-    planned_engine: str | None = None  # Colocated: the engine pod the planned group feeds
-    token_written_for: str | None = None  # the WeightSync uid whose token Secret was applied
-
-
 def stored_status(raw: Mapping[str, Any]) -> WeightSyncStatus:
     """The stored status, or an empty one if it does not parse (then it is rewritten whole)."""
     try:
@@ -120,7 +99,7 @@ def _created(raw: Mapping[str, Any]) -> tuple[str, str]:
 
 
 class Reconciler:
-    """Runs passes, one at a time per WeightSync, coalescing requests that arrive meanwhile."""
+    """Runs passes, one at a time per WeightSync (`scheduling`), and follows recoveries up."""
 
     def __init__(
         self,
@@ -136,6 +115,8 @@ class Reconciler:
         self.token_key = token_key
         self.post_event = post_event
         self._memory: dict[tuple[str, str], Memory] = {}
+        self.planner = Planner(agents, settings, post_event)
+        self._scheduler: PassScheduler[tuple[str, str], Result] = PassScheduler(self._measured)
         # Pods admitted meanwhile may have met no webhook of ours (`pods_to_recreate`).
         started = utc_now()
         self.webhook_settling = (
@@ -147,6 +128,7 @@ class Reconciler:
         memory = self._memory.pop((namespace, name), None)
         if memory is not None and memory.poll is not None:
             memory.poll.cancel()
+        self._scheduler.forget((namespace, name))
         metrics.forget(namespace, name)
 
     def _poll_later(self, namespace: str, name: str, memory: Memory) -> None:
@@ -164,32 +146,28 @@ class Reconciler:
         except Exception:
             log.exception("follow-up pass of %s/%s failed", namespace, name)
 
-    async def run(self, namespace: str, name: str) -> Result | None:
-        """One pass (or more, if asked again meanwhile); None if another caller's pass runs."""
-        memory = self._memory.setdefault((namespace, name), Memory())
-        if memory.lock.locked():
-            memory.dirty = True
-            return None
-        async with memory.lock:
-            while True:
-                memory.dirty = False
-                memory.poll_soon = False
-                started = time.perf_counter()
-                try:
-                    result = await self._pass(namespace, name, memory)
-                except Exception:
-                    metrics.RECONCILES.labels("error").inc()
-                    raise
-                finally:
-                    metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
-                metrics.RECONCILES.labels(result.outcome.value).inc()
-                if result.outcome is Outcome.GONE:
-                    self._memory.pop((namespace, name), None)  # a pod event named it late
-                    return result
-                if not memory.dirty:
-                    if memory.poll_soon:
-                        self._poll_later(namespace, name, memory)
-                    return result
+    async def run(self, namespace: str, name: str) -> Result:
+        """The result of a pass that started after this call (see `scheduling`)."""
+        return await self._scheduler.run((namespace, name))
+
+    async def _measured(self, key: tuple[str, str]) -> Result:
+        namespace, name = key
+        memory = self._memory.setdefault(key, Memory())
+        memory.poll_soon = False
+        started = time.perf_counter()
+        try:
+            result = await self._pass(namespace, name, memory)
+        except Exception:
+            metrics.RECONCILES.labels("error").inc()
+            raise
+        finally:
+            metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+        metrics.RECONCILES.labels(result.outcome.value).inc()
+        if result.outcome is Outcome.GONE:
+            self._memory.pop(key, None)  # a pod event named it late
+        elif memory.poll_soon:
+            self._poll_later(namespace, name, memory)
+        return result
 
     # -- the pass --------------------------------------------------------------------
 
@@ -236,18 +214,28 @@ class Reconciler:
         )
         excluded |= recovering.held_out
         previous = [Slot(m.rank, m.pod, m.role) for m in old.members]
+        # Colocated: the engine pod the planned group feeds, as its source agent says.
+        planned_source = next((s.pod for s in previous if s.role is Role.SOURCE), None)
+        source_status = statuses.get(planned_source) if planned_source else None
+        planned_engine = source_status.local_engine if source_status else None
         desired = desired_members(
             spec,
             pods,
             statuses.keys(),
             previous,
             excluded=excluded,
-            previous_engine=memory.planned_engine,
+            previous_engine=planned_engine,
         )
-        planned, planned_generation, plan_errors = await self._plan(
-            raw, sync, (old, previous), desired, statuses, token=token, memory=memory
+        planned, planned_generation, plan_errors = await self.planner.plan(
+            raw,
+            sync,
+            (old, previous, planned_engine),
+            desired,
+            statuses,
+            token=token,
+            memory=memory,
         )
-        timed_out = self._prewarm_timed_out(
+        timed_out = self.planner.prewarm_timed_out(
             sync, (planned, planned_generation), statuses, pods, memory
         )
 
@@ -362,131 +350,6 @@ class Reconciler:
             for p in pods
             if p.has_agent and p.ip and p.running and not p.terminating
         ]
-
-    async def _plan(
-        self,
-        raw: Mapping[str, Any],
-        sync: WeightSync,
-        stored: tuple[WeightSyncStatus, list[Slot]],
-        desired: Desired,
-        statuses: Mapping[str, AgentStatus],
-        *,
-        token: str,
-        memory: Memory,
-    ) -> tuple[list[Slot], int | None, dict[str, str]]:
-        """Plan a new generation if the group must change: (slots, generation, refusals).
-        `stored`: the status as read, and the slots of the generation it records."""
-        old, planned = stored
-        # Prewarmed is written only by passes that planned (or kept) a group, so its
-        # observedGeneration is the spec generation the current group was planned from.
-        prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)
-        generation = int(raw["metadata"].get("generation") or 0)
-        older_spec = prewarmed is not None and prewarmed.observed_generation != generation
-        if not needs_new_generation(
-            desired,
-            planned,
-            old.group_generation,
-            statuses,
-            planned_from_older_spec=older_spec,
-            planned_engine=memory.planned_engine,
-        ):
-            return planned, old.group_generation, {}
-        number = next_generation(old.group_generation, statuses)
-        errors = await self._deliver(
-            raw, sync, generation=number, desired=desired, token=token, memory=memory
-        )
-        memory.planned_engine = desired.engine_pod
-        memory.planned_at = {number: time.monotonic()}  # older ones no longer matter
-        return list(slots(desired.members)), number, errors
-
-    async def _deliver(
-        self,
-        raw: Mapping[str, Any],
-        sync: WeightSync,
-        *,
-        generation: int,
-        desired: Desired,
-        token: str,
-        memory: Memory,
-    ) -> dict[str, str]:
-        meta = raw["metadata"]
-        members = desired.members
-        plans = build_plans(
-            sync_name=f"{meta['namespace']}/{meta['name']}",
-            spec=sync.spec,
-            generation=generation,
-            members=members,
-            rendezvous_port=self.settings.rendezvous_port,
-            engine=desired.engine,
-        )
-        deliveries = {
-            pod.name: (
-                AgentAddress(
-                    pod.name, pod.ip or "", pod.agent_port or self.settings.agent_http_port
-                ),
-                plan,
-            )
-            for pod, plan in zip(members, plans, strict=True)
-        }
-        errors = await self.agents.deliver(deliveries, token)
-        metrics.GENERATIONS_PLANNED.inc()
-        log.info(
-            "%s/%s: planned generation %d with %d ranks (%d refused)",
-            meta["namespace"], meta["name"], generation, len(members), len(errors),
-        )  # fmt: skip
-        self.post_event(
-            raw,
-            EventSpec(
-                "Normal",
-                reasons.GENERATION_PLANNED,
-                reasons.GENERATION_PLANNED_MESSAGE.format(
-                    generation=generation,
-                    count=len(members),
-                    pods=", ".join(p.name for p in members),
-                ),
-            ),
-        )
-        deadline = time.monotonic() + PLAN_FAILURE_COOLDOWN_SECONDS
-        for pod in members:
-            if pod.name in errors:
-                if pod.role is not Role.SOURCE:  # the only source never sits out
-                    memory.cooldown[pod.uid] = deadline
-                self.post_event(
-                    raw,
-                    EventSpec(
-                        "Warning",
-                        reasons.PLAN_REJECTED,
-                        reasons.PLAN_REJECTED_MESSAGE.format(
-                            pod=pod.name, generation=generation, error=errors[pod.name]
-                        ),
-                    ),
-                )
-        return errors
-
-    @staticmethod
-    def _prewarm_timed_out(
-        sync: WeightSync,
-        group: tuple[list[Slot], int | None],
-        statuses: Mapping[str, AgentStatus],
-        pods: list[PodView],
-        memory: Memory,
-    ) -> bool:
-        """Whether the planned generation is past its pre-warm timeout; cold pods cool down."""
-        planned, generation = group
-        if generation is None or not planned or not sync.spec.prewarm.enabled:
-            return False
-        now = time.monotonic()
-        since = memory.planned_at.setdefault(generation, now)
-        if now - since < sync.spec.prewarm.timeout_seconds:
-            return False
-        cold = cold_members(planned, generation, statuses)
-        uids = {p.name: p.uid for p in pods}
-        for slot in cold:
-            # The source never cools down: without it no generation could be planned at
-            # all, and the trainer would wait on a group that never forms.
-            if slot.pod in uids and slot.role is not Role.SOURCE:
-                memory.cooldown[uids[slot.pod]] = now + sync.spec.prewarm.timeout_seconds
-        return bool(cold)
 
     async def _problem(
         self, raw: Mapping[str, Any], old: WeightSyncStatus, generation: int, problem: Problem

@@ -97,8 +97,7 @@ def test_input_list_is_not_modified() -> None:
 
 def test_set_conditions_stamps_one_generation_on_all() -> None:
     updates = [
-        ConditionUpdate(kind, ConditionStatus.UNKNOWN, "Reconciling")
-        for kind in ConditionType
+        ConditionUpdate(kind, ConditionStatus.UNKNOWN, "Reconciling") for kind in ConditionType
     ]
     conditions = set_conditions([], updates, observed_generation=5, now=T0)
     assert [c.type for c in conditions] == ["Ready", "Prewarmed", "Syncing", "Degraded"]

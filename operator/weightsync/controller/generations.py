@@ -1,0 +1,169 @@
+"""Group generations: when the operator plans a new one, delivering its plans, and the
+pre-warm timeout that benches members that never warmed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from weightsync.api import ConditionType, find_condition, reasons
+from weightsync.api.control import AgentStatus
+from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
+from weightsync.controller import metrics
+from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.memory import Memory
+from weightsync.controller.plan import (
+    Desired,
+    Slot,
+    build_plans,
+    cold_members,
+    needs_new_generation,
+    next_generation,
+    slots,
+)
+from weightsync.controller.pods import EventPoster
+from weightsync.controller.settings import OperatorSettings
+from weightsync.controller.status import EventSpec
+from weightsync.controller.workloads import PodView
+
+log = logging.getLogger(__name__)
+
+PLAN_FAILURE_COOLDOWN_SECONDS = 10.0  # a pod that refused a plan sits out this long
+
+
+class Planner:
+    """Plans and delivers generations for the reconcile pass."""
+
+    def __init__(
+        self, agents: AgentClient, settings: OperatorSettings, post_event: EventPoster
+    ) -> None:
+        self.agents = agents
+        self.settings = settings
+        self.post_event = post_event
+
+    async def plan(
+        self,
+        raw: Mapping[str, Any],
+        sync: WeightSync,
+        stored: tuple[WeightSyncStatus, list[Slot], str | None],
+        desired: Desired,
+        statuses: Mapping[str, AgentStatus],
+        *,
+        token: str,
+        memory: Memory,
+    ) -> tuple[list[Slot], int | None, dict[str, str]]:
+        """Plan a new generation if the group must change: (slots, generation, refusals).
+        `stored`: the status as read, the slots of the generation it records, and the
+        Colocated engine that generation feeds."""
+        old, planned, planned_engine = stored
+        # Prewarmed is written only by passes that planned (or kept) a group, so its
+        # observedGeneration is the spec generation the current group was planned from.
+        prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)
+        generation = int(raw["metadata"].get("generation") or 0)
+        older_spec = prewarmed is not None and prewarmed.observed_generation != generation
+        if not needs_new_generation(
+            desired,
+            planned,
+            old.group_generation,
+            statuses,
+            planned_from_older_spec=older_spec,
+            planned_engine=planned_engine,
+        ):
+            return planned, old.group_generation, {}
+        number = next_generation(old.group_generation, statuses)
+        errors = await self._deliver(
+            raw, sync, generation=number, desired=desired, token=token, memory=memory
+        )
+        memory.planned_at = {number: time.monotonic()}  # older ones no longer matter
+        return list(slots(desired.members)), number, errors
+
+    async def _deliver(
+        self,
+        raw: Mapping[str, Any],
+        sync: WeightSync,
+        *,
+        generation: int,
+        desired: Desired,
+        token: str,
+        memory: Memory,
+    ) -> dict[str, str]:
+        meta = raw["metadata"]
+        members = desired.members
+        plans = build_plans(
+            sync_name=f"{meta['namespace']}/{meta['name']}",
+            spec=sync.spec,
+            generation=generation,
+            members=members,
+            rendezvous_port=self.settings.rendezvous_port,
+            engine=desired.engine,
+        )
+        deliveries = {
+            pod.name: (
+                AgentAddress(
+                    pod.name, pod.ip or "", pod.agent_port or self.settings.agent_http_port
+                ),
+                plan,
+            )
+            for pod, plan in zip(members, plans, strict=True)
+        }
+        errors = await self.agents.deliver(deliveries, token)
+        metrics.GENERATIONS_PLANNED.inc()
+        log.info(
+            "%s/%s: planned generation %d with %d ranks (%d refused)",
+            meta["namespace"], meta["name"], generation, len(members), len(errors),
+        )  # fmt: skip
+        self.post_event(
+            raw,
+            EventSpec(
+                "Normal",
+                reasons.GENERATION_PLANNED,
+                reasons.GENERATION_PLANNED_MESSAGE.format(
+                    generation=generation,
+                    count=len(members),
+                    pods=", ".join(p.name for p in members),
+                ),
+            ),
+        )
+        deadline = time.monotonic() + PLAN_FAILURE_COOLDOWN_SECONDS
+        for pod in members:
+            if pod.name in errors:
+                if pod.role is not Role.SOURCE:  # the only source never sits out
+                    memory.cooldown[pod.uid] = deadline
+                self.post_event(
+                    raw,
+                    EventSpec(
+                        "Warning",
+                        reasons.PLAN_REJECTED,
+                        reasons.PLAN_REJECTED_MESSAGE.format(
+                            pod=pod.name, generation=generation, error=errors[pod.name]
+                        ),
+                    ),
+                )
+        return errors
+
+    @staticmethod
+    def prewarm_timed_out(
+        sync: WeightSync,
+        group: tuple[list[Slot], int | None],
+        statuses: Mapping[str, AgentStatus],
+        pods: list[PodView],
+        memory: Memory,
+    ) -> bool:
+        """Whether the planned generation is past its pre-warm timeout; cold pods cool down."""
+        planned, generation = group
+        if generation is None or not planned or not sync.spec.prewarm.enabled:
+            return False
+        now = time.monotonic()
+        since = memory.planned_at.setdefault(generation, now)
+        if now - since < sync.spec.prewarm.timeout_seconds:
+            return False
+        cold = cold_members(planned, generation, statuses)
+        uids = {p.name: p.uid for p in pods}
+        for slot in cold:
+            # The source never cools down: without it no generation could be planned at
+            # all, and the trainer would wait on a group that never forms.
+            if slot.pod in uids and slot.role is not Role.SOURCE:
+                memory.cooldown[uids[slot.pod]] = now + sync.spec.prewarm.timeout_seconds
+        return bool(cold)

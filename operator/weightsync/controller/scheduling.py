@@ -1,0 +1,52 @@
+"""One reconcile pass at a time per WeightSync, and every caller gets a pass's result.
+
+kopf calls a handler per event, and pod events come in bursts: passes of one WeightSync
+must not overlap (they act on the same agents and status), and a burst should cost one
+or two passes, not one per event. A caller that arrives while a pass runs waits for the
+next pass, which starts after its request and serves everyone who arrived meanwhile;
+each gets that pass's result (or exception), so a handler never mistakes a coalesced
+request for a success. Retries are kopf's (the handler raises on the result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+
+
+@dataclass
+class _Lane(Generic[R]):
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    requested: int = 0  # requests so far
+    served: int = 0  # requests the last finished pass covers
+    result: R | None = None
+
+
+class PassScheduler(Generic[K, R]):
+    def __init__(self, run_pass: Callable[[K], Awaitable[R]]) -> None:
+        self._run_pass = run_pass
+        self._lanes: dict[K, _Lane[R]] = {}
+
+    async def run(self, key: K) -> R:
+        """A pass for `key` that started after this call, or its result."""
+        lane = self._lanes.setdefault(key, _Lane())
+        lane.requested += 1
+        ticket = lane.requested
+        async with lane.lock:
+            if lane.served >= ticket and lane.result is not None:
+                return lane.result  # a pass that started after our request has finished
+            covers = lane.requested
+            result = await self._run_pass(key)  # an exception reaches this caller only
+            lane.served, lane.result = covers, result
+            return result
+
+    def forget(self, key: K) -> None:
+        """Drop `key`'s bookkeeping (its object is gone); a later call starts afresh."""
+        lane = self._lanes.get(key)
+        if lane is not None and not lane.lock.locked():
+            del self._lanes[key]

@@ -44,6 +44,7 @@ from weightsync.api.v1alpha1 import Role, SyncMode, WeightSyncSpec
 from weightsync.controller.workloads import PodView
 
 HOLDING_STATES = frozenset({GenerationState.FORMING, GenerationState.WARM, GenerationState.ACTIVE})
+WARM_STATES = frozenset({GenerationState.WARM, GenerationState.ACTIVE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,14 +119,27 @@ def slots(members: Sequence[PodView]) -> tuple[Slot, ...]:
     return tuple(Slot(rank, pod.name, pod.role) for rank, pod in enumerate(members))
 
 
+def rank_state(
+    status: AgentStatus | None, generation: int | None, rank: int
+) -> GenerationState | None:
+    """The state an agent reports for `generation` at `rank`; None when it lists no such
+    generation at that rank (or does not answer). Every "warm at g, rank r" reads this."""
+    if status is None or generation is None:
+        return None
+    return next(
+        (g.state for g in status.generations if g.generation == generation and g.rank == rank),
+        None,
+    )
+
+
 def holds(status: AgentStatus | None, generation: int, rank: int) -> bool:
     """Whether an agent holds `generation` at `rank` in a state that can still serve."""
-    if status is None:
-        return False
-    return any(
-        g.generation == generation and g.rank == rank and g.state in HOLDING_STATES
-        for g in status.generations
-    )
+    return rank_state(status, generation, rank) in HOLDING_STATES
+
+
+def warm_at(status: AgentStatus | None, generation: int | None, rank: int) -> bool:
+    """Whether an agent has pre-warmed (or runs rounds in) `generation` at `rank`."""
+    return rank_state(status, generation, rank) in WARM_STATES
 
 
 def needs_new_generation(
@@ -161,14 +175,13 @@ def cold_members(
     their rank, not warm or active). One that does not list it never got the plan (a
     replaced pod, a restarted agent): it needs a new plan, not a cooldown. One that does
     not answer is unknown, not cold."""
-    warm = (GenerationState.WARM, GenerationState.ACTIVE)
     cold = []
     for slot in planned:
         status = statuses.get(slot.pod)
         if status is None:
             continue
-        listed = [g for g in status.generations if g.generation == generation]
-        if listed and not any(g.rank == slot.rank and g.state in warm for g in listed):
+        listed = any(g.generation == generation for g in status.generations)
+        if listed and not warm_at(status, generation, slot.rank):
             cold.append(slot)
     return cold
 

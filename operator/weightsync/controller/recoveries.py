@@ -24,7 +24,6 @@ from weightsync.controller.recovery import (
     Tracker,
     backoff_seconds,
     plan_recoveries,
-    record,
     start_refused,
 )
 from weightsync.controller.status import EventSpec
@@ -114,9 +113,8 @@ async def run_recoveries(
     held_out: set[str] = set()
     in_flight = False
     for decision in decisions:
-        tracker = trackers.setdefault(decision.pod.uid, Tracker())
-        _report(decision, tracker, post_event, raw)
-        record(decision, tracker, now)
+        tracker = trackers[decision.pod.uid] = decision.tracker
+        _report(decision, post_event, raw)
         if decision.step is Step.START and current.version is not None:
             pod = decision.pod
             address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
@@ -132,9 +130,7 @@ async def run_recoveries(
     return RecoveryPass(frozenset(held_out), in_flight=in_flight)
 
 
-def _report(
-    decision: Decision, tracker: Tracker, post_event: EventPoster, raw: Mapping[str, Any]
-) -> None:
+def _report(decision: Decision, post_event: EventPoster, raw: Mapping[str, Any]) -> None:
     finished = decision.finished
     if finished is None:
         return
@@ -144,7 +140,7 @@ def _report(
         retry = 0.0
     else:
         metrics.RECOVERIES.labels("failed").inc()
-        retry = backoff_seconds(tracker.failures + 1)
+        retry = backoff_seconds(decision.tracker.failures)
     post_event(raw, finished_event(decision.pod.name, finished, retry))
 
 

@@ -60,6 +60,20 @@ class Tracker:
     failed_holders: set[str] = field(default_factory=set)  # control URLs that failed it
     reported: int | None = None  # `started_at_unix_millis` of the last attempt reported
 
+    def after(self, finished: RecoveryStatus | None, now: float) -> Tracker:
+        """This tracker once the attempt that ended (`finished`, unreported) is counted."""
+        if finished is None:
+            return Tracker(self.failures, self.retry_at, set(self.failed_holders), self.reported)
+        if finished.state is RecoveryState.FAILED:
+            failures = self.failures + 1
+            return Tracker(
+                failures,
+                now + backoff_seconds(failures),
+                self.failed_holders | set(finished.holders_failed),
+                finished.started_at_unix_millis,
+            )
+        return Tracker(reported=finished.started_at_unix_millis)
+
 
 class Step(StrEnum):
     ADMIT = "admit"  # plan it as usual
@@ -74,6 +88,8 @@ class Decision:
     holders: tuple[str, ...] = ()  # for START: the control URLs to pull from
     finished: RecoveryStatus | None = None  # an attempt that ended and was not reported yet
     in_group: bool = False  # it recovers where it stands: not held out of the group
+    # The pod's tracker after this pass (`finished` counted): decided here, once.
+    tracker: Tracker = field(default_factory=Tracker)
 
 
 def enabled_for(spec: WeightSyncSpec, current: Current) -> bool:
@@ -164,50 +180,32 @@ def decide(
     tracker: Tracker | None,
     now: float,
 ) -> Decision:
-    """What to do about one joinable sink pod this pass (`holders`: who holds `current`)."""
-    if status is None:
-        return Decision(pod, Step.ADMIT)  # not answering: it is not planned anyway
-    finished = _unreported(status, tracker)
+    """What to do about one joinable sink pod this pass (`holders`: who holds `current`),
+    and what the pod's tracker becomes."""
+    before = tracker or Tracker()
+    if status is None:  # not answering: it is not planned anyway
+        return Decision(pod, Step.ADMIT, tracker=before.after(None, now))
+    finished = _unreported(status, before)
+    after = before.after(finished, now)
     if not behind(status, current):
-        return Decision(pod, Step.ADMIT, finished=finished)
+        return Decision(pod, Step.ADMIT, finished=finished, tracker=after)
     in_group = in_usable_generation(status)
     recovery = status.recovery
-    if recovery is not None and recovery.state in (RecoveryState.PENDING, RecoveryState.RUNNING):
-        return Decision(pod, Step.WAIT, in_group=in_group)
-    failures = (tracker.failures if tracker else 0) + (
-        1 if finished is not None and finished.state is RecoveryState.FAILED else 0
+    running = recovery is not None and recovery.state in (
+        RecoveryState.PENDING,
+        RecoveryState.RUNNING,
     )
-    retry_at = tracker.retry_at if tracker else 0.0
-    if finished is not None and finished.state is RecoveryState.FAILED:
-        retry_at = now + backoff_seconds(failures)
-    if now < retry_at:
-        return Decision(pod, Step.WAIT, finished=finished, in_group=in_group)
+    if running or now < after.retry_at:
+        return Decision(pod, Step.WAIT, finished=finished, in_group=in_group, tracker=after)
     if not holders:
-        return Decision(pod, Step.ADMIT, finished=finished)
-    failed = set(tracker.failed_holders) if tracker else set()
-    if finished is not None:
-        failed |= set(finished.holders_failed)
-    fresh = tuple(url for url in holders if url not in failed)
+        return Decision(pod, Step.ADMIT, finished=finished, tracker=after)
+    fresh = tuple(url for url in holders if url not in after.failed_holders)
+    if not fresh:  # every holder failed once: all get another chance
+        after.failed_holders.clear()
+        fresh = tuple(holders)
     return Decision(
-        pod, Step.START, holders=fresh or tuple(holders), finished=finished, in_group=in_group
+        pod, Step.START, holders=fresh, finished=finished, in_group=in_group, tracker=after
     )
-
-
-def record(decision: Decision, tracker: Tracker, now: float) -> None:
-    """Fold what a decision saw into the pod's tracker (after its Events were posted)."""
-    finished = decision.finished
-    if finished is not None:
-        tracker.reported = finished.started_at_unix_millis
-        if finished.state is RecoveryState.FAILED:
-            tracker.failures += 1
-            tracker.retry_at = now + backoff_seconds(tracker.failures)
-            tracker.failed_holders |= set(finished.holders_failed)
-        else:
-            tracker.failures = 0
-            tracker.retry_at = 0.0
-            tracker.failed_holders.clear()
-    if decision.step is Step.START and not (set(decision.holders) - tracker.failed_holders):
-        tracker.failed_holders.clear()  # every holder failed once: all get another chance
 
 
 def start_refused(tracker: Tracker, now: float) -> None:

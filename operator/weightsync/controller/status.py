@@ -30,7 +30,7 @@ from weightsync.api.v1alpha1 import (
     WeightSyncSpec,
     WeightSyncStatus,
 )
-from weightsync.controller.plan import Desired, Slot
+from weightsync.controller.plan import Desired, Slot, warm_at
 from weightsync.controller.readiness import Current, served_version
 from weightsync.controller.workloads import PodView
 
@@ -108,17 +108,6 @@ def problem_status(
     )
 
 
-def _warm(status: AgentStatus | None, generation: int | None, rank: int) -> bool:
-    if status is None or generation is None:
-        return False
-    return any(
-        g.generation == generation
-        and g.rank == rank
-        and g.state in (GenerationState.WARM, GenerationState.ACTIVE)
-        for g in status.generations
-    )
-
-
 def members(
     planned: Sequence[Slot],
     generation: int | None,
@@ -140,7 +129,7 @@ def members(
                 rank=slot.rank,
                 node=pod.node if pod is not None else None,
                 version=version,
-                warm=_warm(status, generation, slot.rank),
+                warm=warm_at(status, generation, slot.rank),
             )
         )
     return result

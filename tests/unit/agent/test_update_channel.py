@@ -13,6 +13,7 @@ import torch
 from aiohttp.test_utils import TestServer
 
 from weightsync.engines.reference.adapter import ReferenceEngineAdapter
+from weightsync.engines.reference.arenas import BucketPlan
 from weightsync.engines.reference.channel import (
     BeginRequest,
     FinishRequest,
@@ -20,7 +21,7 @@ from weightsync.engines.reference.channel import (
     UpdateChannelClient,
     UpdateChannelServer,
 )
-from weightsync.engines.reference.engine import BucketPlan, ReferenceEngine, tensor_digest
+from weightsync.engines.reference.engine import ReferenceEngine, tensor_digest
 from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
 from weightsync.engines.reference.server import make_app
 from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views

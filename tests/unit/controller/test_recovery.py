@@ -29,7 +29,6 @@ from weightsync.controller.recovery import (
     behind,
     holders_of,
     plan_recoveries,
-    record,
 )
 from weightsync.controller.status import EventSpec
 
@@ -137,9 +136,7 @@ def test_a_done_recovery_is_reported_once_and_admits_the_pod() -> None:
     decision = decide_new(done)[NEW.name]
     assert decision.step is Step.ADMIT
     assert decision.finished == done.recovery
-    tracker = Tracker()
-    record(decision, tracker, 100.0)
-    assert decide_new(done, tracker)[NEW.name].finished is None
+    assert decide_new(done, decision.tracker)[NEW.name].finished is None
 
 
 def test_a_failed_recovery_backs_off_then_retries_other_holders() -> None:
@@ -152,19 +149,19 @@ def test_a_failed_recovery_backs_off_then_retries_other_holders() -> None:
         ),
     )
     found[NEW.name] = failed
-    tracker = Tracker()
+    trackers = {NEW.uid: Tracker()}
 
     def decide_at(now: float) -> Any:
         decisions = plan_recoveries(
-            SPEC, Current(5), pods=PODS, statuses=found, trackers={NEW.uid: tracker}, now=now,
+            SPEC, Current(5), pods=PODS, statuses=found, trackers=trackers, now=now,
             default_port=PORT,
         )  # fmt: skip
         return next(d for d in decisions if d.pod.name == NEW.name)
 
     first = decide_at(100.0)
     assert (first.step, first.finished) == (Step.WAIT, failed.recovery)
-    record(first, tracker, 100.0)
-    assert tracker.failures == 1
+    trackers[NEW.uid] = first.tracker
+    assert first.tracker.failures == 1
     assert decide_at(100.0 + backoff_seconds(1) - 0.1).step is Step.WAIT
     retry = decide_at(100.0 + backoff_seconds(1))
     assert retry.step is Step.START
@@ -176,8 +173,8 @@ def test_every_holder_failed_once_means_all_get_another_chance() -> None:
     tracker = Tracker(failures=1, failed_holders={"http://10.0.0.1:8470"})
     decision = decide_new(agent(NEW.name), tracker)[NEW.name]
     assert decision.holders == ("http://10.0.0.1:8470",)
-    record(decision, tracker, 100.0)
-    assert tracker.failed_holders == set()
+    assert decision.tracker.failed_holders == set()
+    assert tracker.failed_holders == {"http://10.0.0.1:8470"}  # decide does not mutate it
 
 
 def test_backoff_doubles_up_to_a_ceiling() -> None:

@@ -45,7 +45,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.engine import BucketPlan, ReferenceEngine
+from weightsync.engines.reference.arenas import BucketPlan
+from weightsync.engines.reference.engine import ReferenceEngine
 from weightsync.transfer.buffers import SlotError, SlotHandle
 from weightsync.transfer.handoff import ProtocolError, frame, read_frame, recv_frame
 from weightsync.transfer.layout import TensorSlice

@@ -31,11 +31,11 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from weightsync.engines.base import EngineError, EngineHealth
+from weightsync.engines.reference.arenas import Arena, BucketPlan, UpdateStats
 from weightsync.engines.reference.model import LlamaForCausalLM, greedy_generate
 from weightsync.transfer.buffers import (
     BucketSlots,
@@ -63,65 +63,6 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8)
     raw = (ctypes.c_char * data.numel()).from_address(data.data_ptr())
     return hashlib.sha256(raw).hexdigest()
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class BucketPlan:
-    """A validated bucket: where its tensors lie in a slot and in a staging arena.
-
-    Plans are cached and compared by identity, so they key the arenas cheaply.
-    """
-
-    tensors: tuple[TensorSlice, ...]
-    start: int  # the slot's bytes [start, end) hold the bucket
-    end: int
-    dense: bool  # one copy of [start, end) moves the bucket
-    arena_offsets: tuple[int, ...]
-    arena_bytes: int
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-@dataclass(eq=False)
-class Arena:
-    """One bucket's staging (later served) bytes, and each tensor's view into them."""
-
-    id: int
-    buffer: torch.Tensor  # 1-D uint8 on the engine's device
-    views: dict[str, torch.Tensor]
-    shared: BucketSlots | None = None  # a CPU arena's shared memory, unlinked when dropped
-
-    def copies(self, plan: BucketPlan) -> list[tuple[int, int, int]]:
-        """(slot offset, arena offset, bytes) spans that fill this arena from a slot."""
-        if plan.dense:
-            return [(plan.start, 0, plan.arena_bytes)]
-        return [
-            (item.offset, at, item.nbytes)
-            for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
-        ]
-
-    def release(self) -> None:
-        if self.shared is not None:
-            self.shared.close()
-
-
-@dataclass
-class UpdateStats:
-    """What one update cost inside the engine; logged when it commits or aborts."""
-
-    loads: int = 0
-    bytes: int = 0
-    load_seconds: float = 0.0
-    longest_load_seconds: float = 0.0
-    allocated_bytes: int = 0
-
-    def add(self, nbytes: int, seconds: float) -> None:
-        self.loads += 1
-        self.bytes += nbytes
-        self.load_seconds += seconds
-        self.longest_load_seconds = max(self.longest_load_seconds, seconds)
 
 
 class ReferenceEngine:

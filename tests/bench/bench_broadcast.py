@@ -45,8 +45,9 @@ import torch
 from tests.bench.bench_phases import RoundRecord, attach_logs, breakdown, median_record
 from tests.bench.bench_workers import naive_worker, raw_worker, spawn_workers
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, wait_warm
-from weightsync.api.control import Backend, MembershipPlan, PlanMember, Rendezvous, TransferOptions
-from weightsync.api.v1alpha1 import Role, SyncMode
+from tests.support.plans import local_plan
+from weightsync.api.control import Backend, MembershipPlan, TransferOptions
+from weightsync.api.v1alpha1 import SyncMode
 from weightsync.client import Publisher, PublishResult
 from weightsync.engines.reference.model import PRESETS, state_dict_metas
 from weightsync.transfer.buffers import torch_dtype
@@ -173,22 +174,19 @@ def plan_for(
     shape: Shape,
     mode: SyncMode,
 ) -> MembershipPlan:
-    return MembershipPlan(
-        sync_name="bench",
+    return local_plan(
+        pods,
+        rank,
         generation=generation,
-        rank=rank,
+        port=port,
         backend=setup.backend,
-        mode=mode,
-        rendezvous=Rendezvous(host="127.0.0.1", port=port),
-        members=[
-            PlanMember(rank=i, pod=p, host="127.0.0.1", role=Role.SOURCE if i == 0 else Role.SINK)
-            for i, p in enumerate(pods)
-        ],
         transfer=TransferOptions(
             bucket_size_bytes=shape.bucket_mib << 20,
             pipeline_depth=shape.depth,
             timeout_seconds=120,
         ),
+        sync_name="bench",
+        mode=mode,
         prewarm_timeout_seconds=120,
     )
 

@@ -36,20 +36,18 @@ import torch
 
 from tests.integration.stack import AgentProc, Stack, free_port, http_json, wait_warm
 from tests.support.eventually import eventually
+from tests.support.plans import local_plan
 from weightsync.agent.bucket_pull import pull_buckets
 from weightsync.agent.recovery import choose_holders
 from weightsync.api.control import (
     Backend,
     Holding,
     MembershipPlan,
-    PlanMember,
     RecoverRequest,
     RecoveryState,
     RecoveryStatus,
-    Rendezvous,
     TransferOptions,
 )
-from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.engines.reference.model import PRESETS, build_model, randomize
@@ -73,14 +71,15 @@ def machine_lines() -> list[str]:
 
 def holder_plan(port: int, bucket_bytes: int) -> MembershipPlan:
     """A group of the source alone: its rounds only stage the holder's copy."""
-    return MembershipPlan(
-        sync_name="bench-p2p",
+    return local_plan(
+        ["holder-0"],
+        0,
         generation=1,
-        rank=0,
+        port=port,
         backend=Backend.GLOO,
-        rendezvous=Rendezvous(host="127.0.0.1", port=port),
-        members=[PlanMember(rank=0, pod="holder-0", host="127.0.0.1", role=Role.SOURCE)],
         transfer=TransferOptions(bucket_size_bytes=bucket_bytes, timeout_seconds=120.0),
+        sync_name="bench-p2p",
+        prewarm_timeout_seconds=120.0,
     )
 
 

@@ -14,16 +14,15 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.test_operator_support import (
+from tests.support.eventually import Timeouts, eventually
+from tests.support.operator import (
     PODS_UP,
     OperatorProcess,
     apply,
-    crd_installed,
     engines,
     events,
     gates,
     has_sidecar,
-    operator_process,
     pods,
     reason,
     step,
@@ -31,12 +30,10 @@ from tests.cluster.test_operator_support import (
     trainer,
     weightsync,
 )
-from tests.support.eventually import Timeouts, eventually
 from weightsync.api import reasons
 from weightsync.controller import names
 
 pytestmark = pytest.mark.cluster
-FIXTURES = (crd_installed, operator_process)  # the "crd" and "operator" fixtures
 
 
 # -- the tests -------------------------------------------------------------------------

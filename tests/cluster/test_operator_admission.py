@@ -13,15 +13,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import yaml
 
-from tests.cluster.test_operator_support import (
+from tests.support.eventually import Timeouts, eventually
+from tests.support.operator import (
     OperatorProcess,
     apply,
-    crd_installed,
     engines,
     events,
     get,
     has_sidecar,
-    operator_process,
     pods,
     ready,
     reason,
@@ -29,13 +28,11 @@ from tests.cluster.test_operator_support import (
     trainer,
     weightsync,
 )
-from tests.support.eventually import Timeouts, eventually
 from weightsync.api import reasons
 from weightsync.controller import names
 from weightsync.controller.workloads import parse_time
 
 pytestmark = pytest.mark.cluster
-FIXTURES = (crd_installed, operator_process)  # the "crd" and "operator" fixtures
 
 
 @pytest.mark.timeout(300)

@@ -205,6 +205,15 @@ class Demo:
         )
         return result.stdout.strip() == "yes"
 
+    def helm_test(self) -> subprocess.CompletedProcess[str]:
+        """`helm test --logs` on the live release (the chart's webhook check)."""
+        helm = str(self.cluster.bin_dir / "helm")
+        return subprocess.run(
+            [helm, "test", "weightsync", "--namespace", SYSTEM_NAMESPACE, "--logs",
+             "--timeout", "180s", "--kubeconfig", str(self.cluster.kubeconfig)],
+            check=False, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+
     def uninstall_chart(self) -> float:
         """`helm uninstall`, then what a user does next: apply and delete a WeightSync and
         delete the CRD. Seconds those took; raises if the cluster refuses or hangs."""
@@ -517,10 +526,18 @@ def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
     console.say(f"kubectl get wsync: READY {result.ready[0]} ({result.ready[1]})")
     with console.step("Reading round latencies, every dashboard panel and alert from Prometheus"):
         demo.retarget_prometheus()  # the replacement pod has an IP of its own
-        time.sleep(3)  # a few scrapes of the final state
         server = demo.prometheus
         if server is None:
             raise DemoError("Prometheus is not running")
+        final = result.rounds[-1].version
+        server.wait_for(  # Prometheus has scraped the final state of every engine
+            'weightsync_current_version{role="sink"}',
+            lambda found: all(
+                prom.scalar_values_by(found, "pod").get(pod) == final for pod in result.versions
+            ),
+            timeout=30,
+            message=f"every engine's scraped version is {final}",
+        )
         result.latency_quantiles_ms = demo.quantiles(server)
         result.prometheus_url = server.url
         demo.observe(result, watching_since)

@@ -290,3 +290,8 @@ class Prometheus:
 def scalar_values(result: Sequence[Mapping[str, Any]]) -> dict[tuple[tuple[str, str], ...], float]:
     """An instant vector as {sorted label pairs: value}."""
     return {tuple(sorted(sample["metric"].items())): float(sample["value"][1]) for sample in result}
+
+
+def scalar_values_by(result: Sequence[Mapping[str, Any]], label: str) -> dict[str, float]:
+    """An instant vector as {value of `label`: value}."""
+    return {str(sample["metric"].get(label)): float(sample["value"][1]) for sample in result}

@@ -34,15 +34,16 @@ from typing import Any
 import pytest
 
 from tests.cluster.controlplane import LocalCluster
-from tests.cluster.test_operator_support import (
+from tests.e2e.test_recovery import answers, in_group, no_tracebacks
+from tests.support.eventually import eventually
+from tests.support.kube import condition
+from tests.support.operator import (
     ENGINE_PORT,
     PODS_UP,
     TRAINER_PORT,
     OperatorProcess,
     apply,
-    crd_installed,  # noqa: F401 - fixture
     engines,
-    operator_process,  # noqa: F401 - fixture
     pods,
     ready,
     step,
@@ -51,9 +52,6 @@ from tests.cluster.test_operator_support import (
     trainer_digest,
     weightsync,
 )
-from tests.e2e.test_recovery import answers, in_group, no_tracebacks
-from tests.support.eventually import eventually
-from tests.support.kube import condition
 from tests.support.recovery import engine_digest, kill_container, replace_pod, running_container
 from weightsync.controller import names
 

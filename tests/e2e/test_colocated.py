@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 
 from tests.cluster.controlplane import LocalCluster
-from tests.cluster.test_operator_support import (
+from tests.support.eventually import Timeouts, eventually
+from tests.support.kube import condition, watch_pods_until
+from tests.support.operator import (
     ENGINE_PORT,
     PODS_UP,
     OperatorProcess,
     apply,
-    crd_installed,  # noqa: F401 - fixture
     engines,
     gates,
-    operator_process,  # noqa: F401 - fixture
     pods,
     ready,
     step,
@@ -31,8 +31,6 @@ from tests.cluster.test_operator_support import (
     trainer_digest,
     weightsync,
 )
-from tests.support.eventually import Timeouts, eventually
-from tests.support.kube import condition, watch_pods_until
 from tests.support.recovery import engine_digest, replace_pod
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]

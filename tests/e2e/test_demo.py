@@ -3,6 +3,7 @@ engine pod is replaced and recovers, out of its Service's endpoints until it ser
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,12 @@ def test_demo_scenario(tmp_path: Path) -> None:
             for namespace in (demo.NAMESPACE, "kube-system")
         }
         token_key = stack.operator_may("get", "secrets/weightsync-token-key", demo.SYSTEM_NAMESPACE)
+        # The chart's own test passes on the live release, and its passing pod is gone.
+        helm_test = stack.helm_test()
+        test_pods = stack.cluster.kubectl(
+            "get", "pods", "-n", demo.SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/component=test",
+            "-o", "name",
+        ).stdout.split()  # fmt: skip
         # Uninstalled, the cluster works without the operator: no webhook left refusing
         # WeightSyncs, no finalizer left hanging a delete.
         after_uninstall_seconds = stack.uninstall_chart()
@@ -38,6 +45,9 @@ def test_demo_scenario(tmp_path: Path) -> None:
     finally:
         stack.close()
 
+    assert helm_test.returncode == 0, helm_test.stdout + helm_test.stderr
+    assert re.search(r"Phase:\s+Succeeded", helm_test.stdout), helm_test.stdout
+    assert test_pods == []
     assert not any(reads.values()), reads
     assert token_key
     assert after_uninstall_seconds < 30

@@ -2,7 +2,7 @@
 and a WeightSync deleted mid-round and created again (its agents keep their token).
 
 Real operator process, agents, reference engines and trainer as containers on the local
-cluster's real node (`tests/cluster/test_operator_support.py`).
+cluster's real node (`tests/support/operator.py`).
 """
 
 from __future__ import annotations
@@ -14,23 +14,6 @@ from typing import Any
 import pytest
 
 from tests.cluster.controlplane import LocalCluster
-from tests.cluster.test_operator_support import (
-    ENGINE_PORT,
-    PODS_UP,
-    TRAINER_PORT,
-    OperatorProcess,
-    apply,
-    crd_installed,  # noqa: F401 - fixture
-    engines,
-    operator_process,  # noqa: F401 - fixture
-    pods,
-    ready,
-    step,
-    sync_status,
-    trainer,
-    trainer_digest,
-    weightsync,
-)
 from tests.e2e.test_recovery import (
     BUCKET_DELAY_SECONDS,
     ROUND_UP,
@@ -41,6 +24,21 @@ from tests.e2e.test_recovery import (
     start_stack,
 )
 from tests.support.eventually import eventually
+from tests.support.operator import (
+    ENGINE_PORT,
+    PODS_UP,
+    TRAINER_PORT,
+    OperatorProcess,
+    apply,
+    engines,
+    pods,
+    ready,
+    step,
+    sync_status,
+    trainer,
+    trainer_digest,
+    weightsync,
+)
 from tests.support.recovery import engine_digest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -2,7 +2,7 @@
 stale; members lost mid-round fail the round together.
 
 Real operator process, agents, reference engines and trainer as containers on the local
-cluster's real node (`tests/cluster/test_operator_support.py`), Mooncake over TCP. A pod
+cluster's real node (`tests/support/operator.py`), Mooncake over TCP. A pod
 "replaced" is deleted at once (a node failure or an eviction): its Deployment makes a
 new one, which starts from nothing.
 """
@@ -19,16 +19,16 @@ import pytest
 from kubernetes import client
 
 from tests.cluster.controlplane import LocalCluster
-from tests.cluster.test_operator_support import (
+from tests.support.eventually import eventually
+from tests.support.kube import condition, watch_pods_until
+from tests.support.operator import (
     ENGINE_PORT,
     PODS_UP,
     TRAINER_PORT,
     OperatorProcess,
     apply,
-    crd_installed,  # noqa: F401 - fixture
     engines,
     events,
-    operator_process,  # noqa: F401 - fixture
     pods,
     ready,
     step,
@@ -37,8 +37,6 @@ from tests.cluster.test_operator_support import (
     trainer_digest,
     weightsync,
 )
-from tests.support.eventually import eventually
-from tests.support.kube import condition, watch_pods_until
 from tests.support.recovery import (
     ReadyWatch,
     agent_token,

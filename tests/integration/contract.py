@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,15 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, stack, wait_warm
 from tests.support.eventually import eventually
+from tests.support.plans import local_plan
 from weightsync.api.control import (
     Backend,
     LocalEngine,
     MembershipPlan,
-    PlanMember,
-    Rendezvous,
     TransferOptions,
 )
-from weightsync.api.v1alpha1 import Role, SyncMode
+from weightsync.api.v1alpha1 import SyncMode
 from weightsync.client import Publisher, PublishResult
 from weightsync.engines.reference.engine import tensor_digest
 from weightsync.engines.reference.model import (
@@ -68,25 +66,21 @@ def make_plan(
     local = None
     if local_engine is not None:
         local = LocalEngine(pod=local_engine.proc.name, engine="Reference", url=local_engine.url)
-    return MembershipPlan(
-        local_engine=local,
-        sync_name="contract",
+    return local_plan(
+        pods,
+        rank,
         generation=generation,
-        rank=rank,
+        port=port,
         backend=config.backend,
-        mode=mode,
-        rendezvous=Rendezvous(host="127.0.0.1", port=port),
-        members=[
-            PlanMember(rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i == 0 else Role.SINK)
-            for i, pod in enumerate(pods)
-        ],
         transfer=TransferOptions(
             bucket_size_bytes=config.bucket_size_bytes,
             pipeline_depth=2,
             timeout_seconds=config.timeout_seconds,
             checksum=config.checksum,
         ),
-        prewarm_timeout_seconds=30.0,
+        sync_name="contract",
+        mode=mode,
+        local_engine=local,
     )
 
 
@@ -226,10 +220,14 @@ def publish_while_killing(
 
     thread = threading.Thread(target=publish, name="publish")
     thread.start()
+    engine = victim.engine
+    assert engine is not None
     eventually(
-        lambda: victim.status().round_in_progress, timeout=20, interval=0.02, message="round open"
+        lambda: engine.health()["staged_buckets"] >= 2,
+        timeout=20,
+        interval=0.02,
+        message="a few buckets into the round",
     )
-    time.sleep(0.1)  # a few buckets in
     victim.proc.popen.send_signal(signal.SIGKILL)
     thread.join(timeout=60)
     assert not thread.is_alive(), "publish did not return after a sink was killed"

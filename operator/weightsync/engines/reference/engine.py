@@ -127,6 +127,11 @@ class ReferenceEngine:
             healthy=True, version=self.version, detail=detail, incarnation=self.incarnation
         )
 
+    @property
+    def staged_buckets(self) -> int:
+        """Buckets loaded into the open update so far (0 between updates)."""
+        return len(self._staged)
+
     def digests(self) -> tuple[int | None, dict[str, str]]:
         with self._lock:
             return self.version, {name: tensor_digest(p) for name, p in self.params.items()}

@@ -107,7 +107,8 @@ async def generate(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[ENGINE_KEY].health()
+    engine = request.app[ENGINE_KEY]
+    state = engine.health()
     return web.json_response(
         {
             "healthy": state.healthy,
@@ -115,6 +116,7 @@ async def health(request: web.Request) -> web.Response:
             "torn": state.torn,
             "detail": state.detail,
             "incarnation": state.incarnation,
+            "staged_buckets": engine.staged_buckets,  # how far an open update got
         }
     )
 

@@ -1,0 +1,47 @@
+"""Membership plans for groups of local agents (tests and benchmarks), built one way."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from weightsync.api.control import (
+    Backend,
+    LocalEngine,
+    MembershipPlan,
+    PlanMember,
+    Rendezvous,
+    TransferOptions,
+)
+from weightsync.api.v1alpha1 import Role, SyncMode
+
+
+def local_plan(
+    pods: Sequence[str],
+    rank: int,
+    *,
+    generation: int,
+    port: int,
+    backend: Backend,
+    transfer: TransferOptions,
+    sync_name: str = "local",
+    mode: SyncMode = SyncMode.DISAGGREGATED,
+    local_engine: LocalEngine | None = None,
+    prewarm_timeout_seconds: float = 30.0,
+) -> MembershipPlan:
+    """The plan for `rank` of a group whose agents all listen on 127.0.0.1 (rendezvous on
+    `port`): `pods[0]` is the source, the others sinks, ranked in order."""
+    return MembershipPlan(
+        sync_name=sync_name,
+        generation=generation,
+        rank=rank,
+        backend=backend,
+        mode=mode,
+        rendezvous=Rendezvous(host="127.0.0.1", port=port),
+        members=[
+            PlanMember(rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i == 0 else Role.SINK)
+            for i, pod in enumerate(pods)
+        ],
+        transfer=transfer,
+        prewarm_timeout_seconds=prewarm_timeout_seconds,
+        local_engine=local_engine,
+    )

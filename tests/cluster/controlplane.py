@@ -195,6 +195,14 @@ class LocalCluster:
             self._start_kwok()
             self._create_nodes()
 
+    def restart_apiserver(self, down_seconds: float) -> None:
+        """Stop kube-apiserver, leave it down `down_seconds`, start it on the same port:
+        every client (kubelet, controllers, the operator's watches) sees the API go away."""
+        ports = json.loads((self.state_dir / "ports.json").read_text())
+        self._stop_recorded(("kube-apiserver",))
+        time.sleep(down_seconds)
+        self._start_apiserver(ports["apiserver"], ports["etcd"])
+
     def down(self) -> None:
         """Stop the processes this cluster started (and only those, by their PID files)."""
         if not self.bin_dir.name:  # a `down` from another process than the `up`

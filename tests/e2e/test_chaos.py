@@ -2,9 +2,11 @@
 
 Faults, drawn with `CHAOS_SEED`: an engine container killed (the kubelet restarts it in
 place), an engine pod replaced, an engine frozen (SIGSTOP) for 2 x the round timeout, an
-agent container killed, the operator killed and restarted. `CHAOS_FAULTS` of them (CI:
-4; `make chaos`: 100), each followed by convergence: both engines Ready and serving the
-trainer's last published version, bit-identical.
+agent container killed, the operator killed and restarted, the API server stopped for a
+few seconds and restarted, an engine pod cut off the network (nft in its namespace) for
+2 x the round timeout. `CHAOS_FAULTS` of them (CI: 7, each kind once; `make chaos`:
+100), each followed by convergence: both engines Ready and serving the trainer's last
+published version, bit-identical.
 
 Watched the whole time, and asserted at the end:
 * stale Ready: a pod Ready with its gate True whose engine serves a version older than
@@ -52,17 +54,31 @@ from tests.support.operator import (
     trainer_digest,
     weightsync,
 )
-from tests.support.recovery import engine_digest, kill_container, replace_pod, running_container
+from tests.support.recovery import (
+    engine_digest,
+    kill_container,
+    partitioned,
+    replace_pod,
+    running_container,
+)
 from weightsync.controller import names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
-FAULTS = int(os.environ.get("CHAOS_FAULTS", "4"))
+FAULTS = int(os.environ.get("CHAOS_FAULTS", "7"))  # CI: each kind once
 SEED = int(os.environ.get("CHAOS_SEED", "15"))
 TIMEOUT_SECONDS = 8  # transfer.timeoutSeconds: a frozen engine fails rounds fast
 OVERRUN_LIMIT_SECONDS = 2.0
 CONVERGE_SECONDS = 240.0
-KINDS = ("engine_restart", "engine_replace", "engine_freeze", "agent_kill", "operator_kill")
+KINDS = (
+    "engine_restart",
+    "engine_replace",
+    "engine_freeze",
+    "agent_kill",
+    "operator_kill",
+    "apiserver_restart",
+    "engine_partition",
+)
 
 
 @dataclass
@@ -205,8 +221,22 @@ def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorP
         operator.stop(signal.SIGKILL)
         time.sleep(rng.uniform(1.0, 5.0))
         operator.start()
+    elif kind == "apiserver_restart":
+        cluster.restart_apiserver(down_seconds=rng.uniform(1.0, 5.0))
+    elif kind == "engine_partition":
+        with partitioned(cluster.node, victim, "engine"):
+            time.sleep(2 * TIMEOUT_SECONDS)
     else:
         raise ValueError(kind)
+
+
+def schedule(rng: random.Random, count: int) -> list[str]:
+    """`count` faults: seeded permutations of every kind, one after another, so any run
+    of len(KINDS) faults injects each kind once."""
+    order: list[str] = []
+    while len(order) < count:
+        order += rng.sample(KINDS, len(KINDS))
+    return order[:count]
 
 
 def converged(cluster: LocalCluster, namespace: str, publisher: Publisher) -> bool:
@@ -242,8 +272,7 @@ def test_fault_matrix(cluster: LocalCluster, namespace: str, operator: OperatorP
     try:
         eventually(lambda: converged(cluster, namespace, publisher), timeout=CONVERGE_SECONDS,
                    message="synced before the first fault")  # fmt: skip
-        for _ in range(FAULTS):
-            kind = rng.choice(KINDS)
+        for kind in schedule(rng, FAULTS):
             started = time.monotonic()
             inject(kind, cluster, namespace, operator, rng)
             report.faults[kind] += 1

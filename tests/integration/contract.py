@@ -207,15 +207,33 @@ def _last_round(agent: AgentProc, version: int) -> object:
     return last if last is not None and last.version == version else None
 
 
-def publish_while_killing(
-    publisher: Publisher, trainer: LlamaForCausalLM, version: int, victim: AgentProc
-) -> PublishResult:
+@dataclass
+class MidRound:
+    """A publish() running on a thread of its own (see `publish_mid_round`)."""
+
+    thread: threading.Thread
+    outcome: list[PublishResult | BaseException]
+
+    def result(self, timeout: float = 60.0) -> PublishResult:
+        self.thread.join(timeout=timeout)
+        assert not self.thread.is_alive(), f"publish did not return within {timeout:.0f} s"
+        result = self.outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+
+def publish_mid_round(
+    publisher: Publisher, trainer: torch.nn.Module, version: int, victim: AgentProc
+) -> MidRound:
+    """Start publishing `version` on a thread; return once `victim`'s engine has loaded a
+    few buckets of it, so a fault injected next lands in the middle of the round."""
     outcome: list[PublishResult | BaseException] = []
 
     def publish() -> None:
         try:
             outcome.append(publisher.publish(trainer.named_parameters(), version=version))
-        except BaseException as exc:  # handed to the test thread below
+        except BaseException as exc:  # handed to the test thread by `result`
             outcome.append(exc)
 
     thread = threading.Thread(target=publish, name="publish")
@@ -228,13 +246,15 @@ def publish_while_killing(
         interval=0.02,
         message="a few buckets into the round",
     )
+    return MidRound(thread, outcome)
+
+
+def publish_while_killing(
+    publisher: Publisher, trainer: LlamaForCausalLM, version: int, victim: AgentProc
+) -> PublishResult:
+    running = publish_mid_round(publisher, trainer, version, victim)
     victim.proc.popen.send_signal(signal.SIGKILL)
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "publish did not return after a sink was killed"
-    result = outcome[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    return running.result()
 
 
 def run_colocated(workdir: Path, device: str, rounds: int = 3) -> None:

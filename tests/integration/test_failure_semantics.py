@@ -14,7 +14,6 @@ passes bad input. Real agents and reference engines as local processes.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.integration.contract import ContractConfig, apply_plan, expect_served, start
+from tests.integration.contract import (
+    ContractConfig,
+    apply_plan,
+    expect_served,
+    publish_mid_round,
+    start,
+)
 from tests.integration.stack import AgentProc, Engine, free_port, stack
 from tests.support.eventually import eventually
 from weightsync.api.control import Backend
@@ -134,37 +139,18 @@ def _publish_while_freezing(
     victim: AgentProc,
     engine: Engine,
 ) -> tuple[PublishResult, list[float]]:
-    outcome: list[PublishResult | BaseException] = []
-
-    def publish() -> None:
-        try:
-            outcome.append(publisher.publish(trainer.named_parameters(), version=version))
-        except BaseException as exc:  # handed to the test thread below
-            outcome.append(exc)
-
-    thread = threading.Thread(target=publish, name="publish")
-    thread.start()
-    eventually(
-        lambda: victim.status().round_in_progress, timeout=20, interval=0.02, message="round open"
-    )
-    time.sleep(0.1)
+    running = publish_mid_round(publisher, trainer, version, victim)
     engine.proc.popen.send_signal(signal.SIGSTOP)
     status_seconds: list[float] = []
     try:
-        while thread.is_alive() and len(status_seconds) < 200:
+        while running.thread.is_alive() and len(status_seconds) < 200:
             began = time.monotonic()
             victim.status()
             status_seconds.append(time.monotonic() - began)
             time.sleep(0.2)
-        thread.join(timeout=60)
+        return running.result(), status_seconds
     finally:
-        if thread.is_alive():
-            engine.proc.popen.send_signal(signal.SIGCONT)
-    assert not thread.is_alive(), "publish did not return after an engine froze"
-    result = outcome[0]
-    if isinstance(result, BaseException):
-        raise result
-    return result, status_seconds
+        engine.proc.popen.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.timeout(180)

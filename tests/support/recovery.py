@@ -6,9 +6,11 @@ import base64
 import json
 import os
 import signal
+import subprocess
 import threading
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kubernetes import client, watch
@@ -46,6 +48,29 @@ def kill_container(node: RealNode, pod: dict[str, Any], container: str) -> int:
     found = running_container(node, pod, container)
     os.kill(int(str(found["pid"])), signal.SIGKILL)
     return int(str(found["attempt"]))
+
+
+_PARTITION_TABLE = "weightsync_chaos"
+_PARTITION_RULES = f"""table inet {_PARTITION_TABLE} {{
+  chain input {{ type filter hook input priority -10; policy accept; iifname != "lo" drop; }}
+  chain output {{ type filter hook output priority -10; policy accept; oifname != "lo" drop; }}
+}}
+"""
+
+
+@contextmanager
+def partitioned(node: RealNode, pod: dict[str, Any], container: str) -> Iterator[None]:
+    """Cut `pod` off the network (every packet on its interfaces but loopback dropped, in
+    its own network namespace) while the block runs: its peers, the kubelet's probes and
+    the operator all lose it; its containers keep running and talk to each other."""
+    netns = f"--net=/proc/{running_container(node, pod, container)['pid']}/ns/net"
+    subprocess.run(["nsenter", netns, "nft", "-f", "-"], input=_PARTITION_RULES, text=True,
+                   check=True, timeout=30)  # fmt: skip
+    try:
+        yield
+    finally:
+        subprocess.run(["nsenter", netns, "nft", "delete", "table", "inet", _PARTITION_TABLE],
+                       check=False, timeout=30)  # fmt: skip
 
 
 def replace_pod(cluster: LocalCluster, pod: dict[str, Any]) -> None:

@@ -136,7 +136,14 @@ class Publisher(threading.Thread):
             self.error = exc
 
     def _check(self, digest: dict[str, Any]) -> None:
-        for pod in pods(self.cluster, self.namespace, "engine"):
+        # Rounds go on while the API server restarts; the check waits for it to list pods.
+        engine_pods = eventually(
+            lambda: pods(self.cluster, self.namespace, "engine"),
+            timeout=60,
+            interval=0.5,
+            message="engine pods listed",
+        )
+        for pod in engine_pods:
             if not pod["status"].get("podIP"):
                 continue  # a replacement not started yet
             try:

@@ -27,7 +27,7 @@ from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
-from weightsync.controller.reconcile import Outcome, Reconciler, Result
+from weightsync.controller.reconcile import Outcome, Reconciler, Result, log_pass_failure
 from weightsync.controller.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,8 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         # Errors are the next tick's business: a timer must not back off for minutes.
         try:
             await reconciler.run(_namespaced(namespace), name)
-        except Exception:
-            log.exception("resync of %s/%s failed", namespace, name)
+        except Exception as error:
+            log_pass_failure(f"resync of {namespace}/{name}", error)
 
     @kopf.index(*resource, registry=registry)
     def weightsyncs_by_namespace(namespace: str | None, name: str, **_: Any) -> dict[str, str]:

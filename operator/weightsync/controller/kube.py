@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -216,3 +217,11 @@ def owner_reference(sync: Mapping[str, Any]) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def api_unavailable(error: BaseException) -> bool:
+    """Whether `error` says the API server is away (down, restarting, overloaded) rather
+    than that a request was wrong: the next pass retries, nothing to debug."""
+    if isinstance(error, ApiException):
+        return error.status == 429 or (error.status or 0) >= 500
+    return isinstance(error, urllib3.exceptions.HTTPError | ConnectionError)

@@ -41,7 +41,7 @@ from weightsync.controller import metrics, tokens
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.generations import Planner
-from weightsync.controller.kube import Kube
+from weightsync.controller.kube import Kube, api_unavailable
 from weightsync.controller.memory import Memory
 from weightsync.controller.plan import (
     Slot,
@@ -82,6 +82,15 @@ class Outcome(StrEnum):
 class Result:
     outcome: Outcome
     message: str = ""
+
+
+def log_pass_failure(what: str, error: Exception) -> None:
+    """A pass that failed outside kopf's retries (a timer, a follow-up): one line when the
+    API server is away (the next pass retries), the traceback for anything else."""
+    if api_unavailable(error):
+        log.warning("%s: the API server is unavailable (%s); the next pass retries", what, error)
+    else:
+        log.error("%s failed", what, exc_info=error)
 
 
 def stored_status(raw: Mapping[str, Any]) -> WeightSyncStatus:
@@ -143,8 +152,8 @@ class Reconciler:
         memory.poll = None  # this pass may schedule the next one
         try:
             await self.run(namespace, name)
-        except Exception:
-            log.exception("follow-up pass of %s/%s failed", namespace, name)
+        except Exception as error:
+            log_pass_failure(f"follow-up pass of {namespace}/{name}", error)
 
     async def run(self, namespace: str, name: str) -> Result:
         """The result of a pass that started after this call (see `scheduling`)."""

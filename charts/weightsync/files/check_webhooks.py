@@ -1,10 +1,12 @@
 """`helm test`: the webhooks the operator registered answer TLS as the API server expects.
 
 Reads the MutatingWebhookConfiguration and ValidatingWebhookConfiguration that the
-operator manages, and for each webhook connects to the endpoint its clientConfig names
-(a URL, or a Service's DNS name), verifying the serving certificate against the
-clientConfig's caBundle and the endpoint's host name, exactly as the API server will;
-then sends one HTTP request and expects an HTTP answer. Waits (up to --timeout) for the
+operator manages, and for each webhook connects to the endpoint its clientConfig names,
+verifying the serving certificate against the clientConfig's caBundle and the endpoint's
+host name, exactly as the API server will: a URL's host directly; a Service at its
+ClusterIP, read from the API as the API server does (no cluster DNS needed), with the
+certificate checked for `<service>.<namespace>.svc`. Then it sends one HTTP request and
+expects an HTTP answer. Waits (up to --timeout) for the
 operator to register its webhooks after an install.
 
 Standard library only: it runs in the operator image, in the pod the chart's test creates.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import os
 import socket
@@ -24,7 +27,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,7 +41,7 @@ class CheckFailedError(Exception):
     """One webhook endpoint does not answer as the API server needs it to."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Endpoint:
     """Where the API server calls one webhook, and the CA it trusts for it."""
 
@@ -48,9 +50,12 @@ class Endpoint:
     port: int
     path: str
     ca_pem: str
+    service: tuple[str, str] | None = None  # (namespace, name) of a Service webhook
+    address: str | None = None  # where to dial, when not `host` (a Service's ClusterIP)
 
     def __str__(self) -> str:
-        return f"{self.webhook} -> https://{self.host}:{self.port}{self.path}"
+        via = f" (at {self.address})" if self.address else ""
+        return f"{self.webhook} -> https://{self.host}:{self.port}{self.path}{via}"
 
 
 def endpoints(configuration: dict[str, Any]) -> list[Endpoint]:
@@ -72,7 +77,16 @@ def endpoints(configuration: dict[str, Any]) -> list[Endpoint]:
             service = config["service"]
             host = f"{service['name']}.{service['namespace']}.svc"
             port = int(service.get("port", 443))
-            found.append(Endpoint(name, host, port, service.get("path") or "", ca_pem))
+            found.append(
+                Endpoint(
+                    name,
+                    host,
+                    port,
+                    service.get("path") or "",
+                    ca_pem,
+                    service=(service["namespace"], service["name"]),
+                )
+            )
         else:
             raise CheckFailedError(f"{name}: the clientConfig names neither a url nor a service")
     return found
@@ -84,7 +98,9 @@ def check_endpoint(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_SECONDS)
     context.check_hostname = True
     try:
         with (
-            socket.create_connection((endpoint.host, endpoint.port), timeout=timeout) as raw,
+            socket.create_connection(
+                (endpoint.address or endpoint.host, endpoint.port), timeout=timeout
+            ) as raw,
             context.wrap_socket(raw, server_hostname=endpoint.host) as tls,
         ):
             request = (
@@ -117,7 +133,22 @@ class ApiReader:
         self.context = ssl.create_default_context(cafile=str(account_dir / "ca.crt"))
 
     def webhook_configuration(self, kind: str, name: str) -> dict[str, Any] | None:
-        url = f"{self.base}/apis/admissionregistration.k8s.io/v1/{kind}/{name}"
+        return self.get(f"/apis/admissionregistration.k8s.io/v1/{kind}/{name}", f"{kind}/{name}")
+
+    def cluster_ip(self, namespace: str, name: str) -> str:
+        """The ClusterIP of a Service: where the API server sends a Service webhook's calls."""
+        what = f"service {namespace}/{name}"
+        service = self.get(f"/api/v1/namespaces/{namespace}/services/{name}", what)
+        if service is None:
+            raise CheckFailedError(f"{what} does not exist")
+        address = (service.get("spec") or {}).get("clusterIP")
+        if not address or address == "None":
+            raise CheckFailedError(f"{what} has no ClusterIP (a headless Service cannot serve)")
+        return str(address)
+
+    def get(self, path: str, what: str) -> dict[str, Any] | None:
+        """One object, or None if it does not exist."""
+        url = f"{self.base}{path}"
         # S310: the URL is https to the API server, built here, never from input.
         headers = {"Authorization": f"Bearer {self.token}"}
         request = urllib.request.Request(url, headers=headers)  # noqa: S310
@@ -130,11 +161,9 @@ class ApiReader:
         except urllib.error.HTTPError as error:
             if error.code == 404:
                 return None
-            raise CheckFailedError(
-                f"reading {kind}/{name}: HTTP {error.code} {error.reason}"
-            ) from None
+            raise CheckFailedError(f"reading {what}: HTTP {error.code} {error.reason}") from None
         except (urllib.error.URLError, OSError) as error:
-            raise CheckFailedError(f"reading {kind}/{name}: {error}") from None
+            raise CheckFailedError(f"reading {what}: {error}") from None
 
 
 def wait_for_endpoints(reader: ApiReader, name: str, deadline: float) -> list[Endpoint]:
@@ -169,9 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.timeout
     try:
-        found = wait_for_endpoints(
-            ApiReader(args.service_account_dir), args.configuration, deadline
-        )
+        reader = ApiReader(args.service_account_dir)
+        found = [
+            dataclasses.replace(endpoint, address=reader.cluster_ip(*endpoint.service))
+            if endpoint.service
+            else endpoint
+            for endpoint in wait_for_endpoints(reader, args.configuration, deadline)
+        ]
     except CheckFailedError as error:
         print(f"FAIL {error}", file=sys.stderr)
         return 1

@@ -31,6 +31,7 @@ from tests.unit.chart.helm import CHART
 
 TOKEN = "test-token"
 API_PREFIX = "/apis/admissionregistration.k8s.io/v1/"
+SERVICES_PREFIX = "/api/v1/namespaces/"
 
 
 def load_check() -> ModuleType:
@@ -103,13 +104,16 @@ def make_pki(directory: Path, name: str, hosts: list[str]) -> Pki:
 
 class Handler(BaseHTTPRequestHandler):
     configurations: ClassVar[dict[str, dict[str, Any]]] = {}
+    services: ClassVar[dict[str, dict[str, Any]]] = {}  # "<namespace>/services/<name>"
 
     def do_GET(self) -> None:
-        if self.path.startswith(API_PREFIX):
+        if self.path.startswith((API_PREFIX, SERVICES_PREFIX)):
             if self.headers.get("Authorization") != f"Bearer {TOKEN}":
                 self.send_error(401)
                 return
             body = self.configurations.get(self.path.removeprefix(API_PREFIX))
+            if self.path.startswith(SERVICES_PREFIX):
+                body = self.services.get(self.path.removeprefix(SERVICES_PREFIX))
             if body is None:
                 self.send_error(404)
                 return
@@ -128,7 +132,7 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def tls_server(tmp_path: Path) -> Iterator[tuple[int, Pki]]:
-    pki = make_pki(tmp_path, "server", ["127.0.0.1", "webhook.example"])
+    pki = make_pki(tmp_path, "server", ["127.0.0.1", "webhook.example", "ws-webhook.ops.svc"])
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(pki.cert_file, pki.key_file)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -141,6 +145,7 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[int, Pki]]:
         server.shutdown()
         server.server_close()
         Handler.configurations = {}
+        Handler.services = {}
 
 
 def bundle(pem: str) -> str:
@@ -287,3 +292,42 @@ def test_main_reports_a_refused_token_without_a_traceback(
     argv = ["ws.weightsync.io", "--timeout=0.5", f"--service-account-dir={accounts}"]
     assert check.main(argv) == 1
     assert "HTTP 401" in capsys.readouterr().err
+
+
+def test_main_dials_a_service_webhook_at_its_cluster_ip(
+    tls_server: tuple[int, Pki],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No cluster DNS: the Service's ClusterIP comes from the API, the certificate is checked
+    for `<service>.<namespace>.svc`, as the API server does."""
+    port, pki = tls_server
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(port))
+    webhook = {
+        "service": {"name": "ws-webhook", "namespace": "ops", "port": port, "path": "/inject"},
+        "caBundle": bundle(pki.ca_pem),
+    }
+    Handler.configurations = {
+        f"{kind}/ws.weightsync.io": configuration(f"{kind}.ws.weightsync.io", webhook)
+        for kind in check.KINDS
+    }
+    Handler.services = {"ops/services/ws-webhook": {"spec": {"clusterIP": "127.0.0.1"}}}
+    argv = [
+        "ws.weightsync.io",
+        "--timeout=5",
+        f"--service-account-dir={account_dir(tmp_path, pki)}",
+    ]
+    assert check.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("TLS verified") == 2
+    assert f"https://ws-webhook.ops.svc:{port}/inject (at 127.0.0.1)" in out
+
+    # A headless Service (or none) is named, not a name-resolution error.
+    Handler.services = {"ops/services/ws-webhook": {"spec": {"clusterIP": "None"}}}
+    assert check.main(argv) == 1
+    assert "service ops/ws-webhook has no ClusterIP" in capsys.readouterr().err
+    Handler.services = {}
+    assert check.main(argv) == 1
+    assert "service ops/ws-webhook does not exist" in capsys.readouterr().err

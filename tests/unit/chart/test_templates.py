@@ -161,7 +161,7 @@ def test_cert_manager_issues_a_certificate_for_the_webhook_service_and_mounts_it
     assert secret_volume["secret"]["secretName"] == certificate["spec"]["secretName"]
     assert mounts[secret_volume["name"]] == env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_DIR"]
     # The operator keeps no certificate Secret of its own; only the token key.
-    roles = sorted(r["metadata"]["name"] for r in find(objects, "Role"))
+    roles = sorted(r["metadata"]["name"] for r in find(objects, "Role") if not is_test(r))
     assert roles == ["ws-weightsync-token-key", "ws-weightsync-uninstall"]
 
 
@@ -462,3 +462,16 @@ def test_scheduling_and_pull_secrets_reach_the_operator_pod() -> None:
     test_pod = one(objects, "Pod")["spec"]
     assert test_pod["imagePullSecrets"] == [{"name": "registry-creds"}]
     assert test_pod["tolerations"] == [toleration]
+
+
+def test_the_helm_test_reads_only_the_webhook_service_in_its_namespace() -> None:
+    objects = render()
+    role = next(r for r in find(objects, "Role") if is_test(r))
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["services"],
+         "resourceNames": ["ws-weightsync-webhook"], "verbs": ["get"]},
+    ]  # fmt: skip
+    binding = next(b for b in find(objects, "RoleBinding") if is_test(b))
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == one(objects, "Pod")["spec"]["serviceAccountName"]

@@ -214,6 +214,13 @@ class Demo:
             check=False, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
 
+    def test_pods(self) -> list[str]:
+        """The chart's test pods in the release namespace, as `pod/<name>`."""
+        return self.cluster.kubectl(
+            "get", "pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/component=test",
+            "-o", "name",
+        ).stdout.split()  # fmt: skip
+
     def uninstall_chart(self) -> float:
         """`helm uninstall`, then what a user does next: apply and delete a WeightSync and
         delete the CRD. Seconds those took; raises if the cluster refuses or hangs."""

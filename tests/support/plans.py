@@ -27,9 +27,10 @@ def local_plan(
     mode: SyncMode = SyncMode.DISAGGREGATED,
     local_engine: LocalEngine | None = None,
     prewarm_timeout_seconds: float = 30.0,
+    sources: int = 1,
 ) -> MembershipPlan:
     """The plan for `rank` of a group whose agents all listen on 127.0.0.1 (rendezvous on
-    `port`): `pods[0]` is the source, the others sinks, ranked in order."""
+    `port`): the first `sources` pods are source ranks, the others sinks, ranked in order."""
     return MembershipPlan(
         sync_name=sync_name,
         generation=generation,
@@ -38,7 +39,9 @@ def local_plan(
         mode=mode,
         rendezvous=Rendezvous(host="127.0.0.1", port=port),
         members=[
-            PlanMember(rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i == 0 else Role.SINK)
+            PlanMember(
+                rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i < sources else Role.SINK
+            )
             for i, pod in enumerate(pods)
         ],
         transfer=transfer,

@@ -38,6 +38,16 @@ def layout_key(layout_hash: str) -> str:
     return f"layout/{layout_hash}"
 
 
+def report_key(digest: str) -> str:
+    """A source rank's report (what it holds of each tensor), once per generation."""
+    return f"report/{digest}"
+
+
+def round_report_key(seq: int, rank: int) -> str:
+    """The digest of the report source rank `rank` publishes round `seq` with."""
+    return f"round/{seq}/report/{rank}"
+
+
 class RoundHeader(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -48,6 +58,10 @@ class RoundHeader(BaseModel):
     layout_hash: str
     bucket_count: int
     checksum: bool = False
+    # Several source ranks: the digest of each one's report, by rank (`agent.sharded`),
+    # "" for one that did not publish in time (the round is failed); empty when one
+    # source sends every tensor whole.
+    reports: list[str] = []
 
 
 class SwitchNotice(BaseModel):

@@ -38,6 +38,7 @@ class Generation:
     task: asyncio.Task[None] | None = None
     next_seq: int = 0  # the next doorbell sequence number: `take_seq` moves it on
     layouts_sent: set[str] = field(default_factory=set)
+    reports_sent: set[str] = field(default_factory=set)  # source ranks' report digests
     formed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -115,7 +116,6 @@ class Generations:
             generation=plan.generation,
             rank=plan.rank,
             world_size=plan.world_size,
-            source_rank=plan.source_rank,
             backend=plan.backend,
             rendezvous_host=plan.rendezvous.host,
             rendezvous_port=plan.rendezvous.port,

@@ -56,7 +56,6 @@ class GroupSpec:
     generation: int
     rank: int
     world_size: int
-    source_rank: int
     backend: Backend
     rendezvous_host: str
     rendezvous_port: int
@@ -209,14 +208,12 @@ class Group:
             self.prewarm_seconds = time.monotonic() - started
             return
         resolve_backend(spec.backend, spec.device)
-        transport = BroadcastTransport(
-            self._make_pg(pg_store), source_rank=spec.source_rank, device=spec.device, ctl=self.ctl
-        )
+        transport = BroadcastTransport(self._make_pg(pg_store), device=spec.device, ctl=self.ctl)
         self.transport = transport
         transport.barrier_blocking(deadline=deadline)
         marker = spec.generation % 251 + 1
         probe = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8, device=spec.device)
-        if spec.rank == spec.source_rank:
+        if spec.rank == 0:
             probe.fill_(marker)
         transport.wait(transport.start_bucket(probe), deadline=deadline, failure_key=None)
         if int(probe[-1].item()) != marker:

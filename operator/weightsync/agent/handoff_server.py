@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from weightsync.agent.rounds import RoundFailed
-from weightsync.transfer.buffers import SlotError
+from weightsync.transfer.buffers import SlotError, SlotHandles
 from weightsync.transfer.handoff import (
     Abandon,
     Attach,
@@ -37,9 +37,16 @@ class SocketFillChannel:
         self._writer = writer
         self._timeout = timeout
 
-    async def fill(self, bucket: int, slot: int) -> None:
+    async def fill(
+        self,
+        bucket: int,
+        slot: int,
+        pieces: list[tuple[str, int]] | None = None,
+        slots: SlotHandles | None = None,
+    ) -> None:
+        fill = Fill(bucket=bucket, slot=slot, pieces=pieces, slots=slots)
         try:
-            await write_message(self._writer, Fill(bucket=bucket, slot=slot))
+            await write_message(self._writer, fill)
             reply = await asyncio.wait_for(read_message(self._reader), self._timeout)
         except (ProtocolError, ConnectionError) as exc:
             raise RoundFailed("publisher_gone", f"the Publisher went away: {exc}") from exc
@@ -64,7 +71,7 @@ async def serve_publisher(
             if isinstance(message, Attach):
                 try:
                     metas = [TensorMeta(n, tuple(s), d) for n, s, d in message.tensors]
-                    attached = await source.attach(metas, message.sources)
+                    attached = await source.attach(metas, message.sources, message.boxes)
                     await write_message(writer, attached)
                 except (LayoutError, RoundFailed, SlotError) as exc:
                     reason = "bad_layout" if isinstance(exc, LayoutError) else "slots_unavailable"

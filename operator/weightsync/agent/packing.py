@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from weightsync.transfer.buffers import slot_views
+from weightsync.agent.rounds import RoundFailed
+from weightsync.transfer.buffers import SlotHandles, slot_views
 from weightsync.transfer.layout import BucketLayout
 
 Run = Callable[[Callable[[], Any]], Awaitable[Any]]
@@ -60,5 +61,13 @@ class PackingChannel:
         self._slots = slots
         self._run = run
 
-    async def fill(self, bucket: int, slot: int) -> None:
+    async def fill(
+        self,
+        bucket: int,
+        slot: int,
+        pieces: list[tuple[str, int]] | None = None,
+        slots: SlotHandles | None = None,
+    ) -> None:
+        if pieces is not None or slots is not None:
+            raise RoundFailed("publisher_protocol", "a sharded rank packs its own pieces")
         await self._run(partial(self._packer.pack, bucket, slot, self._slots))

@@ -22,7 +22,7 @@ from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.recovery import Recovery, RecoveryFailed
 from weightsync.agent.rounds import RoundOutcome
 from weightsync.agent.settings import AgentSettings
-from weightsync.agent.sink import SinkLoop
+from weightsync.agent.sink_loop import SinkLoop
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source_loop import SourceLoop
 from weightsync.api.control import (

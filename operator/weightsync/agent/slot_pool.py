@@ -17,17 +17,16 @@ class SlotPool:
         self.slots: BucketSlots | None = None
         self.epoch = 0  # bumps on reallocation; consumers re-attach when it changes
 
-    def ensure(self, layout: BucketLayout, depth: int) -> BucketSlots:
+    def ensure(self, layout: BucketLayout, depth: int, staging_bytes: int = 0) -> BucketSlots:
+        """Slots for `layout`, each with `staging_bytes` after the bucket's own bytes (where
+        a sharded round's staged pieces land: `transfer.assembly.SlotRoutes`)."""
+        needed = layout.capacity_bytes + staging_bytes
         current = self.slots
-        if (
-            current is not None
-            and current.capacity >= layout.capacity_bytes
-            and len(current.slots) == depth
-        ):
+        if current is not None and current.capacity >= needed and len(current.slots) == depth:
             return current
         if current is not None:
             current.close()
-        self.slots = BucketSlots(depth, layout.capacity_bytes, self.device, self.shm_dir)
+        self.slots = BucketSlots(depth, needed, self.device, self.shm_dir)
         self.epoch += 1
         return self.slots
 

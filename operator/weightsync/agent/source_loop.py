@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -23,13 +24,21 @@ from weightsync.agent.generations import Generation, Generations
 from weightsync.agent.holder import Holder
 from weightsync.agent.packing import SourcePacker
 from weightsync.agent.rounds import RoundFailed, RoundOutcome
+from weightsync.agent.sharded import Boxes, ShardPlans, report_of
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.control import GenerationState, LocalEngine
 from weightsync.engines.base import EngineAdapter, EngineError
-from weightsync.transfer.buffers import SlotError, TensorSources, open_sources
+from weightsync.transfer.buffers import (
+    BucketSlots,
+    SlotError,
+    SlotHandles,
+    TensorSources,
+    open_sources,
+)
 from weightsync.transfer.handoff import Attached, Publish, PublishResult
-from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
+from weightsync.transfer.layout import BucketLayout, LayoutError, TensorMeta, plan_layout
+from weightsync.transfer.shards import plan_shards, staging_bound
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,8 @@ class SourceLoop:
         self.on_round_start = on_round_start
         self.on_round_end = on_round_end
         self.layout: BucketLayout | None = None  # the Publisher's, from its last attach
+        self.boxes: Boxes | None = None  # sharded: what this rank holds, from that attach
+        self.plans = ShardPlans()
         self._lock = asyncio.Lock()  # one attach or round at a time
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
         self._packer: SourcePacker | None = None  # the Publisher's tensors, when shared
@@ -80,16 +91,24 @@ class SourceLoop:
             await self._planned_engine[1].close()
 
     # ---------------------------------------------------------------- attach
-    async def attach(self, metas: list[TensorMeta], sources: TensorSources | None) -> Attached:
+    async def attach(
+        self, metas: list[TensorMeta], sources: TensorSources | None, boxes: Boxes | None = None
+    ) -> Attached:
         plan = self.generations.newest_plan()
         if plan is None:
             raise RoundFailed("no_plan", "the agent has no membership plan yet")
         async with self._lock:
             layout = plan_layout(metas, plan.transfer.bucket_size_bytes)
-            slots = self.pool.ensure(layout, plan.transfer.pipeline_depth)
-            self.layout = layout
+            if boxes is not None and len(boxes) != len(metas):
+                raise LayoutError(f"{len(boxes)} boxes for {len(metas)} tensors")
+            if boxes is not None and plan.source_count == 1:
+                # One source sends everything: what it holds must be every tensor, whole.
+                plan_shards([report_of(layout, 0, boxes)], layout.bucket_size_bytes)
+            staging = staging_bound(layout, plan.source_count)
+            slots = self.pool.ensure(layout, plan.transfer.pipeline_depth, staging)
+            self.layout, self.boxes = layout, boxes
             self._publisher_epoch = self.pool.epoch
-            self._packer = await self._map_sources(layout, sources)
+            self._packer = None if boxes else await self._map_sources(layout, sources)
         log.info(
             "layout %s: %d tensors, %d buckets, %d bytes, packed by the %s",
             layout.layout_hash[:12],
@@ -175,7 +194,8 @@ class SourceLoop:
         transfer = generation.plan.transfer
         if transfer.bucket_size_bytes != layout.bucket_size_bytes:
             raise RoundFailed("layout_mismatch", "the plan changed the bucket size: attach again")
-        slots = self.pool.ensure(layout, transfer.pipeline_depth)
+        sources = generation.plan.source_count
+        slots = self.pool.ensure(layout, transfer.pipeline_depth, staging_bound(layout, sources))
         if self.pool.epoch != self._publisher_epoch:
             raise RoundFailed("layout_mismatch", "the bucket slots changed: attach again")
         engine = await self._engine(generation.plan.local_engine)
@@ -199,11 +219,29 @@ class SourceLoop:
             lineage=request.lineage,
             local_engine=engine,
             engine_timeout_seconds=self.engine_timeout,
-            holder=self.holder,
+            # Several source ranks each see the whole version; the lead holds it (by
+            # default), the others only when the plan asks.
+            holder=self.holder
+            if sources == 1 or generation.plan.rank == 0 or generation.plan.holder
+            else None,
             hold_from=packer.by_name if packer is not None else None,
             deadline=deadline,
+            report=report_of(layout, generation.plan.rank, self.boxes) if sources > 1 else None,
+            plans=self.plans,
+            resize=partial(self._resize, transfer.pipeline_depth),
         )
         return await runner.run()
+
+    def _resize(
+        self, depth: int, layout: BucketLayout, staging: int
+    ) -> tuple[BucketSlots, SlotHandles | None]:
+        """A sharded round's slots, for the whole model's layout (this rank attached only
+        what it publishes); their handles when they are new to the Publisher."""
+        slots = self.pool.ensure(layout, depth, staging)
+        if self.pool.epoch == self._publisher_epoch:
+            return slots, None
+        self._publisher_epoch = self.pool.epoch
+        return slots, slots.handles
 
     async def _select_generation(self, deadline: float) -> Generation:
         """The newest warm generation; older ones are told to switch, then retired.

@@ -95,11 +95,12 @@ class MembershipPlan(_Message):
         ranks = sorted(m.rank for m in self.members)
         if ranks != list(range(len(ranks))):
             raise ValueError(f"member ranks must be 0..{len(ranks) - 1} once each, got {ranks}")
-        sources = [m for m in self.members if m.role == Role.SOURCE]
-        if len(sources) != 1:
-            raise ValueError(f"a plan has exactly one source member, got {len(sources)}")
-        if sources[0].rank != 0:
-            raise ValueError("the source member is rank 0: it hosts the rendezvous store")
+        sources = sorted(m.rank for m in self.members if m.role == Role.SOURCE)
+        if sources != list(range(len(sources))) or not sources:
+            raise ValueError(
+                "the source members are ranks 0..n-1 (rank 0, the first, hosts the rendezvous"
+                f" store), got source ranks {sources}"
+            )
         if self.rank >= len(self.members):
             raise ValueError(f"rank {self.rank} is not a member of the plan")
         if self.mode == SyncMode.COLOCATED and len(self.members) != 1:
@@ -113,8 +114,9 @@ class MembershipPlan(_Message):
         return len(self.members)
 
     @property
-    def source_rank(self) -> int:
-        return 0
+    def source_count(self) -> int:
+        """How many members are sources (ranks 0..source_count-1): each sends its shard."""
+        return sum(1 for m in self.members if m.role == Role.SOURCE)
 
     @property
     def me(self) -> PlanMember:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from weightsync.client.shards import ShardError, describe
 from weightsync.transfer.layout import DTYPE_ITEMSIZE
 
 
@@ -60,9 +62,14 @@ def check_tensor(name: str, tensor: object) -> torch.Tensor:
         raise PublishInputError(f"tensor {name!r}: dtype {dtype} cannot be published")
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise PublishInputError(f"tensor {name!r}: only dense (strided) tensors are published")
-    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter | DTensor):
         raise PublishInputError(
-            f"tensor {name!r}: {type(tensor).__name__} is not published yet: publish its"
-            " full_tensor() from one rank (sharded sources are not wired into rounds)"
+            f"tensor {name!r}: a {type(tensor).__name__} is not a plain tensor, a Parameter or"
+            " a DTensor"
         )
+    if isinstance(tensor, DTensor):
+        try:
+            describe(name, tensor)
+        except ShardError as exc:
+            raise PublishInputError(str(exc)) from None
     return tensor

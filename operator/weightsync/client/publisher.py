@@ -14,6 +14,10 @@ The first publish sends the tensor metadata; the agent plans the bucket layout.
   copies bucket after bucket into the slots the agent names, in step with its broadcast.
 Only small JSON messages cross the socket. A different tensor set (or new bucket
 settings from the operator) renegotiates.
+
+A sharded trainer calls `publish` on every source rank with its `DTensor`s (FSDP2, tensor
+or expert parallel) or the plain tensors that rank owns: each rank sends only what it
+holds locally (`client.shards`), and packs its own pieces when its agent asks.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from weightsync.api import agent_env
 from weightsync.client.inputs import PublishInputError, checked_tensors
+from weightsync.client.shards import describe, is_sharded
 from weightsync.transfer.buffers import (
     copy_tensors,
     describe_sources,
@@ -76,6 +81,17 @@ class LayoutChangedError(PublisherError):
     """The agent no longer accepts this layout and renegotiation did not settle it."""
 
 
+Boxes = list[tuple[list[int], list[int]] | None]  # per tensor: [offset, shape] held, or None
+
+
+@dataclass(frozen=True, slots=True)
+class _Described:
+    metas: list[TensorMeta]  # the global tensors
+    boxes: Boxes | None  # None: every tensor held whole
+    local: dict[str, torch.Tensor]  # this rank's bytes of each tensor it holds
+    signature: list[object]
+
+
 @dataclass(frozen=True, slots=True)
 class PublishTimings:
     """Where the last `publish()` spent its time in the trainer's process, in seconds."""
@@ -110,7 +126,8 @@ class Publisher:
         self._layout: BucketLayout | None = None
         self._slots: list[torch.Tensor] = []
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._signature: list[tuple[str, torch.Size, torch.dtype]] = []
+        self._signature: list[object] = []
+        self._boxes: Boxes | None = None  # sharded: what this rank holds, as attached
         # Set when the agent packs from our tensors (GPU): where they lay when shared.
         self._shared_at: list[int] | None = None
         self._packed: list[float] = []
@@ -167,25 +184,33 @@ class Publisher:
             )
         return version
 
-    def _metas_of(
-        self, tensors: dict[str, torch.Tensor]
-    ) -> tuple[list[TensorMeta], list[tuple[str, torch.Size, torch.dtype]]]:
-        """The tensor set's metadata, rebuilt only when names, shapes or dtypes changed."""
-        signature = [(name, t.shape, t.dtype) for name, t in tensors.items()]
+    def _described(self, tensors: dict[str, torch.Tensor]) -> _Described:
+        """The tensor set as this rank publishes it; metadata is rebuilt only when names,
+        shapes, dtypes or held blocks changed (then the Publisher attaches again)."""
+        if not is_sharded(tensors.values()):
+            signature: list[object] = [(name, t.shape, t.dtype) for name, t in tensors.items()]
+            if self._metas is not None and signature == self._signature and self._boxes is None:
+                return _Described(self._metas, None, tensors, signature)
+            metas = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()]
+            return _Described(metas, None, tensors, signature)
+        pieces = [describe(name, t) for name, t in tensors.items()]
+        boxes: Boxes = [(list(p.box.offset), list(p.box.shape)) if p.box else None for p in pieces]
+        local = {p.meta.name: p.local for p in pieces if p.local is not None}
+        signature = [(p.meta, p.box) for p in pieces]
         if self._metas is not None and signature == self._signature:
-            return self._metas, signature
-        metas = [TensorMeta(n, tuple(shape), dtype_name(dtype)) for n, shape, dtype in signature]
-        return metas, signature
+            return _Described(self._metas, self._boxes, local, signature)
+        return _Described([p.meta for p in pieces], boxes, local, signature)
 
     def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
-        metas, signature = self._metas_of(tensors)
-        if self._shared_at is not None and self._shared_at != _addresses(tensors):
+        described = self._described(tensors)
+        local = described.local
+        if self._shared_at is not None and self._shared_at != _addresses(local):
             self._layout = None  # the tensors moved: share them again
         for attempt in range(2):
-            if self._layout is None or metas is not self._metas:
+            if self._layout is None or described.metas is not self._metas:
                 try:
-                    self._attach(metas, tensors)
-                    self._signature = signature
+                    self._attach(described.metas, local, described.boxes)
+                    self._signature = described.signature
                 except PublisherError as exc:
                     if exc.reason not in _NOT_YET:
                         raise
@@ -198,7 +223,7 @@ class Publisher:
                         reason=exc.reason,
                         message=str(exc),
                     )
-            result = self._round(tensors, version)
+            result = self._round(local, version)
             if result.reason != "layout_mismatch":
                 return result
             log.info("agent asked to renegotiate the layout (attempt %d)", attempt + 1)
@@ -244,10 +269,16 @@ class Publisher:
                 "agent_gone", f"the weightsync agent went away: {exc}"
             ) from exc
 
-    def _attach(self, metas: list[TensorMeta], tensors: dict[str, torch.Tensor]) -> None:
-        sources = describe_sources([tensors[m.name] for m in metas])
+    def _attach(
+        self,
+        metas: list[TensorMeta],
+        tensors: dict[str, torch.Tensor],
+        boxes: Boxes | None,
+    ) -> None:
+        # A sharded rank packs its own pieces (the agent maps whole tensors only).
+        sources = None if boxes else describe_sources([tensors[m.name] for m in metas])
         names = [(m.name, list(m.shape), m.dtype) for m in metas]
-        reply = self._exchange(Attach(tensors=names, sources=sources))
+        reply = self._exchange(Attach(tensors=names, sources=sources, boxes=boxes))
         if isinstance(reply, HandoffError):
             raise PublisherError(reply.reason, reply.message)
         if not isinstance(reply, Attached):
@@ -258,7 +289,7 @@ class Publisher:
         self._shared_at = _addresses(tensors) if reply.agent_packs else None
         self._slots = [] if reply.agent_packs else open_slots(reply.slots)
         self._views.clear()
-        self._metas, self._layout = metas, layout
+        self._metas, self._layout, self._boxes = metas, layout, boxes
 
     def _round(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
         layout = self._layout
@@ -288,14 +319,27 @@ class Publisher:
     @torch.no_grad()
     def _fill(self, layout: BucketLayout, tensors: dict[str, torch.Tensor], fill: Fill) -> None:
         started = time.perf_counter()
-        bucket = layout.buckets[fill.bucket]
-        key = (fill.slot, fill.bucket)
-        views = self._views.get(key)
-        if views is None:
-            views = self._views[key] = slot_views(self._slots[fill.slot], bucket.tensors)
-        # On the current stream, after whatever the trainer queued that writes the tensors.
-        copy_tensors(views, [tensors[t.name] for t in bucket.tensors])
+        if fill.slots is not None:  # the agent grew its slots for this round's layout
+            self._slots = open_slots(fill.slots)
+            self._views.clear()
         slot = self._slots[fill.slot]
+        if fill.pieces is not None:  # sharded: this rank's blocks, where the agent says
+            names = [name for name, _ in fill.pieces]
+            views = [
+                slot[offset : offset + tensors[name].nbytes]
+                .view(tensors[name].dtype)
+                .view(tensors[name].shape)
+                for name, offset in fill.pieces
+            ]
+        else:
+            bucket = layout.buckets[fill.bucket]
+            names = [t.name for t in bucket.tensors]
+            key = (fill.slot, fill.bucket)
+            if key not in self._views:
+                self._views[key] = slot_views(slot, bucket.tensors)
+            views = self._views[key]
+        # On the current stream, after whatever the trainer queued that writes the tensors.
+        copy_tensors(views, [tensors[name] for name in names])
         if slot.is_cuda:  # the agent broadcasts from another process: the copy must be done
             torch.cuda.current_stream(slot.device).synchronize()
         self._packed.append(time.perf_counter() - started)

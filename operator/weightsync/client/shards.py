@@ -14,6 +14,7 @@ the same dimension interleaves rows: no single box describes them).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,11 @@ class LocalPiece:
     meta: TensorMeta  # the global tensor: name, shape, dtype
     box: Box | None  # what this rank holds of it; None: nothing
     local: torch.Tensor | None  # the bytes of `box`, contiguous in the box's shape
+
+
+def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any of `tensors` is a DTensor (then every tensor is described by its box)."""
+    return any(isinstance(t, DTensor) for t in tensors)
 
 
 def describe(name: str, tensor: torch.Tensor) -> LocalPiece:

@@ -5,18 +5,21 @@ trainer rank holds) into the segment's bytes; every receiver of a staged segment
 copies each piece into its box of the full tensor inside the bucket slot. A box that
 spans whole rows (a dim-0 shard) is one contiguous copy; any other box (a `Shard(1)`
 weight, a block of a 2-D mesh) is a strided copy on the device. `transfer.shards`
-decides where everything goes; nothing here plans.
+decides where everything goes; nothing here plans. `SlotRoutes` says, for one rank's
+slots, which bytes each broadcast of a bucket moves and where the staged pieces land:
+every rank assembles full buckets in its slots (engines, holders and checksums read them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 
 import torch
 
 from weightsync.transfer.buffers import copy_tensors, torch_dtype
 from weightsync.transfer.layout import Bucket
-from weightsync.transfer.shards import Piece, Segment
+from weightsync.transfer.shards import Piece, Segment, ShardPlan
 
 
 def piece_views(buffer: torch.Tensor, pieces: Sequence[Piece]) -> list[torch.Tensor]:
@@ -51,3 +54,49 @@ def place_pieces(
             view = view.narrow(dim, start, size)
         targets.append(view)
     copy_tensors(targets, sources)
+
+
+class SlotRoutes:
+    """One rank's view of a plan: its slots, with staging after the bucket's own bytes.
+
+    The staging area starts at `plan.layout.capacity_bytes` in every slot, so a slot of
+    `capacity_bytes + staging_bytes` serves any plan of the layout."""
+
+    def __init__(self, plan: ShardPlan, slots: Sequence[torch.Tensor]) -> None:
+        self.plan = plan
+        self.slots = slots
+        self.staging_base = plan.layout.capacity_bytes
+        need = self.staging_base + plan.staging_bytes
+        if any(slot.numel() < need for slot in slots):
+            raise ValueError(f"a slot holds fewer than the {need} bytes this plan needs")
+
+    def _region(self, segment: Segment, slot: int) -> torch.Tensor:
+        start = segment.offset + (0 if segment.direct else self.staging_base)
+        return self.slots[slot][start : start + segment.nbytes]
+
+    def sends(self, bucket: int, slot: int) -> list[tuple[int, torch.Tensor]]:
+        """(owner rank, bytes) of each broadcast of `bucket`, in the order every rank
+        issues them."""
+        return [(s.owner, self._region(s, slot)) for s in self.plan.segments[bucket]]
+
+    def fill_offsets(self, bucket: int, rank: int) -> list[tuple[str, int]]:
+        """Where `rank` copies each of its pieces of `bucket`: (tensor name, slot offset)."""
+        return [
+            (piece.name, piece.offset + (0 if segment.direct else self.staging_base))
+            for segment in self.plan.segments_of(rank, bucket)
+            for piece in segment.pieces
+        ]
+
+    @cached_property
+    def staged(self) -> bool:
+        return any(not s.direct for segments in self.plan.segments for s in segments)
+
+    def place(self, bucket: int, slot: int) -> None:
+        """Copy `bucket`'s received staged pieces into their tensors in the slot."""
+        if not self.staged:
+            return
+        layout_bucket = self.plan.layout.buckets[bucket]
+        buffer = self.slots[slot]
+        staging = buffer[self.staging_base :]
+        for segment in self.plan.segments[bucket]:
+            place_pieces(layout_bucket, segment, staging, buffer)

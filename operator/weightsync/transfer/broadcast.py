@@ -66,8 +66,8 @@ class Transport(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def start_bucket(self, buffer: torch.Tensor) -> dist.Work | None:
-        """Issue the transfer of `buffer` (sent on the source, received elsewhere)."""
+    def start_bucket(self, buffer: torch.Tensor, root: int = 0) -> dist.Work | None:
+        """Issue the transfer of `buffer` (sent on rank `root`, a source; received elsewhere)."""
 
     @abc.abstractmethod
     def wait(self, pending: dist.Work | None, *, deadline: float, failure_key: str | None) -> None:
@@ -86,7 +86,7 @@ class LocalTransport(Transport):
 
     name = "local"
 
-    def start_bucket(self, buffer: torch.Tensor) -> dist.Work | None:
+    def start_bucket(self, buffer: torch.Tensor, root: int = 0) -> dist.Work | None:
         return None
 
     def wait(self, pending: dist.Work | None, *, deadline: float, failure_key: str | None) -> None:
@@ -97,7 +97,8 @@ class LocalTransport(Transport):
 
 
 class BroadcastTransport(Transport):
-    """c10d broadcast from `source_rank` over one generation's process group."""
+    """c10d broadcasts over one generation's process group, each from the source rank that
+    owns the bytes (rank 0 when one source sends everything)."""
 
     name = "broadcast"
 
@@ -105,12 +106,10 @@ class BroadcastTransport(Transport):
         self,
         pg: C10dBackend,
         *,
-        source_rank: int,
         device: torch.device,
         ctl: Store,
     ) -> None:
         self._pg: Collectives | None = cast(Collectives, pg)
-        self._source_rank = source_rank
         self._device = device
         self._ctl = ctl
         self._vote: torch.Tensor | None = None
@@ -121,9 +120,9 @@ class BroadcastTransport(Transport):
             raise TransferError("aborted", "the process group was aborted")
         return self._pg
 
-    def start_bucket(self, buffer: torch.Tensor) -> dist.Work:
+    def start_bucket(self, buffer: torch.Tensor, root: int = 0) -> dist.Work:
         opts = BroadcastOptions()
-        opts.rootRank = self._source_rank
+        opts.rootRank = root
         opts.rootTensor = 0
         return self.pg.broadcast([buffer], opts)
 

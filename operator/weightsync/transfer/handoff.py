@@ -19,6 +19,12 @@ overlapped), and a round is just `Publish` -> `PublishResult`: the Publisher syn
 its device first, so the agent reads finished weights, and does not touch them until the
 result comes. A tensor set whose storages moved is attached again.
 
+A trainer rank of a sharded model (several source ranks, each with its own Publisher and
+agent) attaches the global shape of every tensor it publishes and, in `Attach.boxes`, the
+block of it that it holds (`transfer.shards.Box`). Its agent asks it to fill only its own
+pieces, each at the byte offset in the slot that `Fill.pieces` names; the first `Fill` of
+a round carries new slot handles when the round's layout needed larger slots.
+
 A Publisher that cannot fill a bucket sends `Abandon`; the agent still drives the
 round to its end so every rank fails it together, then answers `PublishResult(ok=False)`.
 Any request may be answered by `HandoffError` (e.g. `layout_mismatch`, `no_group`).
@@ -49,8 +55,11 @@ class _Msg(BaseModel):
 
 class Attach(_Msg):
     type: Literal["attach"] = "attach"
-    tensors: list[tuple[str, list[int], str]]  # name, shape, dtype name
+    tensors: list[tuple[str, list[int], str]]  # name, (global) shape, dtype name
     sources: TensorSources | None = None  # GPU: the tensors themselves, for the agent to pack
+    # Sharded: per tensor, [offset, shape] of the block this rank holds, or None (nothing);
+    # absent: every tensor is held whole.
+    boxes: list[tuple[list[int], list[int]] | None] | None = None
 
 
 class Attached(_Msg):
@@ -75,6 +84,12 @@ class Fill(_Msg):
     type: Literal["fill"] = "fill"
     bucket: int
     slot: int
+    # Sharded: (tensor name, byte offset in the slot) of each piece this rank sends in the
+    # bucket, its local block copied contiguously; absent: the whole bucket, as laid out.
+    pieces: list[tuple[str, int]] | None = None
+    # Sharded: the slots were reallocated for the round's layout (known only once every
+    # rank's report is in): map these before filling.
+    slots: SlotHandles | None = None
 
 
 class Filled(_Msg):

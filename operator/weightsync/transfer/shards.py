@@ -1,8 +1,9 @@
 """Sharded sources: who owns which bytes of every tensor, and how a bucket travels. Pure.
 
-Every source rank reports each tensor of the model with the *box* it holds: the whole
-tensor, a block of it (a shard along one or more dimensions, uneven ones included), or
-nothing. From every rank's report, `plan_shards` decides once:
+Every source rank reports the tensors it publishes with the *box* it holds of each: the
+whole tensor, a block of it (a shard along one or more dimensions, uneven ones included),
+or nothing. The model is every tensor any rank reports (a rank that does not list an
+expert holds none of it). From every rank's report, `plan_shards` decides once:
 
 * **Ownership.** Identical boxes on several ranks are replicas: the lowest rank owns
   them. Otherwise the boxes must tile the tensor exactly (pairwise disjoint, every
@@ -79,10 +80,36 @@ class Box:
 
 @dataclass(frozen=True, slots=True)
 class RankReport:
-    """What one source rank holds: every tensor of the model, with its box or None."""
+    """What one source rank holds: the tensors it publishes, each with its box or None."""
 
     rank: int
     tensors: tuple[tuple[TensorMeta, Box | None], ...]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "rank": self.rank,
+                "tensors": [
+                    [*meta.to_json(), box.to_json() if box else None] for meta, box in self.tensors
+                ],
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> RankReport:
+        data = json.loads(raw)
+        tensors = []
+        for *meta, box in data["tensors"]:
+            tensors.append(
+                (TensorMeta.from_json(meta), Box(tuple(box[0]), tuple(box[1])) if box else None)
+            )
+        return cls(int(data["rank"]), tuple(tensors))
+
+    @property
+    def digest(self) -> str:
+        """What the round header carries for this report (the store key of its body)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,26 +164,28 @@ def _check_box(meta: TensorMeta, box: Box, rank: int) -> None:
 
 
 def _agreed_tensors(reports: Sequence[RankReport]) -> tuple[TensorMeta, ...]:
-    """The tensor set every rank reported, in the lowest rank's order."""
+    """Every tensor any rank reported: the lowest rank's in its order, then each further
+    rank's new ones in its order. Ranks that list a tensor agree on its shape and dtype."""
     if not reports:
         raise LayoutError("no source rank reported its tensors")
-    first = reports[0]
-    metas = tuple(meta for meta, _ in first.tensors)
-    for report in reports[1:]:
-        theirs = tuple(meta for meta, _ in report.tensors)
-        if theirs == metas:
-            continue
-        for mine, other in zip(metas, theirs, strict=False):
-            if mine != other:
+    seen: dict[str, tuple[int, TensorMeta]] = {}
+    order: list[TensorMeta] = []
+    for report in reports:
+        names = set()
+        for meta, _ in report.tensors:
+            if meta.name in names:
+                raise LayoutError(f"rank {report.rank} lists tensor {meta.name!r} twice")
+            names.add(meta.name)
+            known = seen.get(meta.name)
+            if known is None:
+                seen[meta.name] = (report.rank, meta)
+                order.append(meta)
+            elif known[1] != meta:
                 raise LayoutError(
-                    f"ranks {first.rank} and {report.rank} disagree on a tensor: {mine} vs "
-                    f"{other} (every rank lists every tensor, in the same order, with its "
-                    "global shape and dtype)"
+                    f"ranks {known[0]} and {report.rank} disagree on a tensor: {known[1]} vs "
+                    f"{meta} (every rank lists a tensor with its global shape and dtype)"
                 )
-        raise LayoutError(
-            f"rank {first.rank} lists {len(metas)} tensors, rank {report.rank} {len(theirs)}"
-        )
-    return metas
+    return tuple(order)
 
 
 def _owners_of(meta: TensorMeta, held: list[tuple[int, Box]]) -> list[tuple[int, Box]]:
@@ -175,6 +204,8 @@ def _owners_of(meta: TensorMeta, held: list[tuple[int, Box]]) -> list[tuple[int,
             )
     numel = Box.whole(meta.shape).numel
     covered = sum(box.numel for _, box in owned)
+    if covered == 0 and numel:
+        raise LayoutError(f"tensor {meta.name!r}: no source rank holds any of it")
     if covered != numel:
         raise LayoutError(
             f"tensor {meta.name!r}: the ranks' boxes cover {covered} of {numel} elements"
@@ -240,6 +271,28 @@ def _segments(
     return tuple(plan), staging
 
 
+def single_source(layout: BucketLayout, rank: int = 0) -> ShardPlan:
+    """The plan of a round with one source holding every tensor whole: each bucket is one
+    direct broadcast of the whole slot (what `plan_shards` plans for it, without the work)."""
+    segments = tuple((Segment(rank, True, 0, bucket.nbytes, ()),) for bucket in layout.buckets)
+    return ShardPlan(layout, (rank,), segments, 0, layout.layout_hash)
+
+
+def staging_bound(layout: BucketLayout, sources: int) -> int:
+    """Staging bytes any plan of `layout` over `sources` ranks may need: a bucket's staged
+    pieces tile its tensors, each piece padded to the alignment, at most one piece per
+    tensor and rank. Slots are sized with it before the ranks' reports are known."""
+    if sources <= 1:
+        return 0
+    return max(
+        (
+            sum(t.nbytes for t in bucket.tensors) + len(bucket.tensors) * sources * layout.alignment
+            for bucket in layout.buckets
+        ),
+        default=0,
+    )
+
+
 def plan_shards(
     reports: Sequence[RankReport],
     bucket_size_bytes: int,
@@ -253,15 +306,13 @@ def plan_shards(
     metas = _agreed_tensors(reports)
     layout = plan_layout(metas, bucket_size_bytes, alignment)
     by_name = {m.name: m for m in metas}
-    owners: dict[str, list[tuple[int, Box]]] = {}
-    for index, meta in enumerate(metas):
-        held: list[tuple[int, Box]] = []
-        for report in reports:
-            box = report.tensors[index][1]
+    held: dict[str, list[tuple[int, Box]]] = {m.name: [] for m in metas}
+    for report in reports:
+        for meta, box in report.tensors:
             if box is not None:
                 _check_box(meta, box, report.rank)
-                held.append((report.rank, box))
-        owners[meta.name] = _owners_of(meta, held)
+                held[meta.name].append((report.rank, box))
+    owners = {meta.name: _owners_of(meta, held[meta.name]) for meta in metas}
     segments, staging = _segments(layout, by_name, owners)
     canonical = json.dumps(
         {

@@ -55,7 +55,7 @@ def test_valid_plan_defaults() -> None:
                     {"rank": 1, "pod": "b", "host": "h", "role": "sink"},
                 ]
             },
-            "exactly one source",
+            r"source members are ranks 0..n-1.*got source ranks \[\]",
         ),
         (
             {
@@ -64,7 +64,17 @@ def test_valid_plan_defaults() -> None:
                     {"rank": 1, "pod": "b", "host": "h", "role": "source"},
                 ]
             },
-            "source member is rank 0",
+            r"got source ranks \[1\]",
+        ),
+        (
+            {
+                "members": [
+                    {"rank": 0, "pod": "a", "host": "h", "role": "source"},
+                    {"rank": 1, "pod": "b", "host": "h", "role": "sink"},
+                    {"rank": 2, "pod": "c", "host": "h", "role": "source"},
+                ]
+            },
+            r"got source ranks \[0, 2\]",
         ),
         ({"mode": "Colocated"}, "only the source"),
         ({"transfer": {"pipeline_depth": 0}}, "pipeline_depth"),

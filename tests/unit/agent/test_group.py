@@ -21,7 +21,6 @@ def specs(generation: int, world: int, port: int, *, prewarm: float = 20.0) -> l
             generation=generation,
             rank=rank,
             world_size=world,
-            source_rank=0,
             backend=Backend.GLOO,
             rendezvous_host="127.0.0.1",
             rendezvous_port=port,

@@ -186,7 +186,6 @@ def test_colocated_fill_overlaps_the_engine_and_never_refills_a_slot_in_use(
         generation=1,
         rank=0,
         world_size=1,
-        source_rank=0,
         backend=Backend.GLOO,
         rendezvous_host="127.0.0.1",
         rendezvous_port=port,

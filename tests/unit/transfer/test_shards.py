@@ -11,8 +11,11 @@ from weightsync.transfer.shards import (
     DIRECT_MIN_BYTES,
     Box,
     RankReport,
+    Segment,
     ShardPlan,
     plan_shards,
+    single_source,
+    staging_bound,
 )
 
 MiB = 1 << 20
@@ -188,7 +191,56 @@ def test_ranks_must_agree_on_the_tensor_set() -> None:
     b = TensorMeta("w", (4, 4), "bfloat16")
     with pytest.raises(LayoutError, match="ranks 0 and 1 disagree"):
         plan_shards([report(0, [(a, Box.whole(a.shape))]), report(1, [(b, None)])], MiB)
-    with pytest.raises(LayoutError, match="rank 0 lists 1 tensors, rank 1 0"):
-        plan_shards([report(0, [(a, Box.whole(a.shape))]), report(1, [])], MiB)
+    with pytest.raises(LayoutError, match="rank 1 lists tensor 'w' twice"):
+        plan_shards([report(1, [(a, None), (a, None)])], MiB)
     with pytest.raises(LayoutError, match="reported twice"):
         plan_shards([report(0, [(a, Box.whole(a.shape))])] * 2, MiB)
+
+
+def test_a_rank_that_does_not_list_a_tensor_holds_none_of_it() -> None:
+    """Expert parallel as trainers write it: each rank publishes the experts it owns."""
+    experts = [TensorMeta(f"expert.{e}", (64, 64), "float32") for e in range(4)]
+    shared = TensorMeta("norm", (64,), "float32")
+    reports = [
+        report(r, [(shared, Box.whole(shared.shape)), (experts[r], Box.whole((64, 64)))])
+        for r in range(4)
+    ]
+    plan = plan_shards(reports, MiB)
+    assert [t.name for t in plan.layout.tensors] == ["norm", *(m.name for m in experts)]
+    owners = {p.name: s.owner for segs in plan.segments for s in segs for p in s.pieces}
+    assert owners == {"norm": 0, **{f"expert.{e}": e for e in range(4)}}
+    full = {m.name: torch.randn(m.shape) for m in [shared, *experts]}
+    simulate(plan, full, reports)
+    with pytest.raises(LayoutError, match=r"'expert\.0': no source rank holds any of it"):
+        plan_shards([report(0, [(experts[0], None)])], MiB)
+
+
+def test_single_source_is_what_plan_shards_plans_for_one_source() -> None:
+    metas = [TensorMeta(f"w{i}", (100 + i, 300), "bfloat16") for i in range(40)]
+    planned = plan_shards([report(0, [(m, Box.whole(m.shape)) for m in metas])], 1 * MiB)
+    assert single_source(planned.layout).segments == tuple(
+        tuple(Segment(s.owner, s.direct, s.offset, s.nbytes, ()) for s in segs)
+        for segs in planned.segments
+    )
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_staging_bound_covers_every_plan(ranks: int) -> None:
+    metas = [TensorMeta(f"w{i}", (7 + i, 33), "float32") for i in range(30)]
+    for dim in (0, 1):
+        reports = [
+            report(r, [(m, dim_shards(m.shape, dim, ranks)[r]) for m in metas])
+            for r in range(ranks)
+        ]
+        plan = plan_shards(reports, 64 << 10)
+        assert 0 < plan.staging_bytes <= staging_bound(plan.layout, ranks)
+    assert staging_bound(plan.layout, 1) == 0
+
+
+def test_a_report_travels_as_json() -> None:
+    a = TensorMeta("w", (4, 6), "bfloat16")
+    b = TensorMeta("v", (3,), "float32")
+    sent = report(2, [(a, Box((2, 0), (2, 6))), (b, None)])
+    assert RankReport.from_json(sent.to_json()) == sent
+    assert RankReport.from_json(sent.to_json()).digest == sent.digest
+    assert report(2, [(a, Box((0, 0), (2, 6))), (b, None)]).digest != sent.digest

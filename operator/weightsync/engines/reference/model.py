@@ -50,6 +50,15 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2,
         intermediate_size=128,
     ),
+    # Sizes that do not divide by 2 or 4 (vocabulary 250, MLP 90): shards come out uneven.
+    "uneven": ModelConfig(
+        vocab_size=250,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=90,
+    ),
     "small": ModelConfig(
         vocab_size=4096,
         hidden_size=512,

@@ -1,0 +1,193 @@
+"""Rounds with several source ranks, each sending the shard its trainer rank holds.
+
+Each source rank's Publisher attaches the global shape of every tensor and the block of
+it that rank holds (`transfer.shards.RankReport`). A round then starts with an exchange
+in the generation's store, before any collective:
+
+    every source rank   report/<digest> (once per generation), round/<seq>/report/<rank>
+    rank 0 (the lead)   waits for every source rank's digest, then rings the doorbell
+                        with all of them in the round header
+    other source ranks  wait for that header: it must carry their own digest and version
+
+Every rank (sinks too) turns the digests into the same `ShardPlan` (computed once per
+set of reports) and checks it against the header's layout hash. Buckets then travel as
+one broadcast per segment from its owner (`transfer.assembly.SlotRoutes`), and every
+rank assembles full buckets in its slots. A source rank that does not publish within
+the round's timeout fails the round on every rank, named: the lead writes the failure
+note in its name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from weightsync.agent.doorbell import (
+    DOORBELL,
+    RoundHeader,
+    doorbell_key,
+    report_key,
+    round_report_key,
+)
+from weightsync.agent.failures import FailureNote, Stage, note_key, ranks_key
+from weightsync.agent.group import Group
+from weightsync.agent.rounds import RoundFailed
+from weightsync.api.control import MembershipPlan
+from weightsync.transfer.broadcast import TransferError
+from weightsync.transfer.layout import BucketLayout, LayoutError
+from weightsync.transfer.shards import Box, RankReport, ShardPlan, plan_shards
+
+_POLL_SECONDS = 0.005
+
+Boxes = Sequence[tuple[Sequence[int], Sequence[int]] | None]  # `Attach.boxes`
+_PLANS_KEPT = 4
+
+
+def _peer_failed(flag: bytes) -> TransferError:
+    return TransferError("peer_failed", f"a peer failed the round: {flag.decode()}")
+
+
+class ShardPlans:
+    """Plans by the digests of the source ranks' reports, each computed once: a plan
+    over tens of thousands of tensors takes a while, and every round of a run reuses it."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[tuple[str, ...], int], ShardPlan] = {}
+
+    async def get(
+        self,
+        group: Group,
+        digests: Sequence[str],
+        bucket_size_bytes: int,
+        layout_hash: str | None = None,
+    ) -> ShardPlan:
+        """The plan of the reports behind `digests`; with `layout_hash` (the header's),
+        checked to be the layout the lead announced."""
+        if "" in digests:  # the lead rang without it: the round is failed already
+            raise RoundFailed(
+                "peer_failed", f"source rank {digests.index('')} did not publish this round"
+            )
+        key = (tuple(digests), bucket_size_bytes)
+        plan = self._plans.get(key)
+        if plan is not None:
+            _check_layout(plan, layout_hash)
+            return plan
+        ctl = group.ctl
+        raws = await group.run(lambda: [ctl.get(report_key(d)) for d in digests])
+        reports = [RankReport.from_json(raw) for raw in raws]
+        for rank, report in enumerate(reports):
+            if report.rank != rank:
+                raise LayoutError(f"the header's report {rank} is source rank {report.rank}'s")
+        try:
+            plan = await asyncio.to_thread(plan_shards, reports, bucket_size_bytes)
+        except LayoutError as exc:
+            raise RoundFailed("bad_shards", str(exc)) from exc
+        _check_layout(plan, layout_hash)
+        if len(self._plans) >= _PLANS_KEPT:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan
+        return plan
+
+
+def _check_layout(plan: ShardPlan, layout_hash: str | None) -> None:
+    if layout_hash is not None and plan.layout.layout_hash != layout_hash:
+        raise RoundFailed(
+            "layout_mismatch",
+            f"the source ranks' reports plan layout {plan.layout.layout_hash[:12]}, the round"
+            f" announced {layout_hash[:12]}",
+        )
+
+
+def report_of(layout: BucketLayout, rank: int, boxes: Boxes | None) -> RankReport:
+    """This rank's report from its attach: `boxes` as `Attach.boxes` carries them."""
+    if boxes is None:
+        return RankReport(rank, tuple((m, Box.whole(m.shape)) for m in layout.tensors))
+    return RankReport(
+        rank,
+        tuple(
+            (meta, None if box is None else Box(tuple(box[0]), tuple(box[1])))
+            for meta, box in zip(layout.tensors, boxes, strict=True)
+        ),
+    )
+
+
+async def offer_report(group: Group, seq: int, report: RankReport, sent: set[str]) -> str:
+    """Put this rank's report where the round's ranks read it; its digest."""
+    digest = report.digest
+    ctl, body = group.ctl, report.to_json()
+
+    def offer() -> None:
+        if digest not in sent:
+            ctl.set(report_key(digest), body)
+        ctl.set(round_report_key(seq, report.rank), digest)
+
+    await group.run(offer)
+    sent.add(digest)
+    return digest
+
+
+async def gather_reports(
+    group: Group, plan: MembershipPlan, seq: int, deadline: float, failure_key: str
+) -> tuple[list[str], FailureNote | None]:
+    """The lead: every source rank's digest for round `seq`, by rank, once all offered
+    one. At `deadline`, those that did not are "" and the first is blamed: its failure
+    note is written in its name (it wrote none) and returned."""
+    ctl, sources = group.ctl, plan.source_count
+    keys = [round_report_key(seq, rank) for rank in range(sources)]
+
+    def gather() -> list[str]:
+        while True:
+            offered = [ctl.check([key]) for key in keys]
+            if all(offered) or time.monotonic() > deadline:
+                return [
+                    ctl.get(k).decode() if ok else "" for k, ok in zip(keys, offered, strict=True)
+                ]
+            if ctl.check([failure_key]):
+                raise _peer_failed(ctl.get(failure_key))
+            time.sleep(_POLL_SECONDS)
+
+    digests = await group.run(gather)
+    if all(digests):
+        return digests, None
+    member = next(m for m in plan.members if m.rank == digests.index(""))
+    note = FailureNote(
+        rank=member.rank,
+        pod=member.pod,
+        role=member.role.label,
+        stage=Stage.TIMEOUT,
+        reason="source_missing",
+        message=(
+            f"source rank {member.rank} did not publish within the round's"
+            f" {plan.transfer.timeout_seconds:g} s (every source rank calls publish each step)"
+        ),
+    )
+
+    def blame() -> None:
+        ctl.set(note_key(seq, member.rank), note.model_dump_json())
+        ctl.append(ranks_key(seq), f"{member.rank},")  # type: ignore[attr-defined]
+        ctl.set(failure_key, f"rank {member.rank}: {note.reason}")
+
+    await group.run(blame)
+    return digests, note
+
+
+async def follow_header(group: Group, seq: int, deadline: float, failure_key: str) -> RoundHeader:
+    """A source rank other than the lead: the round's header, once the lead rang."""
+    ctl, key = group.ctl, doorbell_key(seq)
+
+    def wait() -> bytes:
+        while not ctl.check([key]):
+            if ctl.check([failure_key]):
+                raise TransferError(
+                    "peer_failed", f"a peer failed the round: {ctl.get(failure_key).decode()}"
+                )
+            if time.monotonic() > deadline:
+                raise TransferError("timeout", f"source rank 0 did not start round {seq}")
+            time.sleep(_POLL_SECONDS)
+        return ctl.get(key)
+
+    bell = DOORBELL.validate_json(await group.run(wait))
+    if not isinstance(bell, RoundHeader):
+        raise RoundFailed("round_mismatch", f"round {seq} is a generation switch here")
+    return bell

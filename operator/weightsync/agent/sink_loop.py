@@ -1,0 +1,222 @@
+"""The sink's half of the agent: follow the doorbell of its generation, round after round.
+
+Each round header is checked and prepared here (the layout, fetched once per hash; for
+several source ranks the plan of their shards, `agent.sharded`; the slots; the engine
+attachment, again when its process restarted), then run by a `SinkRound`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from weightsync.agent.doorbell import (
+    DOORBELL,
+    Doorbell,
+    RoundHeader,
+    SwitchNotice,
+    doorbell_key,
+    failure_key,
+    layout_key,
+)
+from weightsync.agent.failures import Stage
+from weightsync.agent.generations import Generation, Generations
+from weightsync.agent.holder import Holder
+from weightsync.agent.rounds import RoundFailed, RoundOutcome
+from weightsync.agent.sharded import ShardPlans
+from weightsync.agent.sink import SinkRound
+from weightsync.agent.slot_pool import SlotPool
+from weightsync.api.control import GenerationState
+from weightsync.engines.base import EngineAdapter, EngineError
+from weightsync.transfer.buffers import SlotError
+from weightsync.transfer.layout import BucketLayout, LayoutError
+from weightsync.transfer.shards import staging_bound
+
+log = logging.getLogger(__name__)
+
+_DOORBELL_SLICE = timedelta(seconds=10)
+_HEALTH_SECONDS = 1.0  # the pre-round check of which engine process answers
+
+
+class SinkLoop:
+    """Follows the doorbell of the generation this sink is in, round after round."""
+
+    def __init__(
+        self,
+        generations: Generations,
+        pool: SlotPool,
+        adapter: EngineAdapter,
+        *,
+        engine_timeout_seconds: float,
+        holder: Holder | None = None,
+        before_round: Callable[[], Awaitable[None]] | None = None,
+        on_round_start: Callable[[Generation], None],
+        on_round_end: Callable[[RoundOutcome, bool], None],
+    ) -> None:
+        self.generations = generations
+        self.pool = pool
+        self.adapter = adapter
+        self.engine_timeout = engine_timeout_seconds
+        self.holder = holder
+        self.before_round = before_round
+        self.on_round_start = on_round_start
+        self.on_round_end = on_round_end
+        self._layouts: dict[str, BucketLayout] = {}
+        self._plans = ShardPlans()
+        self._attached_epoch = -1
+
+    async def run_forever(self) -> None:
+        while True:
+            generation = self.generations.oldest_listenable()
+            if generation is None:
+                async with self.generations.changed:
+                    await self.generations.changed.wait()
+                continue
+            bell = await self._wait_doorbell(generation)
+            if bell is None:
+                continue
+            generation.take_seq()
+            if isinstance(bell, SwitchNotice):
+                log.info("switching from generation %d to %d", generation.number, bell.generation)
+                generation.retire()
+                continue
+            await self._round(generation, bell)
+
+    async def _wait_doorbell(self, generation: Generation) -> Doorbell | None:
+        group = generation.group
+        if group is None:
+            return None
+        try:
+            raw = await group.wait_key(doorbell_key(generation.next_seq), _DOORBELL_SLICE)
+        except (dist.DistError, RuntimeError) as exc:  # store gone, or group closed
+            if generation.state != GenerationState.RETIRED:
+                log.warning("generation %d doorbell lost: %s", generation.number, exc)
+                generation.mark_broken(f"doorbell lost: {exc}")
+                generation.retire()
+            return None
+        return None if raw is None else DOORBELL.validate_json(raw)
+
+    async def _layout(self, generation: Generation, layout_hash: str) -> BucketLayout:
+        layout = self._layouts.get(layout_hash)
+        if layout is None:
+            group = generation.group
+            if group is None:
+                raise RoundFailed("no_group", "generation not formed")
+            raw = await group.run(lambda: group.ctl.get(layout_key(layout_hash)))
+            layout = BucketLayout.from_json(raw)
+            self._layouts[layout_hash] = layout
+        return layout
+
+    async def _prepare(self, generation: Generation, header: RoundHeader) -> SinkRound:
+        """The layout (fetched once per hash), slots and engine attachment for a round."""
+        if not generation.usable:
+            raise RoundFailed("group_broken", f"generation {generation.number} is broken")
+        if "" in header.reports:  # the lead rang a round a source rank never joined
+            raise RoundFailed("source_missing", "a source rank did not publish this round")
+        layout = await self._layout(generation, header.layout_hash)
+        if len(layout.buckets) != header.bucket_count:
+            raise LayoutError("bucket count disagrees with the layout")
+        shards = None
+        if header.reports:
+            group = generation.group
+            if group is None:
+                raise RoundFailed("no_group", "generation not formed")
+            bucket_size = generation.plan.transfer.bucket_size_bytes
+            shards = await self._plans.get(group, header.reports, bucket_size, header.layout_hash)
+        runner = SinkRound(
+            generation,
+            header,
+            layout,
+            self.pool,
+            self.adapter,
+            engine_timeout_seconds=self.engine_timeout,
+            holder=self.holder,
+            shards=shards,
+        )
+        try:
+            depth = generation.plan.transfer.pipeline_depth
+            slots = self.pool.ensure(
+                layout, depth, staging_bound(layout, generation.plan.source_count)
+            )
+        except SlotError as exc:
+            raise RoundFailed("slots_unavailable", str(exc)) from exc
+        if self.pool.epoch != self._attached_epoch or await self._engine_restarted():
+            try:
+                await asyncio.wait_for(
+                    self.adapter.attach_buffers(slots.slots),
+                    min(self.engine_timeout, runner.remaining()),
+                )
+                self._attached_epoch = self.pool.epoch
+            except (EngineError, TimeoutError) as exc:
+                # Still take part in the round (the collectives must stay in step); vote no.
+                runner.error = RoundFailed("engine_attach_failed", f"attach: {exc!r}")
+        return runner
+
+    async def _engine_restarted(self) -> bool:
+        """Whether another engine process than the one the slots went to answers now (a
+        container restarted in place): it gets the slots again, then the whole version."""
+        attached = self.adapter.attached_to
+        try:
+            health = await asyncio.wait_for(self.adapter.health(), _HEALTH_SECONDS)
+        except (EngineError, TimeoutError):
+            return False  # unreachable: the round's own calls will say so
+        if health.incarnation is not None and health.incarnation != attached:
+            log.warning(
+                "engine incarnation %s is new: attaching the slots to it", health.incarnation[:8]
+            )
+            return True
+        return False
+
+    async def _round(self, generation: Generation, header: RoundHeader) -> None:
+        started = time.monotonic()
+        if self.before_round is not None:
+            await self.before_round()
+        self.on_round_start(generation)
+        try:
+            runner = await self._prepare(generation, header)
+        except (RoundFailed, LayoutError, dist.DistError) as exc:
+            reason = exc.reason if isinstance(exc, RoundFailed) else "layout_unavailable"
+            await self._refuse(generation, header, reason)
+            self.on_round_end(
+                RoundOutcome.failed(
+                    header.version,
+                    generation.number,
+                    started,
+                    reason,
+                    str(exc),
+                    lineage=header.lineage,
+                    stage=Stage.PREPARE.value,
+                ),
+                False,
+            )
+            return
+        try:
+            outcome = await runner.run(generation.plan.transfer.pipeline_depth)
+        except Exception as exc:  # never a dead sink loop: fail the round, break the group
+            log.exception("round %d failed unexpectedly", header.seq)
+            await self._refuse(generation, header, "internal_error")
+            outcome = RoundOutcome.failed(
+                header.version,
+                generation.number,
+                started,
+                "internal_error",
+                repr(exc),
+                lineage=header.lineage,
+            )
+        self.on_round_end(outcome, runner.committed)
+
+    async def _refuse(self, generation: Generation, header: RoundHeader, reason: str) -> None:
+        """Fail a round this sink cannot take part in, so the others stop at once."""
+        group = generation.group
+        if group is None:
+            return
+        try:
+            await group.run(lambda: group.ctl.set(failure_key(header.seq), f"refused: {reason}"))
+        except (dist.DistError, RuntimeError) as exc:
+            log.warning("could not refuse round %d: %s", header.seq, exc)
+        generation.mark_broken(f"round {header.seq} refused: {reason}")

@@ -273,10 +273,10 @@ class Demo:
         status = self.weightsync().get("status", {})
         conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
         members = status.get("members", [])
-        return conditions.get("Prewarmed") == "True" and len(members) == 3
+        return conditions.get("Prewarmed") == "True" and len(members) == 4  # 2 ranks, 2 engines
 
     def trainer_url(self) -> str:
-        (pod,) = self.pods("app=trainer")
+        (pod,) = self.pods("statefulset.kubernetes.io/pod-name=trainer-0")  # rank 0 steps
         return f"http://{pod['status']['podIP']}:8080"
 
     def step(self) -> RoundRow:

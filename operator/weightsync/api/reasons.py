@@ -65,13 +65,6 @@ ROUND_FAILED_MESSAGE: Final = "The round for version {version} failed: {error}"
 WORKLOAD_CLAIMED: Final = "WorkloadClaimed"
 WORKLOAD_CLAIMED_MESSAGE: Final = "{conflicts}."  # each: who claims which workload
 
-# Ready=False: the agents' control API has exactly one source per group.
-SOURCE_RANKS_UNSUPPORTED: Final = "SourceRanksUnsupported"
-SOURCE_RANKS_UNSUPPORTED_MESSAGE: Final = (
-    "sourceRanks {ranks}: this agent version forms one group per WeightSync with a single"
-    " source rank; list one rank."
-)
-
 # Degraded=True: selected pods were created without the sidecar.
 SIDECAR_MISSING: Final = "SidecarMissing"
 SIDECAR_MISSING_MESSAGE: Final = (
@@ -89,6 +82,11 @@ SERVES_CURRENT_VERSION_MESSAGE: Final = "The engine serves the WeightSync's curr
 BEHIND_CURRENT_VERSION: Final = "BehindCurrentVersion"
 BEHIND_CURRENT_VERSION_MESSAGE: Final = (
     "The engine serves {served}; the current version is {version}."
+)
+NOT_IN_ROUNDS: Final = "NotInRounds"
+NOT_IN_ROUNDS_MESSAGE: Final = (
+    "The engine serves the current version, but its agent is not yet a warm member of the"
+    " group generation the trainer's next round runs in: that round would leave it behind."
 )
 NO_VERSION_YET: Final = "NoVersionYet"
 NO_VERSION_YET_MESSAGE: Final = "No weight version has been synced yet."

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from weightsync.client.shards import ShardError, describe
+from weightsync.client.shards import ShardError, check_placements
 from weightsync.transfer.layout import DTYPE_ITEMSIZE
 
 
@@ -69,7 +69,7 @@ def check_tensor(name: str, tensor: object) -> torch.Tensor:
         )
     if isinstance(tensor, DTensor):
         try:
-            describe(name, tensor)
+            check_placements(name, tensor)
         except ShardError as exc:
             raise PublishInputError(str(exc)) from None
     return tensor

@@ -35,7 +35,7 @@ import torch
 
 from weightsync.api import agent_env
 from weightsync.client.inputs import PublishInputError, checked_tensors
-from weightsync.client.shards import describe, is_sharded
+from weightsync.client.shards import ShardError, describe, is_sharded
 from weightsync.transfer.buffers import (
     copy_tensors,
     describe_sources,
@@ -193,7 +193,10 @@ class Publisher:
                 return _Described(self._metas, None, tensors, signature)
             metas = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()]
             return _Described(metas, None, tensors, signature)
-        pieces = [describe(name, t) for name, t in tensors.items()]
+        try:
+            pieces = [describe(name, t) for name, t in tensors.items()]
+        except ShardError as exc:  # nothing was sent: the Publisher stays usable
+            raise PublishInputError(str(exc)) from None
         boxes: Boxes = [(list(p.box.offset), list(p.box.shape)) if p.box else None for p in pieces]
         local = {p.meta.name: p.local for p in pieces if p.local is not None}
         signature = [(p.meta, p.box) for p in pieces]

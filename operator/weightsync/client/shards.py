@@ -45,11 +45,8 @@ def is_sharded(tensors: Iterable[torch.Tensor]) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
-def describe(name: str, tensor: torch.Tensor) -> LocalPiece:
-    """`tensor` (plain or DTensor) as global metadata, this rank's box and local bytes."""
-    if not isinstance(tensor, DTensor):
-        meta = TensorMeta(name, tuple(tensor.shape), dtype_name(tensor.dtype))
-        return LocalPiece(meta, Box.whole(tensor.shape), tensor)
+def check_placements(name: str, tensor: DTensor) -> None:
+    """Raise `ShardError` unless every placement of `tensor` is a plain Shard or Replicate."""
     for placement in tensor.placements:
         if isinstance(placement, Partial):
             raise ShardError(
@@ -61,6 +58,14 @@ def describe(name: str, tensor: torch.Tensor) -> LocalPiece:
                 f"tensor {name!r}: placement {placement} is not a plain Shard or Replicate "
                 "(strided shards interleave rows: publish full_tensor() or redistribute)"
             )
+
+
+def describe(name: str, tensor: torch.Tensor) -> LocalPiece:
+    """`tensor` (plain or DTensor) as global metadata, this rank's box and local bytes."""
+    if not isinstance(tensor, DTensor):
+        meta = TensorMeta(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+        return LocalPiece(meta, Box.whole(tensor.shape), tensor)
+    check_placements(name, tensor)
     shape, offset = compute_local_shape_and_global_offset(
         tensor.shape, tensor.device_mesh, tensor.placements
     )

@@ -82,7 +82,9 @@ def desired_members(
     excluded: Collection[str] = (),
     previous_engine: str | None = None,
 ) -> Desired:
-    """The next generation's members: the source-rank trainer pod, then every joinable sink.
+    """The next generation's members: the source-rank trainer pods (every listed rank, in
+    rank order: plan ranks 0..n-1, the lowest hosting the rendezvous), then every
+    joinable sink.
 
     `answering` names the pods whose agents answered `GET /v1/status` this pass;
     `excluded` names pods held out for a while (a failed plan delivery or a member that
@@ -93,10 +95,13 @@ def desired_members(
     def eligible(pod: PodView) -> bool:
         return pod.joinable and pod.name in answering and pod.name not in excluded
 
-    source_rank = spec.trainer.source_ranks[0]
-    sources = [p for p in pods if p.role is Role.SOURCE and p.ordinal == source_rank]
-    if not sources or not eligible(sources[0]):
-        return Desired((), waiting_for=f"the source agent of trainer rank {source_rank}")
+    by_ordinal = {p.ordinal: p for p in pods if p.role is Role.SOURCE}
+    sources = []
+    for rank in sorted(spec.trainer.source_ranks):
+        pod = by_ordinal.get(rank)
+        if pod is None or not eligible(pod):
+            return Desired((), waiting_for=f"the source agent of trainer rank {rank}")
+        sources.append(pod)
     sinks = [p for p in pods if p.role is Role.SINK and eligible(p)]
     if spec.mode is SyncMode.COLOCATED:
         source = sources[0]
@@ -112,7 +117,7 @@ def desired_members(
     newcomers = sorted(
         (p for p in sinks if p.name not in order), key=lambda p: (p.inference_index or 0, p.name)
     )
-    return Desired((sources[0], *continuing, *newcomers))
+    return Desired((*sources, *continuing, *newcomers))
 
 
 def slots(members: Sequence[PodView]) -> tuple[Slot, ...]:
@@ -199,12 +204,14 @@ def backend_for(members: Sequence[PodView]) -> Backend:
     return Backend.NCCL if on_gpu else Backend.GLOO
 
 
-def holder_ranks(spec: WeightSyncSpec, world_size: int) -> frozenset[int]:
-    """The ranks asked to hold: rank 0 (the source) and `holders - 1` lowest sink ranks;
+def holder_ranks(spec: WeightSyncSpec, world_size: int, sources: int = 1) -> frozenset[int]:
+    """The ranks asked to hold: rank 0 (the lead source) and the `holders - 1` lowest sink
+    ranks (sinks follow the `sources` source ranks; every rank assembles whole versions);
     none when nothing would pull (recovery off, or Colocated: no P2P recovery)."""
     if world_size < 1 or not spec.recovery.enabled or spec.mode is SyncMode.COLOCATED:
         return frozenset()
-    return frozenset(range(min(spec.recovery.holders, world_size)))
+    sinks = range(sources, min(sources + spec.recovery.holders - 1, world_size))
+    return frozenset({0, *sinks})
 
 
 def build_plans(
@@ -231,7 +238,7 @@ def build_plans(
         timeout_seconds=float(spec.transfer.timeout_seconds),
         checksum=spec.transfer.checksum,
     )
-    holding = holder_ranks(spec, len(members))
+    holding = holder_ranks(spec, len(members), sum(p.role is Role.SOURCE for p in members))
     return [
         MembershipPlan(
             sync_name=sync_name,

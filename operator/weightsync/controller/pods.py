@@ -60,11 +60,13 @@ async def set_gates(
     statuses: Mapping[str, AgentStatus],
     errors: Mapping[str, str],
     current: Current,
+    reached: frozenset[str] | None = None,
 ) -> None:
-    """Write the weights-current condition on every gated pod whose condition must change."""
+    """Write the weights-current condition on every gated pod whose condition must change
+    (`reached`: the pods the next round reaches, `readiness.rounds_reach`)."""
     now = format_timestamp(utc_now())
     by_name = {p.name: p for p in pods}
-    for decision in gate_changes(pods, statuses, errors, current):
+    for decision in gate_changes(pods, statuses, errors, current, reached):
         pod = by_name[decision.pod]
         # lastTransitionTime moves only when the status flips, as for any condition.
         since = pod.gate_since if pod.gate_status == decision.status_text else None

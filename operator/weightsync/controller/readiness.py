@@ -10,6 +10,11 @@ what it loaded into that engine process (`agent.engine_watch`). And the gate clo
 soon as the pod's containers are not ready (a container restarting), without waiting
 for the agent to notice: the restarted engine must not turn the pod Ready on an
 earlier pass's word. It opens again only on the agent's word after the restart.
+
+A pod that serves the current version but that the trainer's next round would not
+reach (a recovered pod whose generation is not warm yet on the source: the next round
+runs in the older one) stays False too: it would be behind the moment that round ends,
+for as long as the next pass takes to notice (`rounds_reach`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from weightsync.api import reasons
-from weightsync.api.control import AgentStatus
+from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.controller.workloads import PodView
 
 
@@ -71,8 +76,37 @@ def serves(status: AgentStatus | None, current: Current) -> bool:
     return current.lineage is None or lineage is None or lineage == current.lineage
 
 
-def decide(
-    pod: PodView, status: AgentStatus | None, error: str | None, current: Current
+WARM = frozenset({GenerationState.WARM, GenerationState.ACTIVE})
+
+
+def rounds_reach(
+    source: AgentStatus | None, statuses: Mapping[str, AgentStatus]
+) -> frozenset[str] | None:
+    """The pods the source's next round reaches: warm at the generation it would run in
+    (its newest warm one) and, while a round is in flight, at that round's generation too.
+    None when no round can be reached or known (no word from the source, or no warm
+    generation on it: no round runs before one forms): the served version alone decides."""
+    if source is None:
+        return None
+    warm = [g.generation for g in source.generations if g.state in WARM]
+    if not warm:  # no round can run until a generation warms, and it warms with its members
+        return None
+    needed = {max(warm)}
+    if source.round_in_progress and source.generation is not None:
+        needed.add(source.generation)
+    return frozenset(
+        pod
+        for pod, status in statuses.items()
+        if needed <= {g.generation for g in status.generations if g.state in WARM}
+    )
+
+
+def decide(  # noqa: PLR0911 - one return per reason, in the order they are checked
+    pod: PodView,
+    status: AgentStatus | None,
+    error: str | None,
+    current: Current,
+    reached: frozenset[str] | None = None,
 ) -> GateDecision:
     if not pod.containers_ready:
         return GateDecision(
@@ -92,6 +126,10 @@ def decide(
         return GateDecision(pod.name, False, reasons.NO_VERSION_YET, reasons.NO_VERSION_YET_MESSAGE)
     served = served_version(status)
     if serves(status, current):
+        if reached is not None and pod.name not in reached:
+            return GateDecision(
+                pod.name, False, reasons.NOT_IN_ROUNDS, reasons.NOT_IN_ROUNDS_MESSAGE
+            )
         return GateDecision(
             pod.name,
             True,
@@ -121,13 +159,15 @@ def gate_changes(
     statuses: Mapping[str, AgentStatus],
     errors: Mapping[str, str],
     current: Current,
+    reached: frozenset[str] | None = None,
 ) -> list[GateDecision]:
     """Decisions for gated, live pods whose condition differs from what they carry."""
     changes = []
     for pod in pods:
         if not pod.has_gate or pod.terminating:
             continue
-        decision = decide(pod, statuses.get(pod.name), errors.get(pod.name), current)
+        status = statuses.get(pod.name)
+        decision = decide(pod, status, errors.get(pod.name), current, reached)
         if (pod.gate_status, pod.gate_reason) != (decision.status_text, decision.reason):
             changes.append(decision)
     return changes

@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from weightsync.api import parse_weightsync, reasons
 from weightsync.api.base import utc_now
 from weightsync.api.control import AgentStatus
-from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
+from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync, WeightSyncStatus
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics, tokens
 from weightsync.controller import pods as pod_actions
@@ -48,7 +48,7 @@ from weightsync.controller.plan import (
     desired_members,
 )
 from weightsync.controller.pods import EventPoster
-from weightsync.controller.readiness import Current, current_version
+from weightsync.controller.readiness import Current, current_version, rounds_reach
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.scheduling import PassScheduler
 from weightsync.controller.settings import OperatorSettings
@@ -250,9 +250,12 @@ class Reconciler:
 
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
         current = current_version(source, Current(old.current_version, old.lineage))
+        # Colocated engines are no members: the source loads them whatever the generation.
+        reached = None if spec.mode is SyncMode.COLOCATED else rounds_reach(source, statuses)
         await pod_actions.set_gates(
-            self.kube, namespace, pods, statuses=statuses, errors=errors, current=current
-        )
+            self.kube, namespace, pods, statuses=statuses, errors=errors, current=current,
+            reached=reached,
+        )  # fmt: skip
         observation = Observation(
             spec=spec,
             metadata_generation=generation,
@@ -288,8 +291,8 @@ class Reconciler:
     ) -> RecoveryPass:
         """Start and follow recoveries of pods that are behind; which to hold out."""
         statuses, old = seen
-        source_rank = sync.spec.trainer.source_ranks[0]
-        source = next((p for p in pods if p.role is Role.SOURCE and p.ordinal == source_rank), None)
+        lead = min(sync.spec.trainer.source_ranks)  # plan rank 0: commits last, reports it
+        source = next((p for p in pods if p.role is Role.SOURCE and p.ordinal == lead), None)
         recovering = await run_recoveries(
             raw=raw,
             spec=sync.spec,
@@ -312,13 +315,7 @@ class Reconciler:
     async def _spec_problem(
         self, namespace: str, raw: Mapping[str, Any], sync: WeightSync
     ) -> Problem | None:
-        """What the CRD cannot check: claims by older WeightSyncs, unsupported source ranks."""
-        ranks = sync.spec.trainer.source_ranks
-        if len(ranks) > 1:
-            return (
-                reasons.SOURCE_RANKS_UNSUPPORTED,
-                reasons.SOURCE_RANKS_UNSUPPORTED_MESSAGE.format(ranks=ranks),
-            )
+        """What the CRD cannot check: claims by older WeightSyncs."""
         listing = await asyncio.to_thread(self.kube.list_weightsyncs, namespace)
         older = []
         for other in listing:

@@ -48,7 +48,6 @@ USER_ERRORS = frozenset(
         reasons.TRAINER_NOT_FOUND,
         reasons.DEPLOYMENT_NOT_FOUND,
         reasons.WORKLOAD_CLAIMED,
-        reasons.SOURCE_RANKS_UNSUPPORTED,
     }
 )
 
@@ -168,7 +167,8 @@ def last_round(source: AgentStatus | None, stored: RoundSummary | None) -> Round
 
 def _ready(obs: Observation, sinks: Sequence[Member]) -> ConditionUpdate:
     live_sinks = [p for p in obs.pods if p.role is Role.SINK and p.live]
-    expected = 1 + (0 if obs.spec.mode is SyncMode.COLOCATED else len(live_sinks))
+    sources = len(obs.spec.trainer.source_ranks)  # every listed trainer rank is a member
+    expected = sources + (0 if obs.spec.mode is SyncMode.COLOCATED else len(live_sinks))
     joined = len(obs.planned) if obs.desired.formable else 0
     if not obs.desired.formable or joined < expected:
         return ConditionUpdate(

@@ -14,6 +14,7 @@ from tests.unit.api.builders import weightsync
 from weightsync.api.cel import CelRule
 from weightsync.api.v1alpha1.spec import (
     COLOCATED_ONE_INFERENCE,
+    COLOCATED_ONE_SOURCE,
     INFERENCE_UNIQUE,
     MODE_IMMUTABLE,
     SGLANG_CANNOT_WAIT,
@@ -215,6 +216,13 @@ CREATE_CASES = [
         weightsync().set("spec.trainer.sourceRanks", [0, 1, 0]).build(),
         "spec.trainer.sourceRanks[2]",
         "Duplicate value: 0",
+    ),
+    Invalid(
+        "colocated-several-source-ranks",
+        weightsync().set("spec.mode", "Colocated").set("spec.trainer.sourceRanks", [0, 1]).build(),
+        "spec.trainer.sourceRanks",
+        COLOCATED_ONE_SOURCE.message,
+        rule=COLOCATED_ONE_SOURCE,
     ),
     Invalid(
         "no-source-ranks",

@@ -294,3 +294,25 @@ def test_a_colocated_group_holds_nothing() -> None:
         engine=sink_view("e-1"),
     )
     assert not plan.holder  # no P2P recovery in Colocated mode: a held copy would be waste
+
+
+def test_every_source_rank_joins_first_in_rank_order() -> None:
+    """A sharded trainer: every listed rank is a source member, ranks 0..n-1 by ordinal."""
+    spec = sync(spec__trainer__sourceRanks=[2, 0, 1], spec__recovery__holders=2).spec
+    trainers = [source_view(f"trainer-{i}", ip=f"10.0.0.{i + 1}", ordinal=i) for i in (1, 2, 0)]
+    pods = [sink_view("e-1"), *trainers, source_view("trainer-3", ordinal=3)]
+    answering = {p.name for p in pods}
+    desired = desired_members(spec, pods, answering, [])
+    assert names_of(desired.members) == ["trainer-0", "trainer-1", "trainer-2", "e-1"]
+    plans = build_plans(
+        sync_name="ns/sync", spec=spec, generation=1, members=desired.members,
+        rendezvous_port=29470,
+    )  # fmt: skip
+    assert plans[0].source_count == 3
+    assert plans[0].rendezvous.host == "10.0.0.1"  # trainer-0's agent hosts the store
+    # Holders: the lead source and then sinks, never a second copy on another source.
+    assert [plan.holder for plan in plans] == [True, False, False, True]
+    # A missing rank holds the group back, named.
+    waiting = desired_members(spec, pods, answering - {"trainer-2"}, [])
+    assert not waiting.formable
+    assert "trainer rank 2" in waiting.waiting_for

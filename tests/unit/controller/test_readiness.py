@@ -6,10 +6,18 @@ import pytest
 
 from tests.unit.controller.builders import agent, pod, sink_view
 from weightsync.api import reasons
-from weightsync.api.control import AgentStatus
+from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller.readiness import Current, current_version, decide, gate_changes
+from weightsync.controller.readiness import (
+    Current,
+    current_version,
+    decide,
+    gate_changes,
+    rounds_reach,
+)
 from weightsync.controller.workloads import pod_view
+
+W, A, F = GenerationState.WARM, GenerationState.ACTIVE, GenerationState.FORMING
 
 
 @pytest.mark.parametrize(
@@ -85,3 +93,34 @@ def test_only_gated_live_pods_whose_condition_differs_are_changed() -> None:
     statuses["new"] = agent("new", engine_version=None)
     changes = gate_changes(pods, statuses, {}, Current(5))  # type: ignore[arg-type]
     assert [(c.pod, c.status) for c in changes] == [("behind", False), ("new", False)]
+
+
+def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() -> None:
+    """A recovered pod serves the current version but only joined generation 3, which the
+    source has not warmed: the next round runs in generation 2 and would leave it behind."""
+    recovered = agent("e-new", generations={3: (W, 2)}, engine_version=6)
+    member = agent("e-1", generations={2: (A, 1), 3: (W, 1)}, engine_version=6)
+    source = agent("trainer-0", Role.SOURCE, generations={2: (A, 0), 3: (F, 0)}, version=6)
+    statuses = {"trainer-0": source, "e-1": member, "e-new": recovered}
+    reached = rounds_reach(source, statuses)
+    assert reached == {"trainer-0", "e-1"}
+    held = decide(sink_view("e-new"), recovered, None, Current(6), reached)
+    assert (held.status, held.reason) == (False, reasons.NOT_IN_ROUNDS)
+    kept = decide(sink_view("e-1"), member, None, Current(6), reached)
+    assert (kept.status, kept.reason) == (True, reasons.SERVES_CURRENT_VERSION)
+
+    # Generation 3 warm on the source: its next round reaches the recovered pod.
+    source = agent("trainer-0", Role.SOURCE, generations={2: (A, 0), 3: (W, 0)}, version=6)
+    assert rounds_reach(source, statuses | {"trainer-0": source}) == {"trainer-0", "e-1", "e-new"}
+    # ...unless a round is still running in generation 2: it misses the pod.
+    busy = agent(
+        "trainer-0", Role.SOURCE, generations={2: (A, 0), 3: (W, 0)}, version=6,
+        round_in_progress=True,
+    )  # fmt: skip
+    assert "e-new" not in (rounds_reach(busy, statuses | {"trainer-0": busy}) or ())
+    # No word from the source, or no generation it could run a round in (the last one
+    # broke; the next is forming): the served version alone decides, as before.
+    assert rounds_reach(None, statuses) is None
+    broken = agent("trainer-0", Role.SOURCE, generations={2: (GenerationState.BROKEN, 0)})
+    assert rounds_reach(broken, statuses) is None
+    assert decide(sink_view("e-new"), recovered, None, Current(6), None).status

@@ -29,8 +29,8 @@ def observe(
     **changes: object,
 ) -> Observation:
     pods = pods or [source_view(), sink_view("e-1"), sink_view("e-2")]
-    spec = sync().spec
-    desired = desired_members(spec, pods, statuses.keys(), [])
+    spec = changes.pop("spec", None) or sync().spec
+    desired = desired_members(spec, pods, statuses.keys(), [])  # type: ignore[arg-type]
     fields: dict[str, object] = {
         "spec": spec,
         "metadata_generation": 3,
@@ -113,6 +113,18 @@ def test_waiting_for_members_counts_every_live_inference_pod() -> None:
     assert ready is not None
     assert (ready.status.value, ready.reason) == ("False", reasons.WAITING_FOR_MEMBERS)
     assert ready.message.startswith("2 of 3 ranks")
+
+
+def test_every_source_rank_counts_as_an_expected_member() -> None:
+    spec = sync(spec__trainer__sourceRanks=[0, 1]).spec
+    pods = [source_view(), sink_view("e-1")]
+    status = observed_status(
+        WeightSyncStatus(), observe(warm_group(), current=None, pods=pods, spec=spec), NOW
+    )
+    ready = find_condition(status.conditions, "Ready")
+    assert ready is not None
+    assert ready.message.startswith("0 of 3 ranks"), ready.message  # 2 sources + 1 sink
+    assert "trainer rank 1" in ready.message
 
 
 def test_degraded_for_missing_sidecars_failed_rounds_and_refused_plans() -> None:

@@ -73,6 +73,16 @@ COLOCATED_ONE_INFERENCE = CelRule(
     ),
     field_path=".inference",
 )
+COLOCATED_ONE_SOURCE = CelRule(
+    rule="self.mode != 'Colocated' || !has(self.trainer.sourceRanks)"
+    " || size(self.trainer.sourceRanks) == 1",
+    message=(
+        "Colocated mode hands one source rank's full tensors to the engine on its GPU: list"
+        " one rank (an engine assembling its tensors from several ranks on its node is not"
+        " supported; publish full tensors from one rank, or use Disaggregated)"
+    ),
+    field_path=".trainer.sourceRanks",
+)
 # SGLang's pause modes are abort, retract and in_place: none stops admission and lets
 # running requests finish first, which is what Wait promises.
 SGLANG_CANNOT_WAIT = CelRule(
@@ -122,9 +132,10 @@ class TrainerSpec(ApiModel):
         max_length=MAX_SOURCE_RANKS,
         json_schema_extra={"default": [0], "x-kubernetes-list-type": "set"},
     )
-    """sourceRanks lists the trainer ranks (torch.distributed ranks in the trainer job) that
-    publish weights. Each source rank broadcasts its own shard; with a fully gathered
-    state dict only rank 0 publishes. Ranks are unique; the default is [0]."""
+    """sourceRanks lists the trainer ranks that publish weights: the ordinals of trainer pods
+    (one trainer rank per pod). Every listed rank calls publish each step and broadcasts
+    what it holds (its FSDP or tensor-parallel shard, its experts); with a state dict
+    gathered on one rank, list that rank alone. Ranks are unique; the default is [0]."""
 
     @field_validator("source_ranks")
     @classmethod
@@ -296,6 +307,10 @@ class WeightSyncSpec(ApiModel):
     def _colocated_has_one_engine(self) -> Self:
         if self.mode is SyncMode.COLOCATED and len(self.inference) != 1:
             raise COLOCATED_ONE_INFERENCE.violation()
+        if self.mode is SyncMode.COLOCATED and len(self.trainer.source_ranks) != 1:
+            raise COLOCATED_ONE_SOURCE.violation()
         return self
 
-    model_config = ConfigDict(json_schema_extra=validations(COLOCATED_ONE_INFERENCE))
+    model_config = ConfigDict(
+        json_schema_extra=validations(COLOCATED_ONE_INFERENCE, COLOCATED_ONE_SOURCE)
+    )

@@ -4,7 +4,7 @@ Faults, drawn with `CHAOS_SEED`: an engine container killed (the kubelet restart
 place), an engine pod replaced, an engine frozen (SIGSTOP) for 2 x the round timeout, an
 agent container killed, the operator killed and restarted, the API server stopped for a
 few seconds and restarted, an engine pod cut off the network (nft in its namespace) for
-2 x the round timeout. `CHAOS_FAULTS` of them (CI: 7, each kind once; `make chaos`:
+2 x the round timeout. `CHAOS_FAULTS` of them (CI: 12, each kind once and 5 again; `make chaos`:
 100), each followed by convergence: both engines Ready and serving the trainer's last
 published version, bit-identical.
 
@@ -65,7 +65,7 @@ from weightsync.controller import names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 
-FAULTS = int(os.environ.get("CHAOS_FAULTS", "7"))  # CI: each kind once
+FAULTS = int(os.environ.get("CHAOS_FAULTS", "12"))  # CI: each kind once, 5 drawn again
 SEED = int(os.environ.get("CHAOS_SEED", "15"))
 TIMEOUT_SECONDS = 8  # transfer.timeoutSeconds: a frozen engine fails rounds fast
 OVERRUN_LIMIT_SECONDS = 2.0

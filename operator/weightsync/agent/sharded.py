@@ -23,6 +23,8 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+import torch
+
 from weightsync.agent.doorbell import (
     DOORBELL,
     RoundHeader,
@@ -34,6 +36,7 @@ from weightsync.agent.failures import FailureNote, Stage, note_key, ranks_key
 from weightsync.agent.group import Group
 from weightsync.agent.rounds import RoundFailed
 from weightsync.api.control import MembershipPlan
+from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.layout import BucketLayout, LayoutError
 from weightsync.transfer.shards import Box, RankReport, ShardPlan, plan_shards
@@ -54,6 +57,15 @@ class ShardPlans:
 
     def __init__(self) -> None:
         self._plans: dict[tuple[tuple[str, ...], int], ShardPlan] = {}
+        self._routes: SlotRoutes | None = None
+
+    def routes(self, plan: ShardPlan, slots: Sequence[torch.Tensor]) -> SlotRoutes:
+        """The plan's routes through these slots, kept from round to round (their views
+        are built once)."""
+        kept = self._routes
+        if kept is None or kept.plan is not plan or kept.slots is not slots:
+            kept = self._routes = SlotRoutes(plan, slots)
+        return kept
 
     async def get(
         self,

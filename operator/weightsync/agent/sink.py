@@ -31,6 +31,7 @@ from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
+from weightsync.agent.sharded import ShardPlans
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.assembly import SlotRoutes
@@ -56,6 +57,7 @@ class SinkRound(RankRound):
         engine_timeout_seconds: float,
         holder: Holder | None = None,
         shards: ShardPlan | None = None,
+        plans: ShardPlans | None = None,
     ) -> None:
         super().__init__(generation, header.seq, pool.device)
         self.header = header
@@ -63,6 +65,7 @@ class SinkRound(RankRound):
         # How the buckets travel: one broadcast each from rank 0, or segments from
         # several source ranks (`agent.sharded`).
         self.shards = shards or single_source(layout)
+        self.plans = plans or ShardPlans()  # where routes are kept between rounds
         self.staging = staging_bound(layout, generation.plan.source_count)
         self.pool = pool
         self.adapter = adapter
@@ -95,7 +98,7 @@ class SinkRound(RankRound):
 
     async def _stream(self, depth: int) -> list[int]:
         slots = self.pool.ensure(self.layout, depth, self.staging).slots
-        routes = SlotRoutes(self.shards, slots)
+        routes = self.plans.routes(self.shards, slots)
         transport, buckets, trace = self.group.transport, self.layout.buckets, self.trace
         pending: deque[list[dist.Work | None]] = deque()
         checksums: list[int] = []

@@ -137,6 +137,7 @@ class SinkLoop:
             engine_timeout_seconds=self.engine_timeout,
             holder=self.holder,
             shards=shards,
+            plans=self._plans,
         )
         try:
             depth = generation.plan.transfer.pipeline_depth

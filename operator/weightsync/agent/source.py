@@ -31,7 +31,6 @@ from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
 from weightsync.engines.base import EngineAdapter, EngineError
-from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
 from weightsync.transfer.layout import Bucket, BucketLayout
@@ -242,7 +241,7 @@ class SourceRound(RankRound):
         if self.resize is not None:
             staging = staging_bound(self.layout, self.generation.plan.source_count)
             self.slots, new_handles = self.resize(self.layout, staging)
-        routes = SlotRoutes(plan, self.slots.slots)
+        routes = self.plans.routes(plan, self.slots.slots)
         transport, depth, rank = self.group.transport, len(self.slots.slots), self.me.rank
         pending: deque[tuple[Bucket, list[dist.Work | None]]] = deque()
         checksums: list[int] = []

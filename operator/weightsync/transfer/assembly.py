@@ -37,14 +37,14 @@ def pack_segment(segment: Segment, local: Mapping[str, torch.Tensor], buffer: to
     copy_tensors(views, [local[p.name] for p in segment.pieces])
 
 
-def place_pieces(
+def placement_views(
     bucket: Bucket, segment: Segment, staging: torch.Tensor, slot: torch.Tensor
-) -> None:
-    """Copy a received staged segment's pieces into their boxes of the bucket's tensors."""
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(targets, sources): each piece of a staged segment's box in the bucket's tensor in
+    the slot, and its bytes in staging."""
     if segment.direct:
-        return  # received in place
+        return [], []  # received in place
     where = {t.name: t for t in bucket.tensors}
-    sources = piece_views(staging, segment.pieces)
     targets: list[torch.Tensor] = []
     for piece in segment.pieces:
         item = where[piece.name]
@@ -53,7 +53,16 @@ def place_pieces(
         for dim, (start, size) in enumerate(zip(piece.box.offset, piece.box.shape, strict=True)):
             view = view.narrow(dim, start, size)
         targets.append(view)
-    copy_tensors(targets, sources)
+    return targets, piece_views(staging, segment.pieces)
+
+
+def place_pieces(
+    bucket: Bucket, segment: Segment, staging: torch.Tensor, slot: torch.Tensor
+) -> None:
+    """Copy a received staged segment's pieces into their boxes of the bucket's tensors."""
+    targets, sources = placement_views(bucket, segment, staging, slot)
+    if targets:
+        copy_tensors(targets, sources)
 
 
 class SlotRoutes:
@@ -65,6 +74,10 @@ class SlotRoutes:
     def __init__(self, plan: ShardPlan, slots: Sequence[torch.Tensor]) -> None:
         self.plan = plan
         self.slots = slots
+        # Per (bucket, slot): every staged piece's target and source view, built once: a
+        # model of 18,867 tensors spends ~0.6 s of Python per round building them.
+        self._placements: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]]
+        self._placements = {}
         self.staging_base = plan.layout.capacity_bytes
         need = self.staging_base + plan.staging_bytes
         if any(slot.numel() < need for slot in slots):
@@ -95,8 +108,17 @@ class SlotRoutes:
         """Copy `bucket`'s received staged pieces into their tensors in the slot."""
         if not self.staged:
             return
-        layout_bucket = self.plan.layout.buckets[bucket]
-        buffer = self.slots[slot]
-        staging = buffer[self.staging_base :]
-        for segment in self.plan.segments[bucket]:
-            place_pieces(layout_bucket, segment, staging, buffer)
+        views = self._placements.get((bucket, slot))
+        if views is None:
+            layout_bucket = self.plan.layout.buckets[bucket]
+            buffer = self.slots[slot]
+            staging = buffer[self.staging_base :]
+            targets: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            for segment in self.plan.segments[bucket]:
+                more = placement_views(layout_bucket, segment, staging, buffer)
+                targets += more[0]
+                sources += more[1]
+            views = self._placements[(bucket, slot)] = (targets, sources)
+        if views[0]:
+            copy_tensors(*views)

@@ -126,6 +126,9 @@ class Publisher:
         self._layout: BucketLayout | None = None
         self._slots: list[torch.Tensor] = []
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # Sharded: per (slot, bucket), the pieces the agent asked for and their slot views.
+        self._piece_views: dict[tuple[int, int], tuple[list[tuple[str, int]], list[torch.Tensor]]]
+        self._piece_views = {}
         self._signature: list[object] = []
         self._boxes: Boxes | None = None  # sharded: what this rank holds, as attached
         # Set when the agent packs from our tensors (GPU): where they lay when shared.
@@ -292,6 +295,7 @@ class Publisher:
         self._shared_at = _addresses(tensors) if reply.agent_packs else None
         self._slots = [] if reply.agent_packs else open_slots(reply.slots)
         self._views.clear()
+        self._piece_views.clear()
         self._metas, self._layout, self._boxes = metas, layout, boxes
 
     def _round(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
@@ -325,15 +329,22 @@ class Publisher:
         if fill.slots is not None:  # the agent grew its slots for this round's layout
             self._slots = open_slots(fill.slots)
             self._views.clear()
+            self._piece_views.clear()
         slot = self._slots[fill.slot]
         if fill.pieces is not None:  # sharded: this rank's blocks, where the agent says
             names = [name for name, _ in fill.pieces]
-            views = [
-                slot[offset : offset + tensors[name].nbytes]
-                .view(tensors[name].dtype)
-                .view(tensors[name].shape)
-                for name, offset in fill.pieces
-            ]
+            key = (fill.slot, fill.bucket)
+            known = self._piece_views.get(key)
+            if known is None or known[0] != fill.pieces:  # built once: the same every round
+                views = [
+                    slot[offset : offset + tensors[name].nbytes]
+                    .view(tensors[name].dtype)
+                    .view(tensors[name].shape)
+                    for name, offset in fill.pieces
+                ]
+                self._piece_views[key] = (fill.pieces, views)
+            else:
+                views = known[1]
         else:
             bucket = layout.buckets[fill.bucket]
             names = [t.name for t in bucket.tensors]

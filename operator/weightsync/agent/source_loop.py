@@ -38,7 +38,7 @@ from weightsync.transfer.buffers import (
 )
 from weightsync.transfer.handoff import Attached, Publish, PublishResult
 from weightsync.transfer.layout import BucketLayout, LayoutError, TensorMeta, plan_layout
-from weightsync.transfer.shards import plan_shards, staging_bound
+from weightsync.transfer.shards import RankReport, plan_shards, staging_bound
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class SourceLoop:
         self.layout: BucketLayout | None = None  # the Publisher's, from its last attach
         self.boxes: Boxes | None = None  # sharded: what this rank holds, from that attach
         self.plans = ShardPlans()
+        self._kept_report: tuple[BucketLayout, RankReport] | None = None
         self._lock = asyncio.Lock()  # one attach or round at a time
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
         self._packer: SourcePacker | None = None  # the Publisher's tensors, when shared
@@ -226,11 +227,19 @@ class SourceLoop:
             else None,
             hold_from=packer.by_name if packer is not None else None,
             deadline=deadline,
-            report=report_of(layout, generation.plan.rank, self.boxes) if sources > 1 else None,
+            report=self._report(layout, generation.plan.rank) if sources > 1 else None,
             plans=self.plans,
             resize=partial(self._resize, transfer.pipeline_depth),
         )
         return await runner.run()
+
+    def _report(self, layout: BucketLayout, rank: int) -> RankReport:
+        """This rank's report of what it holds, made once per attach and rank (its JSON and
+        digest are what every round offers)."""
+        kept = self._kept_report
+        if kept is None or kept[0] is not layout or kept[1].rank != rank:
+            kept = self._kept_report = (layout, report_of(layout, rank, self.boxes))
+        return kept[1]
 
     def _resize(
         self, depth: int, layout: BucketLayout, staging: int

@@ -30,6 +30,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import combinations
 
 from weightsync.transfer.layout import (
@@ -78,7 +79,7 @@ class Box:
         return [list(self.offset), list(self.shape)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # no slots: its JSON and digest are cached (tens of thousands of tensors)
 class RankReport:
     """What one source rank holds: the tensors it publishes, each with its box or None."""
 
@@ -86,6 +87,10 @@ class RankReport:
     tensors: tuple[tuple[TensorMeta, Box | None], ...]
 
     def to_json(self) -> str:
+        return self.body
+
+    @cached_property
+    def body(self) -> str:
         return json.dumps(
             {
                 "rank": self.rank,
@@ -106,10 +111,10 @@ class RankReport:
             )
         return cls(int(data["rank"]), tuple(tensors))
 
-    @property
+    @cached_property
     def digest(self) -> str:
         """What the round header carries for this report (the store key of its body)."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
+        return hashlib.sha256(self.body.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -425,13 +426,17 @@ class Demo:
             raise DemoError("Prometheus is not running")
         dashboards = _dashboard_script()
         dashboard = json.loads(dashboards.DASHBOARD.read_text())
-        end = time.time()
+        end, step = time.time(), 2.0
+        # Evaluated at start, start + step, ...: a grid that ends at `end` itself, so the
+        # last point sees the scrape the caller waited for (a grid ending up to a step
+        # earlier missed the replacement pod's first samples).
+        start = end - step * math.ceil((end - since) / step)
         recording = dashboards.record(
             dashboard,
             server.url,
-            start=since,
+            start=start,
             end=end,
-            step=2.0,
+            step=step,
             variables={"namespace": NAMESPACE, "weightsync": WEIGHTSYNC},
         )
         for title, targets in recording["panels"].items():

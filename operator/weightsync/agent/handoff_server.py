@@ -14,6 +14,7 @@ from weightsync.transfer.handoff import (
     Fill,
     Filled,
     HandoffError,
+    Pieces,
     ProtocolError,
     Publish,
     read_message,
@@ -41,7 +42,7 @@ class SocketFillChannel:
         self,
         bucket: int,
         slot: int,
-        pieces: list[tuple[str, int]] | None = None,
+        pieces: Pieces | None = None,
         slots: SlotHandles | None = None,
     ) -> None:
         fill = Fill(bucket=bucket, slot=slot, pieces=pieces, slots=slots)

@@ -18,6 +18,7 @@ import torch
 
 from weightsync.agent.rounds import RoundFailed
 from weightsync.transfer.buffers import SlotHandles, slot_views
+from weightsync.transfer.handoff import Pieces
 from weightsync.transfer.layout import BucketLayout
 
 Run = Callable[[Callable[[], Any]], Awaitable[Any]]
@@ -65,7 +66,7 @@ class PackingChannel:
         self,
         bucket: int,
         slot: int,
-        pieces: list[tuple[str, int]] | None = None,
+        pieces: Pieces | None = None,
         slots: SlotHandles | None = None,
     ) -> None:
         if pieces is not None or slots is not None:

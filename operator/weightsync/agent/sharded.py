@@ -38,12 +38,12 @@ from weightsync.agent.rounds import RoundFailed
 from weightsync.api.control import MembershipPlan
 from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.broadcast import TransferError
+from weightsync.transfer.handoff import Boxes
 from weightsync.transfer.layout import BucketLayout, LayoutError
 from weightsync.transfer.shards import Box, RankReport, ShardPlan, plan_shards
 
 _POLL_SECONDS = 0.005
 
-Boxes = Sequence[tuple[Sequence[int], Sequence[int]] | None]  # `Attach.boxes`
 _PLANS_KEPT = 4
 
 

@@ -33,6 +33,7 @@ from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, 
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
+from weightsync.transfer.handoff import Pieces
 from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.shards import RankReport, ShardPlan, staging_bound
 
@@ -44,7 +45,7 @@ class FillChannel(Protocol):
         self,
         bucket: int,
         slot: int,
-        pieces: list[tuple[str, int]] | None = None,
+        pieces: Pieces | None = None,
         slots: SlotHandles | None = None,
     ) -> None:
         """Have bucket `bucket` copied into slot `slot` (ordered before its broadcast), or
@@ -196,15 +197,15 @@ class SourceRound(RankRound):
             digests, missing = await gather_reports(
                 group, self.generation.plan, seq, self.deadline, self.failure_key
             )
-            plan = None
-            if missing is None:
-                plan = await self.plans.get(group, digests, transfer.bucket_size_bytes)
-                self.layout = plan.layout
-            # Rung even when a source rank is missing (the round is flagged failed by
-            # then): the sinks take this round's number and stay in step with the lead.
+            if missing is not None:
+                # Rung anyway (the round is flagged failed by then): the sinks take this
+                # round's number and stay in step. Secondhand here: the note in the missing
+                # rank's name says who.
+                await self._announce(digests)
+                raise RoundFailed("timeout", missing.describe(), Stage.TIMEOUT)
+            plan = await self.plans.get(group, digests, transfer.bucket_size_bytes)
+            self.layout = plan.layout
             await self._announce(digests)
-            if plan is None:  # secondhand here: the note in the missing rank's name says who
-                raise RoundFailed("timeout", missing.describe() if missing else "", Stage.TIMEOUT)
         else:
             # The lead rings by the deadline, a missing rank or not: wait a grace longer.
             until = self.deadline + FAILURE_GRACE_SECONDS

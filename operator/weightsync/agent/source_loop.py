@@ -24,7 +24,7 @@ from weightsync.agent.generations import Generation, Generations
 from weightsync.agent.holder import Holder
 from weightsync.agent.packing import SourcePacker
 from weightsync.agent.rounds import RoundFailed, RoundOutcome
-from weightsync.agent.sharded import Boxes, ShardPlans, report_of
+from weightsync.agent.sharded import ShardPlans, report_of
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.control import GenerationState, LocalEngine
@@ -36,7 +36,7 @@ from weightsync.transfer.buffers import (
     TensorSources,
     open_sources,
 )
-from weightsync.transfer.handoff import Attached, Publish, PublishResult
+from weightsync.transfer.handoff import Attached, Boxes, Publish, PublishResult
 from weightsync.transfer.layout import BucketLayout, LayoutError, TensorMeta, plan_layout
 from weightsync.transfer.shards import RankReport, plan_shards, staging_bound
 

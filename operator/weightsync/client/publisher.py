@@ -47,6 +47,7 @@ from weightsync.transfer.handoff import (
     Abandon,
     Attach,
     Attached,
+    Boxes,
     Fill,
     Filled,
     HandoffError,
@@ -79,9 +80,6 @@ class AgentUnavailableError(PublisherError):
 
 class LayoutChangedError(PublisherError):
     """The agent no longer accepts this layout and renegotiation did not settle it."""
-
-
-Boxes = list[tuple[list[int], list[int]] | None]  # per tensor: [offset, shape] held, or None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from weightsync.api import reasons
-from weightsync.api.control import AgentStatus, GenerationState
+from weightsync.api.control import AgentStatus
+from weightsync.controller.plan import WARM_STATES
 from weightsync.controller.workloads import PodView
 
 
@@ -76,9 +77,6 @@ def serves(status: AgentStatus | None, current: Current) -> bool:
     return current.lineage is None or lineage is None or lineage == current.lineage
 
 
-WARM = frozenset({GenerationState.WARM, GenerationState.ACTIVE})
-
-
 def rounds_reach(
     source: AgentStatus | None, statuses: Mapping[str, AgentStatus]
 ) -> frozenset[str] | None:
@@ -88,7 +86,7 @@ def rounds_reach(
     generation on it: no round runs before one forms): the served version alone decides."""
     if source is None:
         return None
-    warm = [g.generation for g in source.generations if g.state in WARM]
+    warm = [g.generation for g in source.generations if g.state in WARM_STATES]
     if not warm:  # no round can run until a generation warms, and it warms with its members
         return None
     needed = {max(warm)}
@@ -97,7 +95,7 @@ def rounds_reach(
     return frozenset(
         pod
         for pod, status in statuses.items()
-        if needed <= {g.generation for g in status.generations if g.state in WARM}
+        if needed <= {g.generation for g in status.generations if g.state in WARM_STATES}
     )
 
 

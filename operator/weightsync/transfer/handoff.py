@@ -53,13 +53,19 @@ class _Msg(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# Sharded sources: per tensor, the [offset, shape] block a rank holds, or None (nothing);
+# and the (tensor name, slot byte offset) of each piece a rank copies into a slot.
+Boxes = list[tuple[list[int], list[int]] | None]
+Pieces = list[tuple[str, int]]
+
+
 class Attach(_Msg):
     type: Literal["attach"] = "attach"
     tensors: list[tuple[str, list[int], str]]  # name, (global) shape, dtype name
     sources: TensorSources | None = None  # GPU: the tensors themselves, for the agent to pack
     # Sharded: per tensor, [offset, shape] of the block this rank holds, or None (nothing);
     # absent: every tensor is held whole.
-    boxes: list[tuple[list[int], list[int]] | None] | None = None
+    boxes: Boxes | None = None
 
 
 class Attached(_Msg):
@@ -86,7 +92,7 @@ class Fill(_Msg):
     slot: int
     # Sharded: (tensor name, byte offset in the slot) of each piece this rank sends in the
     # bucket, its local block copied contiguously; absent: the whole bucket, as laid out.
-    pieces: list[tuple[str, int]] | None = None
+    pieces: Pieces | None = None
     # Sharded: the slots were reallocated for the round's layout (known only once every
     # rank's report is in): map these before filling.
     slots: SlotHandles | None = None

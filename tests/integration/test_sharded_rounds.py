@@ -16,8 +16,8 @@ shard unevenly over 4) as:
   step on synthetic data.
 
 Every engine serves, bit for bit, the trainer's full tensors (`DTensor.full_tensor()`).
-A source rank that never calls publish, and a source agent killed mid-round, each fail
-the round on every trainer rank within the timeout, naming that rank.
+A source rank that never calls publish (the lead included), and a source agent killed
+mid-round, each fail the round on every trainer rank within the timeout, naming that rank.
 """
 
 from __future__ import annotations
@@ -228,6 +228,17 @@ def test_sharded_trainer_publishes_to_every_engine(tmp_path: Path) -> None:
                 assert result["ok"], result
                 assert result["generation"] == 2
             _served(engines, 5, replies[0][1])
+
+            # ---- the lead (rank 0) never calls publish: the ranks that waited name it
+            replies = trainer.publish("placed", 6, ranks=[1, 2, 3])
+            for result, _ in replies:
+                assert not result["ok"]
+                assert result["reason"] == "source_missing", result
+                assert result["member"].startswith("source-0 (rank 0"), result
+                assert result["duration_seconds"] < TIMEOUT_SECONDS + 5.0
+            for engine in engines:
+                assert engine.health()["version"] == 5
+            _apply(agents, generation=3, port=port)
 
             # ---- source agent 2 dies mid-round: every other rank fails, naming it
             victim = sources[2]

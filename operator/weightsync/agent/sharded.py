@@ -14,7 +14,7 @@ set of reports) and checks it against the header's layout hash. Buckets then tra
 one broadcast per segment from its owner (`transfer.assembly.SlotRoutes`), and every
 rank assembles full buckets in its slots. A source rank that does not publish within
 the round's timeout fails the round on every rank, named: the lead writes the failure
-note in its name.
+note in its name, or, when the lead itself did not publish, the ranks that waited for it.
 """
 
 from __future__ import annotations
@@ -162,7 +162,16 @@ async def gather_reports(
     digests = await group.run(gather)
     if all(digests):
         return digests, None
-    member = next(m for m in plan.members if m.rank == digests.index(""))
+    note = await blame_missing(group, plan, seq, digests.index(""), failure_key)
+    return digests, note
+
+
+async def blame_missing(
+    group: Group, plan: MembershipPlan, seq: int, rank: int, failure_key: str
+) -> FailureNote:
+    """Fail round `seq` in the name of source rank `rank`, which did not publish: it
+    wrote no note of its own, and the ranks that waited for it only know they timed out."""
+    member = next(m for m in plan.members if m.rank == rank)
     note = FailureNote(
         rank=member.rank,
         pod=member.pod,
@@ -174,6 +183,7 @@ async def gather_reports(
             f" {plan.transfer.timeout_seconds:g} s (every source rank calls publish each step)"
         ),
     )
+    ctl = group.ctl
 
     def blame() -> None:
         ctl.set(note_key(seq, member.rank), note.model_dump_json())
@@ -181,25 +191,33 @@ async def gather_reports(
         ctl.set(failure_key, f"rank {member.rank}: {note.reason}")
 
     await group.run(blame)
-    return digests, note
+    return note
 
 
-async def follow_header(group: Group, seq: int, deadline: float, failure_key: str) -> RoundHeader:
-    """A source rank other than the lead: the round's header, once the lead rang."""
-    ctl, key = group.ctl, doorbell_key(seq)
+async def follow_header(
+    group: Group, plan: MembershipPlan, seq: int, deadline: float, failure_key: str
+) -> RoundHeader:
+    """A source rank other than the lead: the round's header, once the lead rang. A lead
+    that never offered its report by `deadline` did not publish: it is blamed here (a
+    lead that did publish rings by its own deadline, a missing rank or not)."""
+    ctl, key, lead_key = group.ctl, doorbell_key(seq), round_report_key(seq, 0)
 
-    def wait() -> bytes:
+    def wait() -> bytes | None:
         while not ctl.check([key]):
             if ctl.check([failure_key]):
-                raise TransferError(
-                    "peer_failed", f"a peer failed the round: {ctl.get(failure_key).decode()}"
-                )
+                raise _peer_failed(ctl.get(failure_key))
             if time.monotonic() > deadline:
-                raise TransferError("timeout", f"source rank 0 did not start round {seq}")
+                if ctl.check([lead_key]):
+                    raise TransferError("timeout", f"source rank 0 did not start round {seq}")
+                return None
             time.sleep(_POLL_SECONDS)
         return ctl.get(key)
 
-    bell = DOORBELL.validate_json(await group.run(wait))
+    raw = await group.run(wait)
+    if raw is None:
+        note = await blame_missing(group, plan, seq, 0, failure_key)
+        raise RoundFailed("peer_failed", note.describe(), Stage.TIMEOUT)
+    bell = DOORBELL.validate_json(raw)
     if not isinstance(bell, RoundHeader):
         raise RoundFailed("round_mismatch", f"round {seq} is a generation switch here")
     return bell

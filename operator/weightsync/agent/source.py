@@ -209,7 +209,7 @@ class SourceRound(RankRound):
         else:
             # The lead rings by the deadline, a missing rank or not: wait a grace longer.
             until = self.deadline + FAILURE_GRACE_SECONDS
-            header = await follow_header(group, seq, until, self.failure_key)
+            header = await follow_header(group, self.generation.plan, seq, until, self.failure_key)
             if "" in header.reports:  # secondhand: the lead wrote the missing rank's note
                 raise RoundFailed("peer_failed", "a source rank did not publish this round")
             if header.version != self.version:

@@ -109,7 +109,10 @@ class SourceLoop:
             slots = self.pool.ensure(layout, plan.transfer.pipeline_depth, staging)
             self.layout, self.boxes = layout, boxes
             self._publisher_epoch = self.pool.epoch
-            self._packer = None if boxes else await self._map_sources(layout, sources)
+            # With several source ranks every rank packs its own pieces where the round's
+            # plan puts them (plain tensors too: a rank owning whole experts).
+            shared = sources if boxes is None and plan.source_count == 1 else None
+            self._packer = await self._map_sources(layout, shared)
         log.info(
             "layout %s: %d tensors, %d buckets, %d bytes, packed by the %s",
             layout.layout_hash[:12],
@@ -206,6 +209,8 @@ class SourceLoop:
             except (EngineError, TimeoutError) as exc:
                 raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
             self._engine_epoch = self.pool.epoch
+        if self._packer is not None and sources > 1:
+            raise RoundFailed("layout_mismatch", "the plan has several source ranks: attach again")
         group = generation.group
         packer = self._packer if self._packer and self._packer.layout is layout else None
         if packer is not None and group is not None:

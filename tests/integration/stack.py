@@ -190,7 +190,7 @@ class Stack:
             **(extra_env or {}),
         }
         socket_path = None
-        if role == "source":
+        if role == "source" and "WEIGHTSYNC_SOCKET" not in env:
             socket_path = self.workdir / f"{name}.sock"
             env["WEIGHTSYNC_SOCKET"] = str(socket_path)
         if engine is not None:

@@ -41,6 +41,16 @@ def main() -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if settings.local_ranks:
+        from weightsync.agent.local_ranks import check_socket, parse_local_ranks, supervise
+
+        try:
+            local_ranks = parse_local_ranks(settings.local_ranks)
+            check_socket(os.environ)
+        except ValueError as exc:
+            print(f"weightsync-agent: invalid configuration: {exc}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(supervise(local_ranks))
     _nccl_defaults()
     asyncio.run(_run(settings))
 

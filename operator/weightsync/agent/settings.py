@@ -47,6 +47,9 @@ class AgentSettings(BaseModel):
     p2p_host: str | None = None  # the Mooncake segment's host; defaults to `http_host`
     p2p_protocol: RecoveryProtocol = RecoveryProtocol.TCP  # what holders serve
     p2p_devices: str = ""  # RDMA NIC names, comma-separated; empty: Mooncake picks
+    # A trainer pod of several ranks: the local ranks this sidecar serves, an agent
+    # process each (`agent.local_ranks`); empty: this process is the one agent.
+    local_ranks: str = ""
 
     @field_validator("p2p_protocol", mode="before")
     @classmethod

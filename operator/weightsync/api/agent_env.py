@@ -11,6 +11,10 @@ PREFIX: Final = "WEIGHTSYNC_"
 # Where the sidecar listens for the Publisher: an emptyDir both containers mount.
 SOCKET_DIR: Final = "/var/run/weightsync"
 SOCKET_PATH: Final = f"{SOCKET_DIR}/agent.sock"
+# A trainer pod of several ranks: one socket per local rank, the Publisher fills in its
+# LOCAL_RANK (as torchrun sets it).
+SOCKET_TEMPLATE: Final = f"{SOCKET_DIR}/agent-{{local_rank}}.sock"
+LOCAL_RANK_PLACEHOLDER: Final = "{local_rank}"
 
 
 def env_name(field: str) -> str:
@@ -33,6 +37,9 @@ ENGINE: Final = env_name("engine")
 ENGINE_URL: Final = env_name("engine_url")
 ENGINE_OPTIONS: Final = env_name("engine_options")  # JSON: the entry's EngineOptions
 ENGINE_LOADED_BY_PEER: Final = env_name("engine_loaded_by_peer")
+# Trainer pods of several ranks: the local ranks the sidecar serves ("0,1"), one agent
+# process each (local rank i: device cuda:i, ports HTTP_PORT + i and METRICS_PORT + i).
+LOCAL_RANKS: Final = env_name("local_ranks")
 
 # Not a setting: the pod IP from the downward API, which HTTP_HOST and ENGINE_URL expand.
 POD_IP: Final = env_name("pod_ip")
@@ -54,4 +61,5 @@ SETTINGS: Final = (
     ENGINE_URL,
     ENGINE_OPTIONS,
     ENGINE_LOADED_BY_PEER,
+    LOCAL_RANKS,
 )

@@ -38,6 +38,7 @@ KEYWORD_ORDER = (
     "items",
     "properties",
     "required",
+    "x-kubernetes-int-or-string",
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
     "x-kubernetes-validations",
@@ -106,9 +107,10 @@ def _convert(node: Schema, definitions: dict[str, Schema], path: str) -> Schema:
             ]
         else:
             result[key] = value
-    if "type" not in result:
+    if "type" not in result and not result.get("x-kubernetes-int-or-string"):
+        # An int-or-string is the one node a structural schema leaves untyped.
         raise SchemaError(f"{path}: every node of a structural schema needs a type")
-    if result["type"] == "integer":
+    if result.get("type") == "integer":
         _set_integer_format(result)
     return _ordered(result)
 

@@ -105,15 +105,29 @@ class PublishTimings:
         return self.total - self.pack
 
 
+def agent_socket(environ: Mapping[str, str]) -> str:
+    """The injected agent's socket: `WEIGHTSYNC_SOCKET`; in a trainer pod of several ranks
+    a template that this rank's `LOCAL_RANK` (as torchrun sets it) completes."""
+    path = environ.get(agent_env.SOCKET) or agent_env.SOCKET_PATH
+    if agent_env.LOCAL_RANK_PLACEHOLDER not in path:
+        return path
+    local = environ.get("LOCAL_RANK", "")
+    if not local.isdigit():
+        raise PublisherError(
+            "no_local_rank",
+            f"this trainer pod runs several ranks ({agent_env.SOCKET}={path}): set LOCAL_RANK"
+            " to this process's local rank, as torchrun does",
+        )
+    return path.replace(agent_env.LOCAL_RANK_PLACEHOLDER, local)
+
+
 class Publisher:
     """A connection to the local source agent; not thread-safe (one trainer rank, one)."""
 
     def __init__(
         self, socket_path: str | os.PathLike[str] | None = None, *, timeout: float = 600.0
     ) -> None:
-        self.socket_path = Path(
-            socket_path or os.environ.get(agent_env.SOCKET) or agent_env.SOCKET_PATH
-        )
+        self.socket_path = Path(socket_path or agent_socket(os.environ))
         self.timeout = timeout
         # Versions rise within one Publisher; a new one (a trainer restarted from an
         # earlier step) is a new lineage, which engines follow from wherever it starts.

@@ -38,8 +38,9 @@ from weightsync.api import parse_weightsync
 from weightsync.api.v1alpha1 import WeightSync
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics
-from weightsync.controller.injection import AgentTemplate, JsonPatch, injection_patch
+from weightsync.controller.injection import AgentTemplate, injection_patch
 from weightsync.controller.kube import Kube
+from weightsync.controller.patches import JsonPatch
 from weightsync.controller.workloads import (
     WorkloadRef,
     claim_conflicts,
@@ -106,6 +107,7 @@ def pod_patch(
         inference_index=target.inference_index,
         namespace=namespace,
         template=template,
+        served=target.served,
     )
 
 

@@ -33,7 +33,13 @@ What a selected pod gets:
   `WEIGHTSYNC_ENGINE_OPTIONS`;
 * labels `weightsync.io/sync` and `weightsync.io/role`, and annotations recording
   what was injected (`weightsync.io/injected`, `agent-port`, `agent-device`,
-  `injected-into`).
+  `injected-into`, and on trainer pods `ranks-per-pod`, `agent-local-ranks`).
+
+A trainer pod running several ranks (`trainer_ranks`) gets one sidecar serving each of
+its source ranks with an agent process (`WEIGHTSYNC_LOCAL_RANKS`): local rank i on
+`cuda:i`, ports `ws-control-i`/`ws-metrics-i` at the base ports + i, sockets from the
+template `agent-{local_rank}.sock`, which trainer containers get as `WEIGHTSYNC_SOCKET`
+(the Publisher completes it from torchrun's `LOCAL_RANK`).
 
 Colocated mode adds what cross-pod CUDA IPC needs: `hostIPC: true` on both pods
 (CUDA IPC handles are opened through the host's IPC namespace), a hostPath directory
@@ -48,7 +54,7 @@ mutation is idempotent (the API server may call a webhook twice).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,9 +62,9 @@ from weightsync.api import agent_env
 from weightsync.api.engines import INJECTIONS, EngineOptions
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
 from weightsync.controller import names
+from weightsync.controller.patches import JsonPatch, add_to_map, append_to
+from weightsync.controller.trainer_ranks import ServedRanks
 from weightsync.controller.workloads import has_agent
-
-JsonPatch = list[dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,31 +78,6 @@ class AgentTemplate:
     http_port: int = 8470
     metrics_port: int = 9470
     log_level: str = "INFO"
-
-
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
-
-
-def _add_to_map(
-    ops: JsonPatch, parent: Mapping[str, Any], path: str, items: dict[str, str]
-) -> None:
-    key = path.rsplit("/", 1)[1]
-    if key not in parent or parent[key] is None:
-        ops.append({"op": "add", "path": path, "value": dict(items)})
-        return
-    for name, value in items.items():
-        ops.append({"op": "add", "path": f"{path}/{_escape(name)}", "value": value})
-
-
-def _append(ops: JsonPatch, parent: Mapping[str, Any], path: str, values: Sequence[Any]) -> None:
-    if not values:
-        return
-    key = path.rsplit("/", 1)[1]
-    if not parent.get(key):
-        ops.append({"op": "add", "path": path, "value": list(values)})
-        return
-    ops.extend({"op": "add", "path": f"{path}/-", "value": value} for value in values)
 
 
 def agent_device(pod: Mapping[str, Any]) -> str:
@@ -147,9 +128,12 @@ def agent_container(
     template: AgentTemplate,
     *,
     shm: bool = False,
+    served: ServedRanks | None = None,
 ) -> dict[str, Any]:
     """The sidecar container (a restartable init container); `shm`: mount the pod's
-    shared-memory volume at /dev/shm."""
+    shared-memory volume at /dev/shm; `served`: a trainer pod of several ranks, whose
+    local source ranks the sidecar serves with an agent process each."""
+    locals_ = served.local if served is not None and served.per_pod > 1 else (0,)
     env: list[dict[str, Any]] = [
         {"name": agent_env.ROLE, "value": role.label},
         _field_env(agent_env.POD_NAME, "metadata.name"),
@@ -167,6 +151,10 @@ def agent_container(
         # off or the group is Colocated, where a held copy would only cost PCIe time.
         {"name": agent_env.HOLDER, "value": "false"},
     ]
+    if served is not None and served.per_pod > 1:
+        local_ranks = ",".join(str(i) for i in served.local)
+        _set_env(env, agent_env.SOCKET, agent_env.SOCKET_TEMPLATE)
+        env.append({"name": agent_env.LOCAL_RANKS, "value": local_ranks})
     if role is Role.SINK and inference_index is not None:
         entry = sync.spec.inference[inference_index]
         env.append({"name": agent_env.ENGINE, "value": entry.engine.value})
@@ -184,11 +172,14 @@ def agent_container(
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
     if shm:
         mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
-    ports = [{"name": "ws-control", "containerPort": template.http_port, "protocol": "TCP"}]
-    if template.metrics_port:
-        ports.append(
-            {"name": "ws-metrics", "containerPort": template.metrics_port, "protocol": "TCP"}
-        )
+    ports = []
+    for local in locals_:  # named by local rank past the first (a name has <= 15 chars)
+        suffix = f"-{local}" if local else ""
+        port = template.http_port + local
+        ports.append({"name": f"ws-control{suffix}", "containerPort": port, "protocol": "TCP"})
+        if template.metrics_port:
+            port = template.metrics_port + local
+            ports.append({"name": f"ws-metrics{suffix}", "containerPort": port, "protocol": "TCP"})
     resources: dict[str, Any] = {}
     if template.requests:
         resources["requests"] = dict(template.requests)
@@ -205,7 +196,7 @@ def agent_container(
         "volumeMounts": mounts,
         "resources": resources,
         "readinessProbe": {
-            "tcpSocket": {"port": template.http_port},
+            "tcpSocket": {"port": template.http_port + locals_[0]},
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
@@ -214,6 +205,12 @@ def agent_container(
             "capabilities": {"drop": ["ALL"]},
         },
     }
+
+
+def _set_env(env: list[dict[str, Any]], name: str, value: str) -> None:
+    for item in env:
+        if item["name"] == name:
+            item["value"] = value
 
 
 def _volumes(sync: WeightSync, namespace: str, *, shm: bool) -> list[dict[str, Any]]:
@@ -252,6 +249,7 @@ def _container_ops(
     *,
     colocated: bool,
     shm: bool,
+    socket: str = agent_env.SOCKET_PATH,
 ) -> None:
     base = f"/spec/containers/{index}"
     mounted_paths = {m.get("mountPath") for m in container.get("volumeMounts") or []}
@@ -262,14 +260,14 @@ def _container_ops(
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
     if shm:
         mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
-    _append(ops, container, f"{base}/volumeMounts", mounts)
+    append_to(ops, container, f"{base}/volumeMounts", mounts)
     env_names = {e.get("name") for e in container.get("env") or []}
     if role is Role.SOURCE and agent_env.SOCKET not in env_names:
-        _append(
+        append_to(
             ops,
             container,
             f"{base}/env",
-            [{"name": agent_env.SOCKET, "value": agent_env.SOCKET_PATH}],
+            [{"name": agent_env.SOCKET, "value": socket}],
         )
 
 
@@ -285,14 +283,14 @@ def engine_defaults_ops(
     args = [str(a) for a in container.get("args") or []]
     if command or args:
         merged = injection.merged_args([*command, *args])
-        _append(ops, container, f"{base}/args", merged[len(command) + len(args) :])
+        append_to(ops, container, f"{base}/args", merged[len(command) + len(args) :])
     present = {e.get("name") for e in container.get("env") or []}
     env = [
         {"name": name, "value": value}
         for name, value in injection.env.items()
         if name not in present
     ]
-    _append(ops, container, f"{base}/env", env)
+    append_to(ops, container, f"{base}/env", env)
 
 
 def _colocated_affinity(ops: JsonPatch, spec: Mapping[str, Any], sync_name: str) -> None:
@@ -326,7 +324,7 @@ def _colocated_affinity(ops: JsonPatch, spec: Mapping[str, Any], sync_name: str)
             }
         )
     else:
-        _append(
+        append_to(
             ops,
             pod_affinity,
             "/spec/affinity/podAffinity/requiredDuringSchedulingIgnoredDuringExecution",
@@ -342,8 +340,10 @@ def injection_patch(
     inference_index: int | None,
     namespace: str,
     template: AgentTemplate,
+    served: ServedRanks | None = None,
 ) -> JsonPatch:
-    """The JSON patch that injects the agent into `pod`; empty if it already has one."""
+    """The JSON patch that injects the agent into `pod`; empty if it already has one.
+    `served`: a trainer pod's ranks (`trainer_ranks.served_ranks`)."""
     if has_agent(pod):
         return []
     sync_name = sync.metadata.name or ""
@@ -355,13 +355,13 @@ def injection_patch(
     ops: JsonPatch = []
     if "metadata" not in pod:
         ops.append({"op": "add", "path": "/metadata", "value": {}})
-    _add_to_map(
+    add_to_map(
         ops,
         meta,
         "/metadata/labels",
         {names.SYNC_LABEL: names.sync_label(sync_name), names.ROLE_LABEL: role.label},
     )
-    _add_to_map(
+    add_to_map(
         ops,
         meta,
         "/metadata/annotations",
@@ -370,21 +370,24 @@ def injection_patch(
             names.AGENT_PORT_ANNOTATION: str(template.http_port),
             names.AGENT_DEVICE_ANNOTATION: device,
             names.INJECTED_CONTAINERS_ANNOTATION: ",".join(c["name"] for c in containers),
+            **(served.annotations() if served is not None else {}),
         },
     )
     shm = not colocated and not spec.get("hostIPC") and not _mounts_shm(pod)
-    _append(ops, spec, "/spec/volumes", _volumes(sync, namespace, shm=shm))
-    agent = agent_container(sync, role, inference_index, device, template, shm=shm)
-    _append(ops, spec, "/spec/initContainers", [agent])
+    append_to(ops, spec, "/spec/volumes", _volumes(sync, namespace, shm=shm))
+    agent = agent_container(sync, role, inference_index, device, template, shm=shm, served=served)
+    append_to(ops, spec, "/spec/initContainers", [agent])
+    several = served is not None and served.per_pod > 1
+    socket = agent_env.SOCKET_TEMPLATE if several else agent_env.SOCKET_PATH
     for index, container in enumerate(containers):
-        _container_ops(ops, index, container, role, colocated=colocated, shm=shm)
+        _container_ops(ops, index, container, role, colocated=colocated, shm=shm, socket=socket)
     if role is Role.SINK and inference_index is not None and containers:
         engine = sync.spec.inference[inference_index].engine.value
         engine_defaults_ops(ops, containers[0], engine)
     if role is Role.SINK and sync.spec.readiness_gate.enabled:
         gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
         if names.WEIGHTS_CURRENT not in gates:
-            _append(ops, spec, "/spec/readinessGates", [{"conditionType": names.WEIGHTS_CURRENT}])
+            append_to(ops, spec, "/spec/readinessGates", [{"conditionType": names.WEIGHTS_CURRENT}])
     if colocated:
         ops.append({"op": "add", "path": "/spec/hostIPC", "value": True})
         if role is Role.SINK:

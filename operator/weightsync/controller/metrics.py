@@ -6,7 +6,12 @@ per-WeightSync gauges (one series per WeightSync).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from weightsync.api.v1alpha1 import WeightSyncStatus
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 PREFIX = "weightsync_operator"
@@ -87,6 +92,14 @@ for _route in ("status", "plan", "recover"):
         AGENT_REQUESTS.labels(_route, _result)
 for _result in ("started", "done", "failed", "refused"):
     RECOVERIES.labels(_result)
+
+
+def record_status(namespace: str, name: str, status: WeightSyncStatus) -> None:
+    """The gauges a pass sets from the status it wrote."""
+    GROUP_GENERATION.labels(namespace, name).set(status.group_generation or 0)
+    MEMBERS.labels(namespace, name).set(status.member_count or 0)
+    version = status.current_version
+    CURRENT_VERSION.labels(namespace, name).set(-1 if version is None else version)
 
 
 def forget(namespace: str, name: str) -> None:

@@ -29,6 +29,9 @@ INJECTED_ANNOTATION: Final = f"{GROUP}/injected"  # "<weightsync name>"
 AGENT_PORT_ANNOTATION: Final = f"{GROUP}/agent-port"
 AGENT_DEVICE_ANNOTATION: Final = f"{GROUP}/agent-device"
 INJECTED_CONTAINERS_ANNOTATION: Final = f"{GROUP}/injected-into"  # workload containers touched
+# Trainer pods: the ranks the pod runs, and the local ranks its sidecar serves ("0,1").
+RANKS_PER_POD_ANNOTATION: Final = f"{GROUP}/ranks-per-pod"
+AGENT_RANKS_ANNOTATION: Final = f"{GROUP}/agent-local-ranks"
 
 # The pod readiness gate on inference pods: True only while the pod serves the
 # WeightSync's current version.

@@ -79,12 +79,13 @@ def desired_members(
     answering: Collection[str],
     previous: Sequence[Slot],
     *,
+    sources: Sequence[int] | None = None,
     excluded: Collection[str] = (),
     previous_engine: str | None = None,
 ) -> Desired:
-    """The next generation's members: the source-rank trainer pods (every listed rank, in
-    rank order: plan ranks 0..n-1, the lowest hosting the rendezvous), then every
-    joinable sink.
+    """The next generation's members: the trainer's source ranks (`sources`, by default
+    the listed ones; in rank order: plan ranks 0..n-1, the lowest hosting the
+    rendezvous), then every joinable sink.
 
     `answering` names the pods whose agents answered `GET /v1/status` this pass;
     `excluded` names pods held out for a while (a failed plan delivery or a member that
@@ -95,16 +96,18 @@ def desired_members(
     def eligible(pod: PodView) -> bool:
         return pod.joinable and pod.name in answering and pod.name not in excluded
 
-    by_ordinal = {p.ordinal: p for p in pods if p.role is Role.SOURCE}
-    sources = []
-    for rank in sorted(spec.trainer.source_ranks):
-        pod = by_ordinal.get(rank)
+    by_rank = {p.rank: p for p in pods if p.role is Role.SOURCE}
+    members = []
+    for rank in sorted(spec.trainer.listed_ranks() if sources is None else sources):
+        pod = by_rank.get(rank)
         if pod is None or not eligible(pod):
             return Desired((), waiting_for=f"the source agent of trainer rank {rank}")
-        sources.append(pod)
+        members.append(pod)
+    if not members:
+        return Desired((), waiting_for="a trainer pod (sourceRanks: [all])")
     sinks = [p for p in pods if p.role is Role.SINK and eligible(p)]
     if spec.mode is SyncMode.COLOCATED:
-        source = sources[0]
+        source = members[0]
         local = [p for p in sinks if p.node is not None and p.node == source.node]
         local.sort(key=lambda p: (p.name != previous_engine, p.inference_index or 0, p.name))
         if not local:
@@ -117,7 +120,7 @@ def desired_members(
     newcomers = sorted(
         (p for p in sinks if p.name not in order), key=lambda p: (p.inference_index or 0, p.name)
     )
-    return Desired((*sources, *continuing, *newcomers))
+    return Desired((*members, *continuing, *newcomers))
 
 
 def slots(members: Sequence[PodView]) -> tuple[Slot, ...]:

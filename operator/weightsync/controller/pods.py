@@ -46,9 +46,10 @@ async def recreate_uninjected(
     created = parse_time(raw["metadata"].get("creationTimestamp"))
     window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
     for pod in pods_to_recreate(pods, created, window, webhook_settling):
-        await asyncio.to_thread(kube.delete_pod, raw["metadata"]["namespace"], pod.name, pod.uid)
+        namespace = raw["metadata"]["namespace"]
+        await asyncio.to_thread(kube.delete_pod, namespace, pod.pod_name, pod.uid)
         kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
-        message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.name, kind=kind)
+        message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.pod_name, kind=kind)
         post_event(raw, EventSpec("Normal", reasons.POD_RECREATED, message))
 
 

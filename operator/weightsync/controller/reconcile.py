@@ -61,6 +61,7 @@ from weightsync.controller.status import (
 from weightsync.controller.workloads import (
     PodView,
     claim_conflicts,
+    planned_sources,
     sync_pods,
 )
 
@@ -218,8 +219,9 @@ class Reconciler:
         now = time.monotonic()
         memory.cooldown = {uid: t for uid, t in memory.cooldown.items() if t > now}
         excluded = {p.name for p in pods if p.uid in memory.cooldown}
+        sources = planned_sources(sync, world, pods)
         recovering = await self._recover(
-            raw, sync, pods, (statuses, old), token=token, memory=memory
+            raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources
         )
         excluded |= recovering.held_out
         previous = [Slot(m.rank, m.pod, m.role) for m in old.members]
@@ -232,6 +234,7 @@ class Reconciler:
             pods,
             statuses.keys(),
             previous,
+            sources=sources,
             excluded=excluded,
             previous_engine=planned_engine,
         )
@@ -268,15 +271,11 @@ class Reconciler:
             prewarm_timed_out=timed_out,
             plan_errors=plan_errors,
             agent_errors=errors,
+            sources=sources,
         )
         new = observed_status(old, observation, utc_now())
         await self._write(raw, old, new)
-        labels = (namespace, name)
-        metrics.GROUP_GENERATION.labels(*labels).set(new.group_generation or 0)
-        metrics.MEMBERS.labels(*labels).set(new.member_count or 0)
-        metrics.CURRENT_VERSION.labels(*labels).set(
-            -1 if new.current_version is None else new.current_version
-        )
+        metrics.record_status(namespace, name, new)
         return Result(Outcome.OK)
 
     async def _recover(
@@ -288,11 +287,12 @@ class Reconciler:
         *,
         token: str,
         memory: Memory,
+        sources: list[int],
     ) -> RecoveryPass:
         """Start and follow recoveries of pods that are behind; which to hold out."""
         statuses, old = seen
-        lead = min(sync.spec.trainer.source_ranks)  # plan rank 0: commits last, reports it
-        source = next((p for p in pods if p.role is Role.SOURCE and p.ordinal == lead), None)
+        lead = min(sources, default=0)  # plan rank 0: commits last, reports it
+        source = next((p for p in pods if p.role is Role.SOURCE and p.rank == lead), None)
         recovering = await run_recoveries(
             raw=raw,
             spec=sync.spec,

@@ -76,6 +76,7 @@ class Observation:
     prewarm_timed_out: bool = False
     plan_errors: Mapping[str, str] = field(default_factory=dict)
     agent_errors: Mapping[str, str] = field(default_factory=dict)  # status polls that failed
+    sources: Sequence[int] | None = None  # the trainer ranks planned (default: the listed)
 
 
 def _ordered(conditions: Sequence[Condition]) -> list[Condition]:
@@ -167,7 +168,8 @@ def last_round(source: AgentStatus | None, stored: RoundSummary | None) -> Round
 
 def _ready(obs: Observation, sinks: Sequence[Member]) -> ConditionUpdate:
     live_sinks = [p for p in obs.pods if p.role is Role.SINK and p.live]
-    sources = len(obs.spec.trainer.source_ranks)  # every listed trainer rank is a member
+    # Every source trainer rank is a member.
+    sources = len(obs.spec.trainer.listed_ranks() if obs.sources is None else obs.sources)
     expected = sources + (0 if obs.spec.mode is SyncMode.COLOCATED else len(live_sinks))
     joined = len(obs.planned) if obs.desired.formable else 0
     if not obs.desired.formable or joined < expected:

@@ -15,12 +15,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weightsync.api.v1alpha1 import Role, WeightSync
 from weightsync.controller import names
+from weightsync.controller.trainer_ranks import (
+    ServedRanks,
+    local_device,
+    member_name,
+    recorded_ranks,
+    served_ranks,
+    source_ranks,
+)
 
 Obj = Mapping[str, Any]
 
@@ -35,7 +43,9 @@ class WorkloadRef:
 
 @dataclass(frozen=True, slots=True)
 class PodView:
-    """What the reconcile reads from one pod of a WeightSync."""
+    """What the reconcile reads from one pod of a WeightSync: one member of the group. A
+    trainer pod whose sidecar serves several ranks is one view per rank (`trainer_ranks`):
+    `name` is the member's name, `pod` the pod's."""
 
     name: str
     uid: str
@@ -58,6 +68,13 @@ class PodView:
     created: datetime | None
     labelled: bool  # carries weightsync.io/inject=true, i.e. opted in to injection
     finished: bool = False  # phase Failed or Succeeded: it will never take part again
+    pod: str = ""  # the pod's name ("": the member's name is the pod's)
+    rank: int | None = None  # trainer pods: the global trainer rank this member publishes
+    ranks_per_pod: int = 1  # trainer pods: ranks the pod runs
+
+    @property
+    def pod_name(self) -> str:
+        return self.pod or self.name
 
     @property
     def live(self) -> bool:
@@ -126,13 +143,14 @@ class Target:
     role: Role
     inference_index: int | None
     ordinal: int | None
+    served: ServedRanks | None = None  # trainer pods: the ranks its sidecar serves
 
 
 def select_target(workload: WorkloadRef, pod: Obj, syncs: Sequence[WeightSync]) -> Target | None:
     """The WeightSync (first by name if several claim it) that selects this pod, or None.
 
-    Trainer pods are selected only if their ordinal is one of the source ranks: the
-    other trainer ranks never talk to an agent, so they get no sidecar.
+    Trainer pods are selected only if one of their ranks is a source rank: the other
+    trainer ranks never talk to an agent, so a pod of only those gets no sidecar.
     """
     for sync in sorted(syncs, key=lambda s: s.metadata.name or ""):
         if (
@@ -140,9 +158,10 @@ def select_target(workload: WorkloadRef, pod: Obj, syncs: Sequence[WeightSync]) 
             and workload.name == sync.spec.trainer.stateful_set_ref.name
         ):
             ordinal = statefulset_ordinal(pod, workload.name)
-            if ordinal is not None and ordinal in sync.spec.trainer.source_ranks:
-                return Target(sync, Role.SOURCE, None, ordinal)
-            return None
+            if ordinal is None:
+                return None
+            served = served_ranks(sync, pod, ordinal)
+            return Target(sync, Role.SOURCE, None, ordinal, served) if served.local else None
         if workload.kind == "Deployment":
             for index, entry in enumerate(sync.spec.inference):
                 if entry.deployment_ref.name == workload.name:
@@ -200,15 +219,16 @@ def pods_to_recreate(
         since, until = webhook_settling
         return since.replace(microsecond=0) <= created <= until
 
-    return [
-        pod
+    found = {
+        pod.uid: pod  # one per pod: a trainer pod of several ranks has a view for each
         for pod in pods
         if pod.labelled
         and not pod.has_agent
         and not pod.terminating
         and pod.created is not None
         and missed(pod.created)
-    ]
+    }
+    return list(found.values())
 
 
 def has_agent(pod: Obj) -> bool:
@@ -220,6 +240,7 @@ def has_agent(pod: Obj) -> bool:
 def pod_view(
     pod: Obj, role: Role, workload: str, inference_index: int | None, ordinal: int | None
 ) -> PodView:
+    """The view of a pod that is one member (an inference pod; a trainer pod of one rank)."""
     meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
     annotations = meta.get("annotations") or {}
     port = annotations.get(names.AGENT_PORT_ANNOTATION)
@@ -253,6 +274,30 @@ def pod_view(
     )
 
 
+def trainer_views(sync: WeightSync, pod: Obj, workload: str, ordinal: int) -> list[PodView]:
+    """One view per rank the trainer pod's sidecar serves and the spec still publishes
+    (a pod without the sidecar: the ranks it would be given)."""
+    base = pod_view(pod, Role.SOURCE, workload, None, ordinal)
+    served = recorded_ranks(pod) if base.has_agent else served_ranks(sync, pod, ordinal)
+    views = []
+    for local in served.local:
+        rank = served.global_rank(ordinal, local)
+        if not sync.spec.trainer.publishes(rank):
+            continue
+        views.append(
+            replace(
+                base,
+                name=member_name(base.name, local, served),
+                pod=base.name,
+                rank=rank,
+                ranks_per_pod=served.per_pod,
+                agent_port=None if base.agent_port is None else base.agent_port + local,
+                device=local_device(base.device, local),
+            )
+        )
+    return views
+
+
 @dataclass(frozen=True, slots=True)
 class World:
     """The API server's view of one WeightSync's workloads, read in one pass."""
@@ -264,7 +309,8 @@ class World:
 
 
 def sync_pods(sync: WeightSync, world: World) -> list[PodView]:
-    """Every live pod of the WeightSync's trainer source ranks and inference Deployments.
+    """Every live pod of the WeightSync's trainer source ranks (one view per rank) and
+    inference Deployments.
 
     Matching is by controller UID: pods of an older StatefulSet or Deployment of the
     same name (deleted and recreated) never count.
@@ -287,9 +333,18 @@ def sync_pods(sync: WeightSync, world: World) -> list[PodView]:
             continue
         if owner.get("kind") == "StatefulSet" and sts_uid and owner.get("uid") == sts_uid:
             ordinal = statefulset_ordinal(pod, trainer)
-            if ordinal is not None and ordinal in sync.spec.trainer.source_ranks:
-                views.append(pod_view(pod, Role.SOURCE, trainer, None, ordinal))
+            if ordinal is not None:
+                views.extend(trainer_views(sync, pod, trainer, ordinal))
         elif owner.get("kind") == "ReplicaSet" and owner.get("uid") in rs_to_deployment:
             deployment = rs_to_deployment[owner["uid"]]
             views.append(pod_view(pod, Role.SINK, deployment, inference_index[deployment], None))
-    return sorted(views, key=lambda v: (v.role != Role.SOURCE, v.inference_index or 0, v.name))
+    return sorted(
+        views, key=lambda v: (v.role != Role.SOURCE, v.rank or 0, v.inference_index or 0, v.name)
+    )
+
+
+def planned_sources(sync: WeightSync, world: World, pods: Sequence[PodView]) -> list[int]:
+    """The trainer ranks the group waits for (`trainer_ranks.source_ranks`)."""
+    replicas = ((world.statefulset or {}).get("spec") or {}).get("replicas")
+    per_pod = [p.ranks_per_pod for p in pods if p.role is Role.SOURCE]
+    return source_ranks(sync, replicas if isinstance(replicas, int) else None, per_pod)

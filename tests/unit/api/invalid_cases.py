@@ -18,6 +18,7 @@ from weightsync.api.v1alpha1.spec import (
     INFERENCE_UNIQUE,
     MODE_IMMUTABLE,
     SGLANG_CANNOT_WAIT,
+    SOURCE_RANKS_FORM,
     STAGING_LIMIT,
     TRAINER_IMMUTABLE,
 )
@@ -208,8 +209,36 @@ CREATE_CASES = [
     Invalid(
         "negative-source-rank",
         weightsync().set("spec.trainer.sourceRanks", [-1]).build(),
-        "spec.trainer.sourceRanks[0]",
-        "should be greater than or equal to 0",
+        "spec.trainer.sourceRanks",
+        SOURCE_RANKS_FORM.message,
+        rule=SOURCE_RANKS_FORM,
+    ),
+    Invalid(
+        "source-ranks-all-and-more",
+        weightsync().set("spec.trainer.sourceRanks", ["all", 1]).build(),
+        "spec.trainer.sourceRanks",
+        SOURCE_RANKS_FORM.message,
+        rule=SOURCE_RANKS_FORM,
+    ),
+    Invalid(
+        "source-rank-a-word",
+        weightsync().set("spec.trainer.sourceRanks", ["three"]).build(),
+        "spec.trainer.sourceRanks",
+        SOURCE_RANKS_FORM.message,
+        rule=SOURCE_RANKS_FORM,
+    ),
+    Invalid(
+        "colocated-all-ranks",
+        weightsync().set("spec.mode", "Colocated").set("spec.trainer.sourceRanks", ["all"]).build(),
+        "spec.trainer.sourceRanks",
+        COLOCATED_ONE_SOURCE.message,
+        rule=COLOCATED_ONE_SOURCE,
+    ),
+    Invalid(
+        "zero-ranks-per-pod",
+        weightsync().set("spec.trainer.ranksPerPod", 0).build(),
+        "spec.trainer.ranksPerPod",
+        "should be greater than or equal to 1",
     ),
     Invalid(
         "duplicate-source-ranks",

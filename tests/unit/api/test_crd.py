@@ -154,10 +154,17 @@ def test_integer_formats_follow_the_bounds() -> None:
     properties = structural_schema(TransferSpec, "transfer is")["properties"]
     assert properties["bucketSizeBytes"]["format"] == "int64"
     assert properties["pipelineDepth"]["format"] == "int32"
-    ranks = structural_schema(WeightSyncSpec, "spec is")["properties"]["trainer"]["properties"]
-    item = ranks["sourceRanks"]["items"]
-    # The int64 limit itself is implied by the format and left out.
-    assert item == {"type": "integer", "format": "int64", "minimum": 0}
+    trainer = structural_schema(WeightSyncSpec, "spec is")["properties"]["trainer"]["properties"]
+    assert trainer["ranksPerPod"] == {
+        "description": trainer["ranksPerPod"]["description"],
+        "type": "integer",
+        "format": "int32",
+        "minimum": 1,
+        "maximum": 64,
+    }
+    # An int-or-string is the one untyped node; its bounds are a CEL rule on the list.
+    assert trainer["sourceRanks"]["items"] == {"x-kubernetes-int-or-string": True}
+    assert "r >= 0" in _rules(trainer["sourceRanks"])[0]
 
 
 def test_a_union_of_types_is_refused() -> None:

@@ -45,7 +45,7 @@ def lint(schema: Schema) -> list[str]:
 
 def _lint_types(node: Schema) -> Iterator[str]:
     kind = node.get("type")
-    if kind is None:
+    if kind is None and not node.get("x-kubernetes-int-or-string"):
         yield "no type (not structural)"
     if kind == "number":
         yield "floating-point type; use integers with a unit"

@@ -205,17 +205,34 @@ def test_pod_monitor_scrapes_the_port_and_label_the_webhook_injects() -> None:
             },
         }
     )
-    sidecar = agent_container(sync, Role.SINK, 0, "cpu", agent_template(settings))
-    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    from weightsync.controller.trainer_ranks import ServedRanks
+
+    template = agent_template(settings)
+    sink = agent_container(sync, Role.SINK, 0, "cpu", template)
+    trainer = agent_container(
+        sync, Role.SOURCE, None, "cuda:0", template, served=ServedRanks(2, (0, 1))
+    )
     endpoint = monitor["podMetricsEndpoints"][0]
-    assert ports[endpoint["port"]] == 9470
+    assert "port" not in endpoint  # every port is a target; the relabeling keeps ours
+    keep, label = endpoint["relabelings"]
+    assert keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
+    assert keep["action"] == "keep"
+    pattern = re.compile(keep["regex"])
+    scraped = {
+        p["containerPort"]
+        for container in (sink, trainer)
+        for p in container["ports"]
+        if pattern.fullmatch(p["name"])
+    }
+    assert scraped == {9470, 9471}  # every metrics port, no control port
     assert monitor["selector"]["matchExpressions"] == [
         {"key": names.SYNC_LABEL, "operator": "Exists"}
     ]
     sanitized = names.SYNC_LABEL.replace(".", "_").replace("/", "_")
-    assert endpoint["relabelings"] == [
-        {"sourceLabels": [f"__meta_kubernetes_pod_label_{sanitized}"], "targetLabel": "weightsync"}
-    ]
+    assert label == {
+        "sourceLabels": [f"__meta_kubernetes_pod_label_{sanitized}"],
+        "targetLabel": "weightsync",
+    }
     assert monitor["namespaceSelector"] == {"any": True}
 
 

@@ -74,7 +74,10 @@ def test_jobs_label_targets_the_way_the_charts_monitors_do() -> None:
     objects = render(api_versions=(MONITORING_API,))
     pod_monitor = one(objects, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
     # The Prometheus Operator adds namespace and pod; the PodMonitor's relabeling the rest.
-    monitor_labels = {"namespace", "pod"} | {r["targetLabel"] for r in pod_monitor["relabelings"]}
+    relabelings = pod_monitor["relabelings"]
+    monitor_labels = {"namespace", "pod"} | {
+        r["targetLabel"] for r in relabelings if "targetLabel" in r
+    }
     assert set(engine(0).labels) == monitor_labels
     service_monitor = one(objects, "ServiceMonitor")["spec"]["endpoints"][0]
     assert operator_job(["127.0.0.5:9090"]).honor_labels is service_monitor["honorLabels"]

@@ -96,6 +96,7 @@ def pod(name: str) -> PodBuilder:
 
 def source_view(name: str = "trainer-0", ip: str = "10.0.0.1", **changes: Any) -> PodView:
     raw = pod(name).owned_by("StatefulSet", "trainer").running(ip).injected().build()
+    changes.setdefault("rank", changes.get("ordinal", 0))  # one rank per pod
     return _replace(pod_view(raw, Role.SOURCE, "trainer", None, 0), changes)
 
 

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Self
+from typing import Annotated, Self
 
-from pydantic import ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
-from weightsync.api.base import ApiModel, Int64, ObjectName
+from weightsync.api.base import INT64_MAX, ApiModel, ObjectName
 from weightsync.api.cel import CelRule, RuleReason, located_error, validations
 
 MIB = 1 << 20
@@ -15,6 +23,8 @@ GIB = 1 << 30
 
 MAX_INFERENCE_ENTRIES = 16
 MAX_SOURCE_RANKS = 128
+MAX_RANKS_PER_POD = 64
+ALL_RANKS = "all"
 MAX_STAGING_BYTES = 16 * GIB
 
 
@@ -75,13 +85,19 @@ COLOCATED_ONE_INFERENCE = CelRule(
 )
 COLOCATED_ONE_SOURCE = CelRule(
     rule="self.mode != 'Colocated' || !has(self.trainer.sourceRanks)"
-    " || size(self.trainer.sourceRanks) == 1",
+    " || (size(self.trainer.sourceRanks) == 1 && type(self.trainer.sourceRanks[0]) == int)",
     message=(
         "Colocated mode hands one source rank's full tensors to the engine on its GPU: list"
         " one rank (an engine assembling its tensors from several ranks on its node is not"
         " supported; publish full tensors from one rank, or use Disaggregated)"
     ),
     field_path=".trainer.sourceRanks",
+)
+# Each item is an int-or-string: a rank, or "all" alone. The schema cannot bound an
+# int-or-string, so the rule does.
+SOURCE_RANKS_FORM = CelRule(
+    rule="self.all(r, type(r) == string ? (r == 'all' && size(self) == 1) : r >= 0)",
+    message="sourceRanks lists trainer ranks (integers from 0), or is [all] alone",
 )
 # SGLang's pause modes are abort, retract and in_place: none stops admission and lets
 # running requests finish first, which is what Wait promises.
@@ -120,34 +136,75 @@ class DeploymentRef(ApiModel):
     """name is the name of the inference Deployment."""
 
 
+def _int_or_string(value: object) -> int | str:
+    # Strict, as the API server: true is no integer. The list's rule checks the values.
+    if type(value) is int or type(value) is str:
+        return value
+    raise located_error(f"must be of type integer or string, got {value!r}")
+
+
+SourceRank = Annotated[
+    int | str,
+    PlainValidator(_int_or_string),
+    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+]
+"""A trainer rank, or "all" (strict: the string "3" is neither)."""
+
+
 class TrainerSpec(ApiModel):
     """The trainer that publishes weights."""
 
     stateful_set_ref: StatefulSetRef
     """statefulSetRef names the trainer StatefulSet whose pods run the Publisher."""
 
-    source_ranks: list[Int64] = Field(
-        default_factory=lambda: [0],
+    source_ranks: list[SourceRank] = Field(
+        default_factory=lambda: list[int | str]([0]),
         min_length=1,
         max_length=MAX_SOURCE_RANKS,
-        json_schema_extra={"default": [0], "x-kubernetes-list-type": "set"},
+        json_schema_extra=validations(
+            SOURCE_RANKS_FORM, default=[0], **{"x-kubernetes-list-type": "set"}
+        ),
     )
-    """sourceRanks lists the trainer ranks that publish weights: the ordinals of trainer pods
-    (one trainer rank per pod). Every listed rank calls publish each step and broadcasts
-    what it holds (its FSDP or tensor-parallel shard, its experts); with a state dict
-    gathered on one rank, list that rank alone. Ranks are unique; the default is [0]."""
+    """sourceRanks lists the trainer ranks that publish weights, numbered as torchrun does:
+    pod ordinal x ranksPerPod + local rank. Every listed rank calls publish each step and
+    broadcasts what it holds (its FSDP or tensor-parallel shard, its experts); with a state
+    dict gathered on one rank, list that rank alone. [all] names every rank of the trainer
+    (replicas x ranksPerPod). Ranks are unique; the default is [0]."""
+
+    ranks_per_pod: int | None = Field(default=None, strict=True, ge=1, le=MAX_RANKS_PER_POD)
+    """ranksPerPod is how many trainer ranks (processes, as torchrun's --nproc-per-node)
+    each trainer pod runs; the agent sidecar serves each of the pod's source ranks on its
+    own GPU (local rank i on cuda:i), socket and ports. Default: the nvidia.com/gpu limit
+    of the trainer pod's first container that has one, else 1."""
 
     @field_validator("source_ranks")
     @classmethod
-    def _ranks_are_a_set(cls, ranks: list[int]) -> list[int]:
+    def _ranks_are_a_set(cls, ranks: list[int | str]) -> list[int | str]:
         # Mirrors `x-kubernetes-list-type: set`, which the API server reports at the
-        # index of the second occurrence.
-        seen: set[int] = set()
+        # index of the second occurrence, and the rule on the list's form.
+        seen: set[int | str] = set()
         for index, rank in enumerate(ranks):
             if rank in seen:
-                raise located_error(f"Duplicate value: {rank}", f"[{index}]")
+                raise located_error(f"Duplicate value: {rank!r}", f"[{index}]")
             seen.add(rank)
+        for rank in ranks:
+            if isinstance(rank, str) and (rank != ALL_RANKS or len(ranks) != 1):
+                raise SOURCE_RANKS_FORM.violation()
+            if isinstance(rank, int) and not 0 <= rank <= INT64_MAX:
+                raise SOURCE_RANKS_FORM.violation()
         return ranks
+
+    @property
+    def all_ranks(self) -> bool:
+        """Whether every trainer rank publishes (`sourceRanks: [all]`)."""
+        return self.source_ranks == [ALL_RANKS]
+
+    def listed_ranks(self) -> list[int]:
+        """The listed ranks, in order (none when every rank publishes)."""
+        return sorted(r for r in self.source_ranks if isinstance(r, int))
+
+    def publishes(self, rank: int) -> bool:
+        return self.all_ranks or rank in self.source_ranks
 
 
 class InferenceSpec(ApiModel):
@@ -307,7 +364,7 @@ class WeightSyncSpec(ApiModel):
     def _colocated_has_one_engine(self) -> Self:
         if self.mode is SyncMode.COLOCATED and len(self.inference) != 1:
             raise COLOCATED_ONE_INFERENCE.violation()
-        if self.mode is SyncMode.COLOCATED and len(self.trainer.source_ranks) != 1:
+        if self.mode is SyncMode.COLOCATED and len(self.trainer.listed_ranks()) != 1:
             raise COLOCATED_ONE_SOURCE.violation()
         return self
 

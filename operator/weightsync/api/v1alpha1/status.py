@@ -43,7 +43,8 @@ class Member(ApiModel):
     """One rank of the current group generation."""
 
     pod: str = Field(min_length=1, max_length=DNS_SUBDOMAIN_MAX_LENGTH)
-    """pod is the name of the pod whose agent holds this rank."""
+    """pod is the name of the pod whose agent holds this rank; for a trainer pod whose
+    sidecar serves several ranks, `<pod>[<local rank>]`."""
 
     role: Role
     """role is Source (a trainer rank that publishes) or Sink (an inference rank)."""

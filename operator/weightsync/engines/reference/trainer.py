@@ -3,6 +3,8 @@
     python -m weightsync.engines.reference.trainer --preset tiny --interval 5
     python -m weightsync.engines.reference.trainer --host $(POD_IP) --port 8080 --interval 0
     python -m weightsync.engines.reference.trainer --world-size 2 --rank 1 --master-addr ...
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        -m weightsync.engines.reference.trainer --port 8080 ...   # two ranks in one pod
 
 With `--world-size` above 1 it is a sharded trainer: one process per rank (gloo on CPU),
 the model sharded by FSDP2 (`fully_shard`), and every rank publishes its own shards
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -206,7 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     ranks = None
-    if args.world_size > 1:
+    # Under torchrun (several ranks in one pod), its environment names the rank and the
+    # rendezvous; only local rank 0 serves the /step endpoint on the pod's address.
+    launched = "TORCHELASTIC_RUN_ID" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if launched else 0
+    if launched:
+        args.rank, args.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", timeout=timedelta(days=1))
+        log.info("rank %d of %d joined (torchrun)", args.rank, args.world_size)
+    elif args.world_size > 1:
         # Rank 0 hosts the store; the others find it at --master-addr. Between steps the
         # other ranks wait in a broadcast for as long as the schedule says: a long timeout.
         store = TCPStore(
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(args.preset, args.seed, args.lr, args.publish_timeout)
     if args.world_size > 1:
         ranks = Ranks(trainer)
-    if args.port:
+    if args.port and local_rank == 0:
         handler = _handler(trainer, ranks, lead=args.rank == 0)
         server = ThreadingHTTPServer((args.host, args.port), handler)
         threading.Thread(target=server.serve_forever, daemon=True, name="step-endpoint").start()

@@ -11,10 +11,12 @@ import importlib
 
 from weightsync.agent.settings import AgentSettings
 from weightsync.api.engines import EngineOptions
+from weightsync.api.v1alpha1 import Engine
 from weightsync.engines import ADAPTERS, adapter_class
 from weightsync.engines.base import EngineAdapter
 
-SETTINGS_CLASSES = {"SGLang": "SGLangSettings", "VLLM": "VLLMSettings"}
+# The engines whose adapters take the entry's pauseMode and flushCache.
+SETTINGS_CLASSES = {Engine.SGLANG: "SGLangSettings", Engine.VLLM: "VLLMSettings"}
 
 
 def build_adapter(settings: AgentSettings) -> EngineAdapter | None:
@@ -24,7 +26,7 @@ def build_adapter(settings: AgentSettings) -> EngineAdapter | None:
     return adapter_for(settings.engine, settings.engine_url, settings.engine_options)
 
 
-def adapter_for(engine: str, url: str, options: EngineOptions | None) -> EngineAdapter:
+def adapter_for(engine: Engine, url: str, options: EngineOptions | None) -> EngineAdapter:
     """An adapter for `engine` at `url`; `options` reach SGLang and vLLM only."""
     cls = adapter_class(engine)
     settings_class = SETTINGS_CLASSES.get(engine)

@@ -1,8 +1,10 @@
-"""The agent: what the control API, the Publisher socket and the sink loop act on.
+"""The agent: what the control API and the Publisher socket act on.
 
-Plans and generations, source rounds (`publish`) and sink round bookkeeping, recovery
-requests, status and metrics. The HTTP listeners are in `agent.control_api`, the
-Publisher's socket protocol in `agent.handoff_server`.
+It owns the parts and their lifecycle: plans and generations, the source's loop (the
+Publisher's rounds, `agent.source_loop`) or a sink's (`agent.sink_loop`), the round
+book both write (`agent.round_book`), recovery requests, status and metrics. The HTTP
+listeners are in `agent.control_api`, the Publisher's socket protocol in
+`agent.handoff_server`.
 """
 
 from __future__ import annotations
@@ -16,23 +18,21 @@ import torch
 
 from weightsync.agent.engine_adapter import build_adapter
 from weightsync.agent.engine_watch import EngineWatch
-from weightsync.agent.generations import Generation, Generations, PlanRejectedError
+from weightsync.agent.generations import Generations, PlanRejectedError
 from weightsync.agent.holder import Holder
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.recovery import Recovery, RecoveryFailed
-from weightsync.agent.rounds import RoundOutcome
+from weightsync.agent.round_book import RoundBook
 from weightsync.agent.settings import AgentSettings
 from weightsync.agent.sink_loop import SinkLoop
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source_loop import SourceLoop
 from weightsync.api.control import (
     AgentStatus,
-    GenerationState,
     MembershipPlan,
     PlanAccepted,
     RecoverRequest,
     RecoveryStatus,
-    RoundReport,
 )
 from weightsync.api.v1alpha1 import Role
 from weightsync.engines.base import EngineAdapter
@@ -49,15 +49,11 @@ class Agent:
         self.generations = Generations(self.device, self.metrics)
         self.pool = SlotPool(self.device, str(settings.shm_dir))
         self.adapter: EngineAdapter | None = build_adapter(settings)
-        self.version: int | None = None
-        self.lineage: str | None = None  # of `version`
-        self.last_round: RoundReport | None = None
         self.watch = (
             EngineWatch(self.adapter, loaded_by_peer=settings.engine_loaded_by_peer)
             if self.adapter is not None
             else None
         )
-        self.round_in_progress = False
         self._tasks: list[asyncio.Task[None]] = []
         self.endpoints = Endpoints(settings.p2p_address, settings.p2p_devices)
         self.holder = Holder(
@@ -67,6 +63,7 @@ class Agent:
             self.metrics,
             enabled=settings.holds_by_default,
         )
+        self.book = RoundBook(self.holder, self.metrics, self.watch)
         self.recovery: Recovery | None = None
         if settings.role == Role.SINK and self.adapter is not None:
             self.recovery = Recovery(
@@ -77,7 +74,7 @@ class Agent:
                 token=settings.bearer_token,
                 depth=self._pipeline_depth,
                 engine_timeout_seconds=settings.engine_timeout_seconds,
-                on_recovered=self._recovered,
+                on_recovered=self.book.recovered,
             )
         self.source: SourceLoop | None = None
         if settings.role == Role.SOURCE:
@@ -88,10 +85,8 @@ class Agent:
                 device=self.device,
                 own_engine=self.adapter,
                 engine_timeout_seconds=settings.engine_timeout_seconds,
-                member=f"{settings.pod_name} (rank 0, source)",
-                committed=lambda: (self.version, self.lineage),
-                on_round_start=self._round_started,
-                on_round_end=lambda outcome: self._round_finished(outcome, committed=False),
+                pod=settings.pod_name,
+                book=self.book,
             )
 
     # ---------------------------------------------------------------- lifecycle
@@ -107,9 +102,8 @@ class Agent:
                 self.adapter,
                 engine_timeout_seconds=self.settings.engine_timeout_seconds,
                 holder=self.holder,
-                before_round=self._yield_recovery,
-                on_round_start=self._round_started,
-                on_round_end=self._round_finished,
+                book=self.book,
+                before_round=self.recovery.yield_to_round if self.recovery else None,
             )
             self._tasks.append(asyncio.create_task(self._supervise(loop.run_forever), name="sink"))
 
@@ -163,12 +157,12 @@ class Agent:
             role=self.settings.role,
             generation=active.number if active else None,
             warm=active is not None and active.usable,
-            version=self.version,
-            lineage=self.lineage,
-            round_in_progress=self.round_in_progress,
+            version=self.book.version,
+            lineage=self.book.lineage,
+            round_in_progress=self.book.round_in_progress,
             generations=self.generations.statuses(),
             engine=engine,
-            last_round=self.last_round,
+            last_round=self.book.last_round,
             recovery=self.recovery.status() if self.recovery is not None else None,
             holding=self.holder.held_version,
             holding_lineage=self.holder.held_lineage,
@@ -188,7 +182,7 @@ class Agent:
         """
         if self.recovery is None:
             raise RecoveryFailed("not_a_sink", "only a sink agent with an engine recovers")
-        if self.round_in_progress:
+        if self.book.round_in_progress:
             raise RecoveryFailed("busy", "a round is in progress")
         if self.watch is not None and self.watch.vouched() is not None:
             served = self.watch.vouched()
@@ -201,35 +195,3 @@ class Agent:
                     "not_behind", f"the engine serves version {served.version} already"
                 )
         return self.recovery.start(request)
-
-    async def _yield_recovery(self) -> None:
-        if self.recovery is not None:
-            await self.recovery.yield_to_round()
-
-    def _recovered(self, version: int, lineage: str) -> None:
-        self.version, self.lineage = version, lineage
-        if self.watch is not None:
-            self.watch.committed(lineage, version)
-
-    # ---------------------------------------------------------------- rounds
-    def _round_started(self, generation: Generation) -> None:
-        self.round_in_progress = True
-        if generation.state == GenerationState.WARM:
-            generation.state = GenerationState.ACTIVE
-        self.metrics.generation.set(generation.number)
-
-    def _round_finished(self, outcome: RoundOutcome, committed: bool) -> None:
-        self.round_in_progress = False
-        if outcome.ok:  # every rank committed: the staged copy is the group's version
-            self.holder.commit(outcome.version, outcome.lineage)
-        else:
-            self.holder.abandon()
-        if committed or outcome.ok:
-            self.version, self.lineage = outcome.version, outcome.lineage
-        if committed and self.watch is not None:  # this engine process serves it now
-            self.watch.committed(outcome.lineage, outcome.version)
-        if outcome.ok:
-            self.metrics.round_succeeded(outcome.duration_seconds, outcome.nbytes, outcome.version)
-        else:
-            self.metrics.round_failed(outcome.duration_seconds, outcome.reason, outcome.stage)
-        self.last_round = outcome.report()

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from weightsync.api import agent_env
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1 import Role
+from weightsync.api.v1alpha1 import Engine, Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
 
@@ -34,7 +34,7 @@ class AgentSettings(BaseModel):
     socket: Path = Path(agent_env.SOCKET_PATH)  # the Publisher's Unix socket (source role)
     device: str = "cpu"  # "cpu" or "cuda:N": where the bucket slots live
     shm_dir: Path = Path("/dev/shm")  # noqa: S108 - POSIX shared memory, not a temp dir
-    engine: str | None = None  # "Reference" | "SGLang" | "VLLM"; sinks, or Colocated sources
+    engine: Engine | None = None  # sinks, or Colocated sources
     engine_url: str = "http://127.0.0.1:30000"
     engine_timeout_seconds: float = Field(default=60.0, gt=0)
     engine_options: EngineOptions | None = None  # JSON: the entry's pauseMode, flushCache

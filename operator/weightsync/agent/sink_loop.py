@@ -27,6 +27,7 @@ from weightsync.agent.doorbell import (
 from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation, Generations
 from weightsync.agent.holder import Holder
+from weightsync.agent.round_book import RoundBook
 from weightsync.agent.rounds import RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans
 from weightsync.agent.sink import SinkRound
@@ -54,18 +55,16 @@ class SinkLoop:
         *,
         engine_timeout_seconds: float,
         holder: Holder | None = None,
+        book: RoundBook,
         before_round: Callable[[], Awaitable[None]] | None = None,
-        on_round_start: Callable[[Generation], None],
-        on_round_end: Callable[[RoundOutcome, bool], None],
     ) -> None:
         self.generations = generations
         self.pool = pool
         self.adapter = adapter
         self.engine_timeout = engine_timeout_seconds
         self.holder = holder
-        self.before_round = before_round
-        self.on_round_start = on_round_start
-        self.on_round_end = on_round_end
+        self.before_round = before_round  # a recovery in flight gives way to the round
+        self.book = book
         self._layouts: dict[str, BucketLayout] = {}
         self._plans = ShardPlans()
         self._attached_epoch = -1
@@ -177,13 +176,13 @@ class SinkLoop:
         started = time.monotonic()
         if self.before_round is not None:
             await self.before_round()
-        self.on_round_start(generation)
+        self.book.started(generation)
         try:
             runner = await self._prepare(generation, header)
         except (RoundFailed, LayoutError, dist.DistError) as exc:
             reason = exc.reason if isinstance(exc, RoundFailed) else "layout_unavailable"
             await self._refuse(generation, header, reason)
-            self.on_round_end(
+            self.book.finished(
                 RoundOutcome.failed(
                     header.version,
                     generation.number,
@@ -193,7 +192,6 @@ class SinkLoop:
                     lineage=header.lineage,
                     stage=Stage.PREPARE.value,
                 ),
-                False,
             )
             return
         try:
@@ -209,7 +207,7 @@ class SinkLoop:
                 repr(exc),
                 lineage=header.lineage,
             )
-        self.on_round_end(outcome, runner.committed)
+        self.book.finished(outcome, runner.committed)
 
     async def _refuse(self, generation: Generation, header: RoundHeader, reason: str) -> None:
         """Fail a round this sink cannot take part in, so the others stop at once."""

@@ -3,8 +3,8 @@
 A round enters here from the Publisher's socket (`agent.handoff_server`), chooses the
 newest warm generation (telling older ones to switch), checks that the Publisher's
 layout and slots still hold, attaches the Colocated engine to the slots when they
-change, and runs one `SourceRound`. The `Agent` hears about it through two callbacks,
-as it does from the `SinkLoop`.
+change, and runs one `SourceRound`. Its start and end go in the `RoundBook`, as a
+sink's do from the `SinkLoop`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -23,6 +22,7 @@ from weightsync.agent.engine_adapter import adapter_for
 from weightsync.agent.generations import Generation, Generations
 from weightsync.agent.holder import Holder
 from weightsync.agent.packing import SourcePacker
+from weightsync.agent.round_book import RoundBook
 from weightsync.agent.rounds import RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans, report_of
 from weightsync.agent.slot_pool import SlotPool
@@ -55,10 +55,8 @@ class SourceLoop:
         device: torch.device,
         own_engine: EngineAdapter | None,
         engine_timeout_seconds: float,
-        member: str,
-        committed: Callable[[], tuple[int | None, str | None]],
-        on_round_start: Callable[[Generation], None],
-        on_round_end: Callable[[RoundOutcome], None],
+        pod: str,
+        book: RoundBook,
     ) -> None:
         self.generations = generations
         self.pool = pool
@@ -66,10 +64,8 @@ class SourceLoop:
         self.device = device
         self.own_engine = own_engine
         self.engine_timeout = engine_timeout_seconds
-        self.member = member  # how a failure here names this rank
-        self.committed = committed  # the (version, lineage) the last round committed
-        self.on_round_start = on_round_start
-        self.on_round_end = on_round_end
+        self.pod = pod
+        self.book = book
         self.layout: BucketLayout | None = None  # the Publisher's, from its last attach
         self.boxes: Boxes | None = None  # sharded: what this rank holds, from that attach
         self.plans = ShardPlans()
@@ -162,7 +158,7 @@ class SourceLoop:
                     exc.reason,
                     str(exc),
                     lineage=request.lineage,
-                    member=self.member,
+                    member=self._member(),
                     stage=exc.stage.value,
                 )
             except Exception as exc:
@@ -175,12 +171,17 @@ class SourceLoop:
                     repr(exc),
                     lineage=request.lineage,
                 )
-            self.on_round_end(outcome)
+            self.book.finished(outcome)
         return outcome.result()
+
+    def _member(self) -> str:
+        """How a failure here names this rank: its rank in the newest plan."""
+        plan = self.generations.newest_plan()
+        return f"{self.pod} (rank {plan.rank if plan else 0}, source)"
 
     def _check_version(self, request: Publish) -> None:
         """Versions rise within a lineage (a Publisher); a new lineage starts anywhere."""
-        last, lineage = self.committed()
+        last, lineage = self.book.committed()
         if request.lineage == lineage and last is not None and request.version <= last:
             raise RoundFailed(
                 "stale_version",
@@ -215,7 +216,7 @@ class SourceLoop:
         packer = self._packer if self._packer and self._packer.layout is layout else None
         if packer is not None and group is not None:
             channel = packer.channel(slots.slots, group.run)
-        self.on_round_start(generation)
+        self.book.started(generation)
         runner = SourceRound(
             generation,
             layout,

@@ -23,7 +23,7 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1.spec import RecoveryProtocol, SyncMode
+from weightsync.api.v1alpha1.spec import Engine, RecoveryProtocol, SyncMode
 from weightsync.api.v1alpha1.status import Role
 
 MiB = 1 << 20
@@ -67,7 +67,7 @@ class LocalEngine(_Message):
     """
 
     pod: str = Field(min_length=1)
-    engine: str = Field(min_length=1)  # "Reference" | "SGLang" | "VLLM"
+    engine: Engine
     url: str = Field(min_length=1)  # its HTTP base URL (pod IP and the entry's port)
     options: EngineOptions = EngineOptions()
 

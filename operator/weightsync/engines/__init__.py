@@ -9,17 +9,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from weightsync.api.v1alpha1 import Engine
+
 if TYPE_CHECKING:
     from weightsync.engines.base import EngineAdapter
 
-ADAPTERS: dict[str, tuple[str, str]] = {
-    "Reference": ("weightsync.engines.reference.adapter", "ReferenceEngineAdapter"),
-    "SGLang": ("weightsync.engines.sglang", "SGLangAdapter"),
-    "VLLM": ("weightsync.engines.vllm", "VLLMAdapter"),
+ADAPTERS: dict[Engine, tuple[str, str]] = {
+    Engine.REFERENCE: ("weightsync.engines.reference.adapter", "ReferenceEngineAdapter"),
+    Engine.SGLANG: ("weightsync.engines.sglang", "SGLangAdapter"),
+    Engine.VLLM: ("weightsync.engines.vllm", "VLLMAdapter"),
 }
 
 
-def adapter_class(engine: str) -> type[EngineAdapter]:
+def adapter_class(engine: Engine) -> type[EngineAdapter]:
     """The adapter class for `engine`; raises `KeyError` for an unknown name."""
     from weightsync.engines.base import EngineAdapter
 
@@ -31,7 +33,3 @@ def adapter_class(engine: str) -> type[EngineAdapter]:
     if not (isinstance(cls, type) and issubclass(cls, EngineAdapter)):
         raise TypeError(f"{module_name}.{class_name} is not an EngineAdapter")
     return cls
-
-
-def create_adapter(engine: str, base_url: str) -> EngineAdapter:
-    return adapter_class(engine)(base_url)  # type: ignore[call-arg]

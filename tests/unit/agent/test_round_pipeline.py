@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.integration.stack import free_port
+from tests.support.plans import local_plan
 from weightsync.agent.engine_lane import EngineLane
 from weightsync.agent.generations import Generation
 from weightsync.agent.group import GroupSpec, form_group
@@ -21,9 +22,7 @@ from weightsync.agent.trace import PhaseTrace
 from weightsync.api.control import (
     Backend,
     GenerationState,
-    MembershipPlan,
     PlanMember,
-    Rendezvous,
     TransferOptions,
 )
 from weightsync.api.v1alpha1 import Role, SyncMode
@@ -170,15 +169,15 @@ def test_colocated_fill_overlaps_the_engine_and_never_refills_a_slot_in_use(
     fill = RecordingFill(slots, events)
     engine = SlowEngine(layout, slots, fill, events)
     port = free_port()
-    plan = MembershipPlan(
-        sync_name="pipeline",
+    plan = local_plan(
+        ["source-0"],
+        0,
         generation=1,
-        rank=0,
+        port=port,
         backend=Backend.GLOO,
-        mode=SyncMode.COLOCATED,
-        rendezvous=Rendezvous(host="127.0.0.1", port=port),
-        members=[PlanMember(rank=0, pod="source-0", host="127.0.0.1", role=Role.SOURCE)],
         transfer=TransferOptions(pipeline_depth=depth, timeout_seconds=10.0),
+        sync_name="pipeline",
+        mode=SyncMode.COLOCATED,
         prewarm_timeout_seconds=10.0,
     )
     spec = GroupSpec(

@@ -426,8 +426,8 @@ def main() -> None:
         smoke(args)
         return
     args.gpus = args.gpus or torch.cuda.device_count()
-    if args.gpus < 2:
-        raise SystemExit("needs at least 2 GPUs (one trainer, one engine)")
+    if args.gpus < 1:
+        raise SystemExit("needs a GPU")
     setup = Setup(PRESET, Backend.NCCL, [f"cuda:{i}" for i in range(args.gpus)])
     metas = state_dict_metas(PRESETS[PRESET], "bfloat16")
     nbytes = sum(m.nbytes for m in metas)
@@ -438,6 +438,11 @@ def main() -> None:
         f"1 trainer GPU -> {args.gpus - 1} engines; configurations: {args.configs}",
         flush=True,
     )
+    if args.gpus == 1:  # one GPU: the Colocated rows only (trainer and engine share it)
+        args.skip = sorted({*args.skip, "naive", "http"})
+        state = trainer_state(setup)
+        report(args, setup, state, nbytes=nbytes, floor=None, rows=[], configs=[])
+        return
 
     sizes = sorted({shape.bucket_mib for shape in args.shapes})
     chunks = [mib << 20 for mib in sizes]
@@ -462,6 +467,24 @@ def main() -> None:
 
     state = trainer_state(setup)
     configs, agent_prewarm = run_weightsync(args, setup, state, colocated=False)
+    rows += weightsync_rows(
+        args, setup, state, nbytes=nbytes, floor=floor, configs=configs, agent_prewarm=agent_prewarm
+    )
+    report(args, setup, state, nbytes=nbytes, floor=floor, rows=rows, configs=configs)
+
+
+def weightsync_rows(
+    args: argparse.Namespace,
+    setup: Setup,
+    state: dict[str, torch.Tensor],
+    *,
+    nbytes: int,
+    floor: float,
+    configs: list[Config],
+    agent_prewarm: float | None,
+) -> list[Row]:
+    """The disaggregated rows: publish() per configuration, HTTP, holders, naive."""
+    rows: list[Row] = []
     print_breakdowns("weightsync", configs)
     for config in configs:
         print(f"weightsync {config.label}: {[round(r.seconds, 4) for r in config.records]}")
@@ -489,6 +512,20 @@ def main() -> None:
         rows.append(
             Row("naive: broadcast + HTTP engine request per tensor", run_naive(args), nbytes, floor)
         )
+    return rows
+
+
+def report(
+    args: argparse.Namespace,
+    setup: Setup,
+    state: dict[str, torch.Tensor],
+    *,
+    nbytes: int,
+    floor: float | None,
+    rows: list[Row],
+    configs: list[Config],
+) -> None:
+    """The Colocated rows (one GPU), then every row and each target's verdict."""
     colocated: list[Config] = []
     d2d: float | None = None
     if "colocated" not in args.skip:
@@ -517,6 +554,7 @@ def main() -> None:
         print(row.line())
     print()
     for config in configs:
+        assert floor is not None
         ratio = config.median / floor
         verdict = "met" if ratio <= DISAGGREGATED_TARGET else "missed"
         print(

@@ -294,10 +294,23 @@ class VLLMAdapter(RoundAdapter):
             try:
                 await self._call("/update_weights", self.settings.load_timeout_seconds, body)
             except EngineError as err:
-                # A worker whose update raised has ended its session (gpu_worker.py).
+                # A worker whose update raised has ended its session (gpu_worker.py) and
+                # left every layer it had not finished on the meta device.
                 if err.reason in (REASON_REJECTED, REASON_ENGINE_FAILED):
                     round_.session_open = False
+                    round_.load_failed = True
                 raise
+
+    async def _repair(self, round_: Round) -> None:
+        if not round_.load_failed:
+            return
+        # The failed update closed the session with layers on the meta device; resuming
+        # then lets the next request kill the engine core (seen with vLLM 0.32 on CPU). An
+        # empty session, started and finished, puts those layers back on real tensors:
+        # the ones that received nothing on their old weights.
+        log.warning("restoring vLLM's model after a failed update on %s", self.settings.base_url)
+        await self._call("/start_weight_update", self._control_timeout)
+        await self._call("/finish_weight_update", self._control_timeout)
 
     async def close(self) -> None:
         # Let vLLM drop its mapping of the slots; best effort, the engine keeps running.

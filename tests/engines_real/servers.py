@@ -181,8 +181,12 @@ def sglang_command(python: Path, model: Path, port: int) -> list[str]:
         "256",
         "--max-running-requests",
         "8",
+        # The KV pool is sized by tokens (about 1 KiB each here); the fraction only has to
+        # leave SGLang's memory check room on a machine whose free memory varies.
         "--mem-fraction-static",
-        "0.05",
+        "0.5",
+        "--max-total-tokens",
+        "16384",
         "--disable-cuda-graph",
         "--random-seed",
         "0",

@@ -55,6 +55,11 @@ def post_json(url: str, body: Any, timeout: float = 60.0) -> Any:
         return json.loads(reply.read())
 
 
+def get_json(url: str, timeout: float = 60.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 - a loopback URL
+        return json.loads(reply.read())
+
+
 def post_empty(url: str, timeout: float = 60.0) -> str:
     request = urllib.request.Request(url, method="POST")  # noqa: S310 - a loopback URL
     with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310
@@ -137,8 +142,13 @@ class Streamed:
     thread: threading.Thread | None = None
 
     def wait_tokens(self, count: int, timeout: float = 30.0) -> None:
+        def arrived() -> bool:
+            if self.error is not None:
+                raise self.error
+            return len(self.chunks) >= count
+
         eventually(
-            lambda: self.error is None and len(self.chunks) >= count,
+            arrived,
             timeout=timeout,
             interval=0.01,
             message=f"{count} streamed chunks",

@@ -127,6 +127,8 @@ def vllm_command(python: Path, model: Path, port: int) -> list[str]:
         "vllm.entrypoints.openai.api_server",
         "--model",
         str(model),
+        "--served-model-name",
+        "model",
         "--host",
         "127.0.0.1",
         "--port",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,15 +61,15 @@ def assert_serves(url: str, model: LlamaForCausalLM, version: int) -> None:
 
 
 @pytest.fixture
-def rig(sglang_server: EngineServer) -> Iterator[Rig]:
+def rig(sglang_server: EngineServer) -> Iterator[Callable[..., Rig]]:
     made: list[Rig] = []
 
-    def make(**settings: object) -> Rig:
+    def make(**settings: Any) -> Rig:
         adapter = SGLangAdapter(SGLangSettings(base_url=sglang_server.url, **settings))
         made.append(Rig.attach(adapter))
         return made[-1]
 
-    yield make  # type: ignore[misc]
+    yield make
     for each in made:
         each.close()
 
@@ -85,10 +86,10 @@ def test_agent_syncs_three_versions_bit_exact(sglang_server: EngineServer, tmp_p
 
 @pytest.mark.parametrize("mode", ["abort", "retract"])
 def test_pause_mode_with_a_request_in_flight(
-    sglang_server: EngineServer, rig: object, mode: str
+    sglang_server: EngineServer, rig: Callable[..., Rig], mode: str
 ) -> None:
     old, new = trainer(11), trainer(12)
-    link = rig(pause_mode=mode)  # type: ignore[operator]
+    link = rig(pause_mode=mode)
     link.run(link.sync(state(old), 11))
     body = {
         "input_ids": PROMPT,
@@ -128,10 +129,10 @@ def resumed_on_new_weights(tokens: list[int], old_tokens: list[int], new: LlamaF
 
 
 def test_in_place_without_flush_serves_the_stale_prefix_cache(
-    sglang_server: EngineServer, rig: object
+    sglang_server: EngineServer, rig: Callable[..., Rig]
 ) -> None:
     old, new = trainer(21), trainer(22)
-    link = rig(pause_mode="in_place", flush_cache=False)  # type: ignore[operator]
+    link = rig(pause_mode="in_place", flush_cache=False)
     link.run(link.sync(state(old), 21))
     prompt = list(range(10, 60))  # long enough for the radix cache to keep its prefix
     assert generate(sglang_server.url, prompt, 4)["output_ids"] == reference_tokens(old, prompt, 4)
@@ -146,10 +147,10 @@ def test_in_place_without_flush_serves_the_stale_prefix_cache(
 
 @pytest.mark.parametrize("fault", ["unknown_name", "wrong_shape"])
 def test_bad_bucket_fails_the_round_and_leaves_the_old_version_whole(
-    sglang_server: EngineServer, rig: object, fault: str
+    sglang_server: EngineServer, rig: Callable[..., Rig], fault: str
 ) -> None:
     old, new = trainer(31), trainer(32)
-    link = rig()  # type: ignore[operator]
+    link = rig()
     link.run(link.sync(state(old), 31))
     weights = dict(state(new))
     if fault == "unknown_name":
@@ -172,9 +173,11 @@ def test_bad_bucket_fails_the_round_and_leaves_the_old_version_whole(
     assert_serves(sglang_server.url, old, 31)
 
 
-def test_engine_killed_mid_round_fails_the_round(sglang_server: EngineServer, rig: object) -> None:
+def test_engine_killed_mid_round_fails_the_round(
+    sglang_server: EngineServer, rig: Callable[..., Rig]
+) -> None:
     old, new = trainer(41), trainer(42)
-    link = rig()  # type: ignore[operator]
+    link = rig()
     link.run(link.sync(state(old), 41))
     buckets = plan_buckets(state(new))
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.engines_real.agents import publish_versions
+from tests.engines_real.replay_real import replay
 from tests.engines_real.rig import (
     PROMPT,
     Rig,
@@ -171,6 +172,12 @@ def test_bad_bucket_fails_the_round_and_leaves_the_old_version_whole(
     assert health.healthy
     assert (health.version, health.torn) == (31, False)
     assert_serves(sglang_server.url, old, 31)
+
+
+def test_every_recorded_exchange_matches_the_real_server(sglang_server: EngineServer) -> None:
+    # The fakes answer as the recording says (tests/unit/engines/test_recordings.py); so
+    # must the real server, or a fake would be testing the adapter against a fiction.
+    assert replay(sglang_server.url, "sglang") == []
 
 
 def test_engine_killed_mid_round_fails_the_round(

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.engines_real.agents import publish_versions
+from tests.engines_real.replay_real import replay
 from tests.engines_real.rig import (
     PROMPT,
     Rig,
@@ -173,6 +174,12 @@ def test_failed_update_is_repaired_and_the_engine_says_it_is_torn(
     assert choice["token_ids"] == reference_tokens(old, PROMPT, 8)
     link.run(link.sync(state(new), 33))
     assert_serves(vllm_server.url, new, 33)
+
+
+def test_every_recorded_exchange_matches_the_real_server(vllm_server: EngineServer) -> None:
+    # The fakes answer as the recording says (tests/unit/engines/test_recordings.py); so
+    # must the real server, or a fake would be testing the adapter against a fiction.
+    assert replay(vllm_server.url, "vllm") == []
 
 
 def test_engine_killed_mid_round_fails_the_round(

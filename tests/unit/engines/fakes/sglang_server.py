@@ -226,6 +226,7 @@ class FakeSGLang:
                 "has_audio_understanding": False,
                 "model_type": "llama",
                 "architectures": ["LlamaForCausalLM"],
+                "embedding": {"enabled": False},  # 0.5.23's embedding-serving summary
             }
         )
 

@@ -46,6 +46,9 @@ _M = TypeVar("_M", bound=BaseModel)
 _T = TypeVar("_T")
 
 RPC_FAILED = "Call to collective_rpc method failed: "
+WORKER_FAILED = (
+    "Worker failed with error '{}', please check the stack trace above for the root cause"
+)
 NOT_CONFIGURED = (
     "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
 )
@@ -361,7 +364,9 @@ def _construct(cls: type[_T], values: dict[str, Any], what: str) -> _T:
 
 
 def _rpc_failure(err: Exception) -> web.Response:
-    message = RPC_FAILED + str(err)
+    # vLLM with several worker processes (always on CPU; on GPU with TP > 1) wraps the
+    # worker's message; the real CPU server's replies were recorded that way.
+    message = RPC_FAILED + WORKER_FAILED.format(err)
     return web.json_response(
         {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}},
         status=500,

@@ -20,6 +20,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.engine)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The engine servers keep the machine's cores busy; the test's own torch work (the
+    reference model's greedy decoding) is tiny, and with several threads it waits on the
+    servers' threads: 160 tokens took 50 s instead of 0.2 s."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def engine_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return servers.write_model(tmp_path_factory.mktemp("engine-model"))

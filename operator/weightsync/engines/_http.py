@@ -3,6 +3,13 @@
 Every request carries its own timeout; transport failures and error replies become
 `EngineError`s whose `reason` is one of the short labels below (they end up as a metric
 label, so the set stays small). The engine's own error text is kept in the message.
+
+Every request opens a connection of its own (no keep-alive pool). uvicorn, which serves
+both vLLM and SGLang, closes a keep-alive connection after answering 500 without saying
+`Connection: close`, and after 5 s idle; the next request on the pooled connection then
+failed with "Connection reset by peer" (seen against vLLM 0.32: the adapter's recovery
+after a worker error ended in `unreachable`). A round sends a handful of requests plus
+one per bucket, so a connect each costs nothing next to the load it asks for.
 """
 
 from __future__ import annotations
@@ -101,7 +108,9 @@ class EngineHTTP:
     def _client(self) -> aiohttp.ClientSession:
         # A session binds to the running loop, so it is made on first use, not in __init__.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers)
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, connector=aiohttp.TCPConnector(force_close=True)
+            )
         return self._session
 
     async def request(

@@ -8,8 +8,10 @@ endpoints to the engine modules:
   partial marker (so an engine left half-loaded reports it, whoever asks);
 * finish: commit (the engine's own finish, which also writes the served label), resume,
   then read the label back: anything but the finished version is an error;
-* abort: close the session, write the old label back if nothing was loaded (the old
-  weights are intact), resume. After a load the marker stays and `health` says torn.
+* abort: close the session, repair what a failed load left (`_repair`: vLLM's model on
+  the meta device), write the old label back if nothing was loaded (the old weights are
+  intact), resume. After a load the marker stays and `health` says torn. An engine whose
+  repair failed is not resumed: it would serve, or crash on, a half-built model.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Round:
     session_open: bool = False
     marked: bool = False  # the partial marker is written
     loads_attempted: int = 0
+    load_failed: bool = False  # a load was refused or failed inside the engine
 
 
 class RoundAdapter(EngineAdapter):
@@ -104,6 +107,9 @@ class RoundAdapter(EngineAdapter):
 
     def _check_slots(self, slots: list[LogicalSlot]) -> None:
         """Refuse slots this engine cannot read (raise ValueError)."""
+
+    async def _repair(self, round_: Round) -> None:
+        """Make the engine safe to resume after an aborted round (raise if it is not)."""
 
     # -- HTTP helpers ----------------------------------------------------------------------
 
@@ -190,6 +196,15 @@ class RoundAdapter(EngineAdapter):
                 await self._close_session()
             except EngineError as err:
                 failures.append(str(err))
+        if round_ is not None:
+            try:
+                await self._repair(round_)
+            except EngineError as err:
+                raise EngineError(
+                    err.reason,
+                    f"{self.engine_name} left paused, not resumed: {err}"
+                    + "".join(f"; {failure}" for failure in failures),
+                ) from err
         if round_ is not None and round_.marked and round_.loads_attempted == 0:
             # Nothing reached the engine: the old weights are intact and the old label true.
             previous = round_.previous_label

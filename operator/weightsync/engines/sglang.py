@@ -26,6 +26,14 @@ A round, as HTTP calls (bodies are JSON):
    {"new_version": "<v>"}`, `POST /continue_generation {}`, then `GET /model_info` must
    report "<v>".
 
+Before a tensor name is first sent to an engine, the adapter asks SGLang's
+`/get_weights_by_name` for one row of it: SGLang 0.5.23 logs and skips a name its model
+does not have and still answers 200 (a round would commit a version with a tensor never
+loaded), and a tensor of the wrong shape kills its scheduler. The lookup resolves names as
+the loader does (q/k/v into qkv_proj, gate/up into gate_up_proj) and shows the tensor's
+rank and every dimension but the first (a 1-D tensor is read whole, so all of it). The
+answer is kept per name until the engine is unreachable (it may have restarted).
+
 SGLang replies to a bucket only after every TP rank loaded it and dropped the rebuilt
 tensor; torch's CUDA IPC receiver synchronizes its stream before it releases an opened
 storage, so a reply means the slot may be reused.
@@ -45,12 +53,15 @@ from weightsync.api.engines import SGLANG_INJECTION  # noqa: F401 - re-exported:
 from weightsync.engines import _versions
 from weightsync.engines._http import (
     REASON_BAD_BUCKET,
+    REASON_BAD_REPLY,
     REASON_REJECTED,
+    REASON_UNREACHABLE,
     EngineHTTP,
+    engine_message,
     normalize_base_url,
 )
 from weightsync.engines._ipc import LogicalSlot, check_slices, metadata_record
-from weightsync.engines._rounds import Round, RoundAdapter
+from weightsync.engines._rounds import HTTP_OK, Round, RoundAdapter
 from weightsync.engines.base import EngineError
 from weightsync.transfer.layout import TensorSlice
 
@@ -142,6 +153,8 @@ class SGLangAdapter(RoundAdapter):
             control_timeout_seconds=settings.control_timeout_seconds,
             health_timeout_seconds=settings.health_timeout_seconds,
         )
+        # Tensor names SGLang's model was seen to hold, with the shape they were checked at.
+        self._checked: dict[str, tuple[int, ...]] = {}
 
     async def _post_ok(self, path: str, body: Any, timeout_seconds: float) -> dict[str, Any]:
         """POST where SGLang answers {"success": bool, "message": str}."""
@@ -219,7 +232,60 @@ class SGLangAdapter(RoundAdapter):
             "abort_all_requests": False,
         }
 
+    async def _check_tensors(self, tensors: Sequence[TensorSlice]) -> None:
+        """Refuse a bucket naming a tensor SGLang would drop or that does not fit."""
+        for item in tensors:
+            if self._checked.get(item.name) == item.shape:
+                continue
+            one_d = len(item.shape) == 1
+            # A 1-D tensor (norms, biases) is small: read it whole to see its length.
+            probe = {"name": item.name, "truncate_size": item.shape[0] + 1 if one_d else 1}
+            try:
+                reply = await self._http.request(
+                    "POST", "/get_weights_by_name", timeout_seconds=self._control_timeout,
+                    json_body=probe,
+                )  # fmt: skip
+            except EngineError as err:
+                if err.reason == REASON_UNREACHABLE:
+                    self._checked.clear()
+                raise
+            if reply.status != HTTP_OK:
+                raise EngineError(
+                    REASON_BAD_BUCKET,
+                    f"SGLang's model has no parameter {item.name!r} ({engine_message(reply)}): "
+                    "SGLang would skip it and report success",
+                )
+            seen = _probed_shape(reply.json())
+            want = item.shape if one_d else (None, *item.shape[1:])
+            if seen != want:
+                raise EngineError(
+                    REASON_BAD_BUCKET,
+                    f"{item.name}: the bucket holds shape {list(item.shape)}, SGLang's "
+                    f"parameter has shape {_shape_text(seen)}; loading it would kill SGLang",
+                )
+            self._checked[item.name] = item.shape
+
     async def _load(self, round_: Round, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        await self._check_tensors(tensors)
         body = self.bucket_request(slot, tensors)
         round_.loads_attempted += 1
         await self._post_ok("/update_weights_from_tensor", body, self.settings.load_timeout_seconds)
+
+
+def _probed_shape(value: object) -> tuple[int | None, ...]:
+    """The shape a /get_weights_by_name answer shows: a list of floats (1-D, its length) or
+    a list holding the first row, nested (None: the first dimension, not shown)."""
+    if not isinstance(value, list):
+        raise EngineError(REASON_BAD_REPLY, f"/get_weights_by_name: {str(value)[:200]}")
+    if not value or not isinstance(value[0], list):
+        return (len(value),)
+    inner: object = value[0]
+    dims: list[int | None] = [None]
+    while isinstance(inner, list):
+        dims.append(len(inner))
+        inner = inner[0] if inner else None
+    return tuple(dims)
+
+
+def _shape_text(shape: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("?" if dim is None else str(dim) for dim in shape) + "]"

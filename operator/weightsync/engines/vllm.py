@@ -14,6 +14,12 @@ group and no copy beyond vLLM's own. Packed mode, because vLLM's unpacked mode h
 loader views of the sender's memory that its layerwise reload may keep past the call,
 which a reused slot would overwrite; packed mode clones each tensor out of the buffer.
 
+On CPU (CI) CUDA IPC does not exist: when the agent's slots are its /dev/shm files, the
+adapter names them to vLLM's "weightsync_shm" backend instead (a weight-transfer backend
+registered through vLLM's plugin mechanism; the engine tests install it), with
+`shm_path` and `shm_offset` in place of `ipc_handles_pickled`. Every call below is the
+same; only the handle differs.
+
 A round, as HTTP calls:
 
 1. `GET /weight_info` reads the served `weight_version`.
@@ -39,7 +45,7 @@ import logging
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -55,7 +61,11 @@ from weightsync.engines._http import (
 from weightsync.engines._ipc import check_slices
 from weightsync.engines._rounds import Round, RoundAdapter
 from weightsync.engines.base import EngineError
+from weightsync.transfer.buffers import SlotError, describe_slots
 from weightsync.transfer.layout import TensorSlice
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +74,9 @@ VLLM_COMMIT = "4ba787ec9"
 
 
 UPDATE_ALREADY_ACTIVE = "start_weight_update called while a weight update is already active"
+# The weight-transfer backend that reads CPU bucket slots from /dev/shm, registered in vLLM
+# by weightsync's plugin (`--weight-transfer-config '{"backend": "weightsync_shm"}'`).
+SHM_BACKEND = "weightsync_shm"
 
 
 class VLLMSettings(BaseModel):
@@ -160,6 +173,28 @@ class VLLMAdapter(RoundAdapter):
             control_timeout_seconds=settings.control_timeout_seconds,
             health_timeout_seconds=settings.health_timeout_seconds,
         )
+        self._shm_paths: list[tuple[str, int]] = []  # CPU slots: (/dev/shm file, bytes)
+
+    @property
+    def backend(self) -> str:
+        """The vLLM weight-transfer backend the attached slots need: "ipc" for GPU slots,
+        "weightsync_shm" for CPU slots in weightsync's shared memory."""
+        return SHM_BACKEND if self._shm_paths else "ipc"
+
+    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+        # CPU slots in weightsync's /dev/shm files are named by path: vLLM's plugin backend
+        # reads them there, so no CUDA IPC handle and no staging copy is needed.
+        self._shm_paths = []
+        if slots and all(slot.device.type == "cpu" for slot in slots):
+            try:
+                handles = describe_slots(slots)
+            except SlotError:
+                pass  # plain CPU tensors: staged for a reader of torch's shm handles
+            else:
+                self._shm_paths = [(h.path, h.nbytes) for h in handles.slots if h.kind == "shm"]
+                self._slots = []
+                return
+        await super().attach_buffers(slots)
 
     async def _read_label(self, timeout_seconds: float) -> object:
         reply = await self._call("/weight_info", timeout_seconds, method="GET")
@@ -211,6 +246,8 @@ class VLLMAdapter(RoundAdapter):
 
     def bucket_requests(self, slot: int, tensors: Sequence[TensorSlice]) -> list[dict[str, Any]]:
         """The /update_weights bodies for a bucket in slot `slot`, one per contiguous run."""
+        if self._shm_paths:
+            return self._shm_requests(slot, tensors)
         if not 0 <= slot < len(self._slots):
             raise EngineError(REASON_BAD_BUCKET, f"slot {slot} of {len(self._slots)} attached")
         logical = self._slots[slot]
@@ -233,20 +270,51 @@ class VLLMAdapter(RoundAdapter):
             bodies.append({"update_info": update_info})
         return bodies
 
+    def _shm_requests(self, slot: int, tensors: Sequence[TensorSlice]) -> list[dict[str, Any]]:
+        if not 0 <= slot < len(self._shm_paths):
+            raise EngineError(REASON_BAD_BUCKET, f"slot {slot} of {len(self._shm_paths)} attached")
+        path, nbytes = self._shm_paths[slot]
+        check_slices(tensors, nbytes)
+        bodies: list[dict[str, Any]] = []
+        for run in contiguous_runs(tensors):
+            update_info = {
+                "names": [item.name for item in run.tensors],
+                "dtype_names": [item.dtype for item in run.tensors],
+                "shapes": [list(item.shape) for item in run.tensors],
+                "tensor_sizes": [item.nbytes for item in run.tensors],
+                "shm_path": path,
+                "shm_offset": run.start,
+            }
+            bodies.append({"update_info": update_info})
+        return bodies
+
     async def _load(self, round_: Round, slot: int, tensors: Sequence[TensorSlice]) -> None:
         for body in self.bucket_requests(slot, tensors):
             round_.loads_attempted += 1
             try:
                 await self._call("/update_weights", self.settings.load_timeout_seconds, body)
             except EngineError as err:
-                # A worker whose update raised has ended its session (gpu_worker.py).
+                # A worker whose update raised has ended its session (gpu_worker.py) and
+                # left every layer it had not finished on the meta device.
                 if err.reason in (REASON_REJECTED, REASON_ENGINE_FAILED):
                     round_.session_open = False
+                    round_.load_failed = True
                 raise
+
+    async def _repair(self, round_: Round) -> None:
+        if not round_.load_failed:
+            return
+        # The failed update closed the session with layers on the meta device; resuming
+        # then lets the next request kill the engine core (seen with vLLM 0.32 on CPU). An
+        # empty session, started and finished, puts those layers back on real tensors:
+        # the ones that received nothing on their old weights.
+        log.warning("restoring vLLM's model after a failed update on %s", self.settings.base_url)
+        await self._call("/start_weight_update", self._control_timeout)
+        await self._call("/finish_weight_update", self._control_timeout)
 
     async def close(self) -> None:
         # Let vLLM drop its mapping of the slots; best effort, the engine keeps running.
-        if self._slots:
+        if self._slots or self._shm_paths:
             try:
                 await self._call("/shutdown_weight_transfer_engine", self._control_timeout)
             except EngineError as err:

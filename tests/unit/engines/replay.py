@@ -2,7 +2,8 @@
 
 A recording holds scenarios; each is a list of exchanges, a request and the engine's
 reply, in order. Strings of the form "<...>" are placeholders: "<str>" any string,
-"<base64>" a base64 string, "<any>" any value. A request without "json" has no body.
+"<base64>" a base64 string, "<floats:N>" a list of N numbers, "<any>" any value. A
+request without "json" has no body.
 An exchange with "by" was sent by someone other than the adapter (an earlier agent,
 another client): a replay against the adapter skips it, a replay against a fake sends it.
 """
@@ -37,6 +38,12 @@ def load_recording(name: str) -> dict[str, Any]:
 def _placeholder_mismatch(kind: str, actual: Any, where: str) -> str | None:
     if kind == "any":
         return None
+    if kind.startswith("floats:"):
+        count = int(kind.removeprefix("floats:"))
+        if not isinstance(actual, list) or len(actual) != count:
+            return f"{where}: expected a list of {count} numbers, got {str(actual)[:80]}"
+        bad = [item for item in actual if not isinstance(item, int | float)]
+        return f"{where}: not numbers: {bad[:3]}" if bad else None
     if not isinstance(actual, str):
         return f"{where}: expected a string, got {actual!r}"
     if kind == "base64":
@@ -143,6 +150,8 @@ class ReplayServer:
 
 def _fill(value: Any) -> Any:
     """A concrete reply for a recorded one: placeholders become plausible values."""
+    if isinstance(value, str) and value.startswith("<floats:") and value.endswith(">"):
+        return [0.0] * int(value[len("<floats:") : -1])
     if isinstance(value, str) and value.startswith("<") and value.endswith(">"):
         return {"<any>": None}.get(value, "fake/llama")
     if isinstance(value, dict):

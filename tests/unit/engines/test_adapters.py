@@ -42,7 +42,8 @@ def test_round_loads_every_tensor_bit_exact_and_serves_the_version(case: EngineC
         assert fake.weight_version == "7"
         assert not fake.paused
         assert not fake.in_session
-        paths = fake.controls.paths()
+        # SGLang's adapter looks each tensor name up once before its first load.
+        paths = [path for path in fake.controls.paths() if path != "/get_weights_by_name"]
         loads = paths.count(case.load_path)
         assert loads >= count
         assert paths[: len(case.begin_paths)] == list(case.begin_paths)

@@ -47,7 +47,8 @@ def test_tp_size_below_the_engine_crashes_its_scheduler() -> None:
     assert "IndexError" in fake.crash_reason
 
 
-def test_parameter_the_model_lacks_crashes_the_scheduler() -> None:
+def test_parameter_the_model_lacks_is_refused_before_sglang_drops_it() -> None:
+    # SGLang would skip the name and answer success: the adapter asks first.
     source = make_model()
     model = zeros_like_model(source)
     del model["lm_head.weight"]
@@ -58,10 +59,34 @@ def test_parameter_the_model_lacks_crashes_the_scheduler() -> None:
             await link.adapter.begin_update(1)
             with pytest.raises(EngineError) as caught:
                 await link.load_model(source)
-            assert caught.value.reason == "unreachable"
+            assert caught.value.reason == "bad_bucket"
+            assert "lm_head.weight" in str(caught.value)
+            await link.adapter.abort_update(1, "bad bucket")
+            assert (await link.adapter.health()).healthy
 
     run(scenario())
-    assert "lm_head.weight" in fake.crash_reason
+    assert not fake.skipped
+    assert not fake.controls.crashed
+
+
+def test_shape_that_does_not_fit_is_refused_before_it_kills_sglang() -> None:
+    source = make_model()
+    model = zeros_like_model(source)
+    model["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(16, 8, dtype=torch.bfloat16)
+    fake = FakeSGLang(model=model)
+
+    async def scenario() -> None:
+        async with connected(SGLANG, fake) as link:
+            await link.adapter.begin_update(1)
+            with pytest.raises(EngineError) as caught:
+                await link.load_model(source)
+            assert caught.value.reason == "bad_bucket"
+            assert "[16, 16]" in str(caught.value)
+            assert "[?, 8]" in str(caught.value)
+            await link.adapter.abort_update(1, "bad bucket")
+
+    run(scenario())
+    assert not fake.controls.crashed
 
 
 def test_update_outside_the_session_is_refused_with_sglangs_message() -> None:

@@ -66,15 +66,21 @@ def test_worker_failure_ends_the_session_and_leaves_the_engine_torn() -> None:
             assert RPC_FAILED in str(caught.value)
             assert "model.norm.weight" in str(caught.value)
             assert not fake.in_session  # the worker ended it
+            assert fake.on_meta
             await link.adapter.abort_update(1, "load failed")
             health = await link.adapter.health()
         assert health.torn
         assert health.healthy
+        assert not fake.on_meta
 
     run(scenario())
-    # Finishing a session the worker already ended would only fail: abort resumes instead.
-    after_failure = fake.controls.paths()[fake.controls.paths().index("/resume") - 1 :]
-    assert "/finish_weight_update" not in after_failure
+    # The model is put back on real tensors (an empty session) before generation resumes.
+    paths = fake.controls.paths()
+    failed = len(paths) - 1 - paths[::-1].index("/update_weights")
+    assert paths[failed + 1 : paths.index("/resume")] == [
+        "/start_weight_update",
+        "/finish_weight_update",
+    ]
 
 
 def test_engine_without_insecure_serialization_refuses_the_handles() -> None:

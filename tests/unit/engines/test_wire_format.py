@@ -22,8 +22,10 @@ import torch
 
 from tests.unit.engines.fakes.common import ALLOWED_GLOBALS, RestrictedUnpickler, digest
 from tests.unit.engines.support import cpu_slots, make_model, pack, run
+from weightsync.engines.base import EngineError
 from weightsync.engines.sglang import SGLangAdapter, SGLangSettings
-from weightsync.engines.vllm import VLLMAdapter
+from weightsync.engines.vllm import SHM_BACKEND, VLLMAdapter
+from weightsync.transfer.buffers import BucketSlots
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -130,6 +132,40 @@ def test_vllm_handles_name_the_slot_by_device_key() -> None:
     assert info["tensor_sizes"] == [32]
     handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))  # noqa: S301
     assert list(handles) == ["cpu"]
+
+
+def test_vllm_names_dev_shm_slots_by_path_for_the_shm_backend(tmp_path: Path) -> None:
+    # An agent's CPU slots are files in shared memory: vLLM's weightsync_shm backend reads
+    # them there, so the update names the file and the run's offset, and nothing is pickled.
+    slots = BucketSlots(2, 4096, torch.device("cpu"), str(tmp_path))
+    try:
+        adapter = VLLMAdapter("http://127.0.0.1:1")
+        run(adapter.attach_buffers(slots.slots))
+        assert adapter.backend == SHM_BACKEND
+        first, second = torch.arange(8, dtype=torch.float32), torch.ones(4, dtype=torch.int8)
+        bucket = pack(slots.slots[1], [("a", first), ("b", second)], start=128)
+        bucket.append(pack(slots.slots[1], [("c", first * 2)], start=1024)[0])  # a gap
+        bodies = adapter.bucket_requests(1, bucket)
+        runs = [body["update_info"] for body in bodies]
+        assert [info["names"] for info in runs] == [["a", "b"], ["c"]]
+        assert {frozenset(info) for info in runs} == {
+            frozenset({"names", "dtype_names", "shapes", "tensor_sizes", "shm_path", "shm_offset"})
+        }
+        raw = Path(slots.handles.slots[1].path).read_bytes()
+        for info in runs:
+            assert info["shm_path"] == slots.handles.slots[1].path
+            start, size = info["shm_offset"], sum(info["tensor_sizes"])
+            assert (
+                raw[start : start + size] == slots.slots[1][start : start + size].numpy().tobytes()
+            )
+        assert runs[1]["shm_offset"] == 1024
+        with pytest.raises(EngineError, match="slot 2 of 2"):
+            adapter.bucket_requests(2, bucket)
+    finally:
+        slots.close()
+    plain = VLLMAdapter("http://127.0.0.1:1")
+    run(plain.attach_buffers(cpu_slots(1, 4096)))
+    assert plain.backend == "ipc"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])

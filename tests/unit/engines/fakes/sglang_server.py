@@ -11,9 +11,13 @@ is exactly the bug a contract test must catch (`strict_unknown_fields=False` ign
 `update_weights_from_tensor` is served for real: each TP rank's payload is base64-decoded,
 unpickled through an allow-list (SGLang's SafeUnpickler semantics), the flattened tensor is
 rebuilt from its IPC/shared-memory handle and sliced by the metadata as SGLang's
-`FlattenedTensorBucket.reconstruct_tensors` does, and copied into `model`. Where SGLang's
-scheduler would raise (unknown parameter, blocked global, a missing rank's payload) the
+`FlattenedTensorBucket.reconstruct_tensors` does, and copied into `model`. A name the model
+lacks is skipped and the reply still says success, as the real 0.5.23 server does (seen
+on its CPU build: the loader logs the name and goes on). Where SGLang's scheduler would
+raise (a shape that does not fit, a blocked global, a missing rank's payload) the
 scheduler process dies; the fake drops the connection and stays dead.
+`/get_weights_by_name` answers as SGLang's does: the first `truncate_size` rows as
+float lists, or 400 "Get parameter by name failed" for a name the model lacks.
 """
 
 from __future__ import annotations
@@ -95,6 +99,11 @@ class UpdateWeightVersionReqInput(_BaseReq):
     abort_all_requests: bool = True
 
 
+class GetWeightsByNameReqInput(_BaseReq):
+    name: str
+    truncate_size: int = 100
+
+
 class _SchedulerCrashError(Exception):
     """What would kill SGLang's scheduler process."""
 
@@ -114,6 +123,7 @@ class FakeSGLang:
     healthy: bool = True
     paused_health_seconds: float = 0.2  # SGLang's /health waits up to 20 s, then 503
     loaded: list[str] = field(default_factory=list)  # parameter names, in load order
+    skipped: list[str] = field(default_factory=list)  # names the model lacks, dropped
     crash_reason: str = ""
     api_key: str | None = None  # --api-key: every endpoint wants "Authorization: Bearer <key>"
     _requests_done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -134,6 +144,7 @@ class FakeSGLang:
         app.router.add_post("/update_weights_from_tensor", self._update_from_tensor)
         app.router.add_route("*", "/flush_cache", self._flush_cache)
         app.router.add_post("/update_weight_version", self._update_weight_version)
+        app.router.add_route("*", "/get_weights_by_name", self._get_weights_by_name)
         app.router.add_get("/_fake/digests", digests_route(self.model))
         return app
 
@@ -215,6 +226,7 @@ class FakeSGLang:
                 "has_audio_understanding": False,
                 "model_type": "llama",
                 "architectures": ["LlamaForCausalLM"],
+                "embedding": {"enabled": False},  # 0.5.23's embedding-serving summary
             }
         )
 
@@ -296,6 +308,9 @@ class FakeSGLang:
                 if not torch.equal(tensor.cpu(), first.cpu()):
                     raise _SchedulerCrashError(f"TP ranks read different bytes for {name}")
         for name, tensor in per_rank[0]:
+            if name not in self.model:
+                self.skipped.append(name)  # SGLang logs it and answers success
+                continue
             apply_to_model(self.model, name, tensor)
             self.loaded.append(name)
 
@@ -322,6 +337,17 @@ class FakeSGLang:
         if self._flush():
             return web.Response(status=200, text=CACHE_FLUSHED)
         return web.Response(status=400, text="Flush cache failed.\n")
+
+    async def _get_weights_by_name(self, request: web.Request) -> web.Response:
+        obj = await self._parse(request, GetWeightsByNameReqInput)
+        if isinstance(obj, web.Response):
+            return obj
+        tensor = self.model.get(obj.name)
+        if tensor is None:
+            return web.json_response(
+                {"error": {"message": "Get parameter by name failed"}}, status=400
+            )
+        return web.json_response(tensor.float().tolist()[: obj.truncate_size])
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         obj = await self._parse(request, UpdateWeightVersionReqInput)

@@ -46,6 +46,9 @@ _M = TypeVar("_M", bound=BaseModel)
 _T = TypeVar("_T")
 
 RPC_FAILED = "Call to collective_rpc method failed: "
+WORKER_FAILED = (
+    "Worker failed with error '{}', please check the stack trace above for the root cause"
+)
 NOT_CONFIGURED = (
     "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
 )
@@ -116,6 +119,9 @@ class FakeVLLM:
     prefix_cache_entries: int = 0  # cached prefixes; /pause (abort, wait) clears them
     packed: bool = False
     update_active: bool = False
+    # A failed update leaves unfinished layers on the meta device; a start + finish puts
+    # them back. Resuming before that kills the engine core (vLLM 0.32 on CPU, seen twice).
+    on_meta: bool = False
     healthy: bool = True
     loaded: list[str] = field(default_factory=list)
     controls: FakeControls = field(default_factory=FakeControls)
@@ -216,6 +222,8 @@ class FakeVLLM:
         return web.json_response({"status": "paused"})
 
     async def _resume(self, _: web.Request) -> web.Response:
+        if self.on_meta:
+            self.healthy = False  # the next forward pass runs on meta tensors and dies
         self.paused = False
         self.pause_mode = None
         return web.json_response({"status": "resumed"})
@@ -250,6 +258,7 @@ class FakeVLLM:
         except _WorkerError as err:
             # gpu_worker.update_weights ends the session when the engine raises.
             self.update_active = False
+            self.on_meta = True
             return _rpc_failure(err)
         return web.json_response({"message": "Weights updated"})
 
@@ -316,6 +325,7 @@ class FakeVLLM:
         except _WorkerError as err:
             return _rpc_failure(err)
         self.update_active = False
+        self.on_meta = False  # finalize_layerwise_reload restores what received nothing
         if body.weight_version is not None:
             self.weight_version = body.weight_version
         return web.json_response({"message": "Weight update finished"})
@@ -354,7 +364,9 @@ def _construct(cls: type[_T], values: dict[str, Any], what: str) -> _T:
 
 
 def _rpc_failure(err: Exception) -> web.Response:
-    message = RPC_FAILED + str(err)
+    # vLLM with several worker processes (always on CPU; on GPU with TP > 1) wraps the
+    # worker's message; the real CPU server's replies were recorded that way.
+    message = RPC_FAILED + WORKER_FAILED.format(err)
     return web.json_response(
         {"error": {"message": message, "type": "InternalServerError", "param": None, "code": 500}},
         status=500,

@@ -240,6 +240,19 @@ def _build(spec: EngineSpec) -> None:
     _relocate(partial, home)
 
 
+def share_files(root: Path) -> None:
+    """Hard-link identical files across the engines' venvs: both carry PyPI's CUDA
+    libraries, many of the same version (about 3 GiB less on disk). A later pip install
+    replaces a file rather than writing into it, so a shared file never changes under
+    the other venv."""
+    tool = shutil.which("hardlink")  # util-linux
+    if tool is None:
+        return
+    before = disk_usage(root)
+    subprocess.run([tool, "--quiet", "--content", str(root)], check=True)
+    _log(f"shared identical files: {(before - disk_usage(root)) / 2**30:.2f} GiB freed")
+
+
 def _relocate(old: Path, new: Path) -> None:
     """Point the venv's scripts (their `#!` lines name the interpreter) at the final name."""
     old_text, new_text = str(old).encode(), str(new).encode()
@@ -272,12 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; known: {sorted(ENGINES)}")
+    built = [
+        name for name in args.engines or ENGINES if not (ENGINES[name].home / ".complete").exists()
+    ]
     for name in args.engines or ENGINES:
         python = install(ENGINES[name])
         line = f"{name} {python}"
         if args.du:
             line += f" {disk_usage(ENGINES[name].home) / 2**30:.2f} GiB"
         print(line)
+    if built:
+        share_files(ENGINES_DIR)
     return 0
 
 

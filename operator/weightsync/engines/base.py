@@ -19,6 +19,14 @@ before and after every round. When it changed, the adapter drops everything it m
 or cached from the older one and raises `EngineError("restarted", ...)`: the new
 process serves whatever it loaded at start, so it is behind whatever it reports, until
 a round or a recovery brings it to the current version.
+
+The reference engine names its incarnation. The SGLang and vLLM adapters name none
+(neither server exposes a process identity by default): a restarted server answers its
+start-up `weight_version` ("default", as the recordings the replay test holds to the
+real servers show), which reads as no weightsync version, so the watch stops vouching
+for it at once. Those adapters map nothing of the engine's (the reference adapter maps
+the engine's staging arenas; these hand the engine a handle, a shared-memory path or a
+payload with each call), so there is nothing of an older process to drop.
 """
 
 from __future__ import annotations

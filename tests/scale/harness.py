@@ -21,6 +21,7 @@ The scenario, timed from watches (pods, the WeightSync) and the operator's own m
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -41,6 +42,7 @@ from tests.scale.observe import OperatorSampler, PodWatch, SyncWatch, Watched
 from tests.scale.report import Figures
 from tests.support.eventually import Timeouts, eventually
 from tests.support.operator import CRD_FILE, OperatorProcess, engines, trainer
+from weightsync.controller.gatewriter import GateWriter
 from weightsync.controller.settings import OperatorSettings
 
 NAMESPACE = "scale"
@@ -265,6 +267,29 @@ class Scenario:
             "gates": len(changes),
         }
 
+    def floor(self) -> None:
+        """What the API server allows on this machine: one status patch per engine pod
+        (a probe condition no gate reads), 32 at a time, sent the way the operator
+        sends its gates, timed from here. The gate flips above are measured against it."""
+        names = sorted(self.engines.pods)
+        writer = GateWriter(config.new_client_from_config(str(self.cluster.kubeconfig)))
+        condition = {
+            "type": "weightsync.io/scale-probe", "status": "True", "reason": "Probe",
+            "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z", "lastProbeTime": None,
+        }  # fmt: skip
+
+        async def patch_all() -> float:
+            started = time.monotonic()
+            try:
+                await asyncio.gather(
+                    *(writer.set_condition(NAMESPACE, n, condition) for n in names)
+                )
+            finally:
+                await writer.close()
+            return time.monotonic() - started
+
+        self.figures.floor = {"patches": len(names), "seconds": asyncio.run(patch_all())}
+
     def slowdown(self) -> None:
         pods = self.args.pods
         before = self.sync.now
@@ -320,7 +345,7 @@ def run(args: Any) -> Figures:
         scenario = Scenario(args, stack, Path(tmp))
         try:
             for phase in (scenario.start, scenario.scale_up, scenario.steady, scenario.flip,
-                          scenario.slowdown, scenario.scale_in):  # fmt: skip
+                          scenario.floor, scenario.slowdown, scenario.scale_in):  # fmt: skip
                 started = time.monotonic()
                 print(f"[scale] {phase.__name__} ...", flush=True)
                 phase()
@@ -329,3 +354,8 @@ def run(args: Any) -> Figures:
         except BaseException:
             sys.stderr.write(scenario.operator.output()[-6000:])
             raise
+        finally:
+            if args.output is not None:  # the logs outlive the run's directory
+                for log in (scenario.operator.log, scenario.loadgen.log):
+                    target = args.output.with_name(f"{args.output.stem}.{log.name}")
+                    target.write_bytes(log.read_bytes() if log.exists() else b"")

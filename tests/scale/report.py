@@ -31,6 +31,7 @@ class Figures:
     plan_bytes: dict[int, int] = field(default_factory=dict)  # by generation
     plans: dict[int, int] = field(default_factory=dict)  # plans delivered, by generation
     operator_log_tracebacks: int = 0
+    floor: dict[str, float] = field(default_factory=dict)  # the API server's own pace
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,6 +58,8 @@ def rows(f: Figures) -> list[tuple[str, str, str]]:
          f"{p50:.3f} / {worst:.3f} s", "<= 0.2 / 2 s"),
         ("version flip: operator noticed -> last gate (close / open)",
          f"{f.close.get('reach', 0):.2f} / {f.open.get('reach', 0):.2f} s", "<= 2 s"),
+        (f"... floor: {int(f.floor.get('patches', 0))} pod status patches straight from the"
+         " harness", _seconds(f.floor.get("seconds", 0.0)), ""),
         ("version flip: flip -> operator noticed (close / open)",
          f"{f.close.get('noticed', 0):.2f} / {f.open.get('noticed', 0):.2f} s", ""),
         ("version flip: flip -> status shows it (close / open)",

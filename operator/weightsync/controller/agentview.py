@@ -22,14 +22,16 @@ from dataclasses import dataclass, field
 
 from weightsync.api.control import AgentStatus
 
-# Errors that mean "no answer yet" (the request timed out), not "no agent": a refused
-# connection or an HTTP error is an answer of sorts, and evidence.
-_SILENT = ("TimeoutError", "ServerTimeoutError")
+# Polls the agent did answer, though not with a status: an HTTP error (it refuses the
+# token, say) or a reply that does not parse (`agents.AgentClient`). Those are evidence.
+_ANSWERED = ("HTTP ", "unexpected reply")
 
 
 def silent(error: str) -> bool:
-    """Whether a failed poll only says the agent did not answer in time."""
-    return error.startswith(_SILENT)
+    """Whether a failed poll got no answer at all (timed out, connection refused or
+    reset): no evidence about the agent. An agent that is really gone shows in its pod
+    (the sidecar's readiness probe fails, the pod leaves), or its group breaks."""
+    return not error.startswith(_ANSWERED)
 
 
 @dataclass

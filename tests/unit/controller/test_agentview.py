@@ -29,7 +29,7 @@ def test_only_answers_asked_after_a_delivery_are_evidence_about_it() -> None:
 def test_a_silent_agent_is_unknown_for_a_while_a_refusal_is_no_silence() -> None:
     view = AgentView()
     view.record({"a": agent("a")}, {}, asked_at=0.0)
-    view.record({}, {"a": "TimeoutError", "b": "ClientConnectorError: refused"}, asked_at=10.0)
+    view.record({}, {"a": "TimeoutError", "b": "HTTP 401 unauthorized"}, asked_at=10.0)
     view.record({}, {"a": "TimeoutError"}, asked_at=20.0)
     assert view.unknown(now=30.0, keep_seconds=60.0) == {"a"}  # silent since 10 s
     assert view.unknown(now=80.0, keep_seconds=60.0) == frozenset()
@@ -37,7 +37,9 @@ def test_a_silent_agent_is_unknown_for_a_while_a_refusal_is_no_silence() -> None
     view.record({}, {"a": "TimeoutError"}, asked_at=90.0)
     assert view.unknown(now=100.0, keep_seconds=60.0) == {"a"}  # a new silence
     assert silent("ServerTimeoutError: read")
+    assert silent("ServerDisconnectedError")
     assert not silent("HTTP 401 unauthorized")
+    assert not silent("unexpected reply to GET http://a/v1/status: 2 errors")
 
 
 def test_messages_name_a_few_and_count_the_rest() -> None:

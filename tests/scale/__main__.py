@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="steady-state rounds")
     parser.add_argument("--round-seconds", type=float, default=15.0, help="between rounds")
     parser.add_argument("--output", type=Path, help="also write the figures here (JSON)")
+    parser.add_argument(
+        "--operator-tree", type=Path, help="run the operator package under DIR/operator instead"
+    )
     args = parser.parse_args(argv)
     figures = run(args)
     print(table(figures))

@@ -146,6 +146,8 @@ class Scenario:
                 "WEIGHTSYNC_OPERATOR_MISSING_REFERENCE_RETRY_SECONDS": None,
                 # ...but the agents are the load generator's stand-ins.
                 "WEIGHTSYNC_OPERATOR_AGENT_HTTP_PORT": str(self.loadgen.port),
+                # Another tree's operator (a before/after comparison), if asked for.
+                "PYTHONPATH": str(args.operator_tree / "operator") if args.operator_tree else None,
             },
         )  # fmt: skip
         eventually(

@@ -13,7 +13,9 @@ namespace.
 * WeightSyncs by namespace, spec and identity only (a status with 1,000 members is
   large and no claim check reads it);
 * the trainer StatefulSets and inference Deployments by name, their ReplicaSets by
-  owning Deployment: a pass reads no workload from the API server either.
+  owning Deployment: a pass reads no workload from the API server either;
+* each WeightSync whole, by name: a pass reads its own from here while the watch holds
+  the newest version the pass knows of (`reconcile.Reconciler._read`).
 
 Values are slim copies holding only the fields `workloads` reads, so 1,000 pods cost
 about a megabyte. Pods without the inject label are not watched: a workload whose pod
@@ -34,8 +36,10 @@ WEIGHTSYNCS_INDEX = "weightsyncs_by_namespace"
 STATEFULSETS_INDEX = "statefulsets_by_name"
 DEPLOYMENTS_INDEX = "deployments_by_name"
 REPLICASETS_INDEX = "replicasets_by_owner"
+BODIES_INDEX = "weightsync_bodies"
 _INDEXES = (
     PODS_INDEX, WEIGHTSYNCS_INDEX, STATEFULSETS_INDEX, DEPLOYMENTS_INDEX, REPLICASETS_INDEX,
+    BODIES_INDEX,
 )  # fmt: skip
 
 _POD_LABELS = (names.INJECT_LABEL, names.SYNC_LABEL, names.STATEFULSET_POD_INDEX_LABEL)
@@ -157,8 +161,37 @@ class Indexes:
         found = self._get(index, (namespace, name))
         return None if found is None else (found[0] if found else None,)
 
+    def weightsync(self, namespace: str, name: str) -> tuple[Mapping[str, Any] | None] | None:
+        """(the WeightSync as last watched, or None); None: unbound."""
+        found = self._get(BODIES_INDEX, (namespace, name))
+        return None if found is None else (found[0] if found else None,)
+
     def replicasets_of(
         self, namespace: str, deployment_uid: str
     ) -> Sequence[Mapping[str, Any]] | None:
         """The ReplicaSets a Deployment controls; None: unbound."""
         return self._get(REPLICASETS_INDEX, (namespace, deployment_uid))
+
+
+def newest(
+    watched: Mapping[str, Any] | None,
+    seen_version: str | None,
+    written: tuple[str, Mapping[str, Any]] | None,
+) -> Mapping[str, Any] | None:
+    """The newest WeightSync known without asking the API server, or None (ask it).
+
+    `watched`: the object as the watch last brought it; `seen_version`: the version a
+    pass last used; `written`: the last status write (the version it was made on, the
+    object it returned). The watch's copy will do when it is that newest version; when
+    it is the version the write was made on, the watch has not brought the write back
+    yet and the write's reply is the newer. Anything else is a change no pass has seen.
+    """
+    if watched is None:
+        return None
+    version = watched["metadata"].get("resourceVersion")
+    if written is not None:
+        if version == written[0]:
+            return written[1]
+        if version == written[1]["metadata"].get("resourceVersion"):
+            return watched
+    return watched if version is not None and version == seen_version else None

@@ -27,6 +27,7 @@ from weightsync.controller import admission, metrics, names
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.cache import (
+    BODIES_INDEX,
     DEPLOYMENTS_INDEX,
     PODS_INDEX,
     REPLICASETS_INDEX,
@@ -100,6 +101,12 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         namespace: str | None, body: kopf.Body, **_: Any
     ) -> dict[str, dict[str, Any]]:
         return {_namespaced(namespace): slim_weightsync(body)}
+
+    @kopf.index(*resource, registry=registry, id=BODIES_INDEX)
+    async def weightsync_bodies(
+        namespace: str | None, name: str, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(_namespaced(namespace), name): dict(body)}
 
     @kopf.index(
         "v1", "pods", registry=registry, id=PODS_INDEX,

@@ -132,12 +132,14 @@ class Kube:
         watched = indexes.weightsyncs(namespace) if indexes is not None else None
         return watched if watched is not None else self.list_weightsyncs(namespace)
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        """Replace the status (a JSON merge patch replaces lists whole)."""
-        self._call(
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """Replace the status (a JSON merge patch replaces lists whole); the object after."""
+        reply = self._call(
             "patch", "weightsyncs/status", self.custom.patch_namespaced_custom_object_status,
             GROUP, VERSION, namespace, PLURAL, name, {"status": status},
         )  # fmt: skip
+        after: dict[str, Any] = json.loads(reply)
+        return after
 
     # -- workloads -----------------------------------------------------------------
 

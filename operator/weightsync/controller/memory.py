@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from weightsync.controller.agents import AgentAddress
 from weightsync.controller.agentview import AgentView
@@ -28,3 +29,7 @@ class Memory:
     token: str = ""
     watched: frozenset[str] = frozenset()  # pods a follow-up pass polls (recoveries)
     gates: GateSync | None = None  # its gate writes, in the background of the passes
+    # The WeightSync's newest version a pass used, and the last status write: (the
+    # version it was made on, the object it returned). See `Reconciler._read`.
+    seen_version: str | None = None
+    written: tuple[str, dict[str, Any]] | None = None

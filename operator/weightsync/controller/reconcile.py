@@ -1,28 +1,18 @@
 """One level-based reconcile pass over a WeightSync, and the per-object bookkeeping around it.
 
-A pass reads everything it acts on from the API server, the operator's watches and the
-agents (nothing it decides depends on an earlier pass having run in this process):
+A pass reads what it acts on (nothing it decides depends on an earlier pass in this
+process): the WeightSync (the newest this process knows, `_read`), the other
+WeightSyncs, the workloads and their pods from the watches (`cache`), and the agents'
+latest `GET /v1/status` answers (`agentview`: swept by the drift timer, `resync`; new
+agents asked by the pass). It decides with the pure modules (`plan`, `readiness`,
+`recovery`, `status`) and acts: starts P2P recoveries of pods that are behind (held out
+of the group until done), delivers a new generation with `PUT /v1/plan` if membership
+changed, writes the status once, posts Events, then hands the readiness gates to a
+background writer (`gatesync`): status first, so `kubectl get wsync` never lags them.
 
-1. the WeightSync (spec, stored status: read fresh, it is what the pass rewrites) and
-   the other WeightSyncs of its namespace (from the watch, `cache`);
-2. the trainer StatefulSet, the inference Deployments, their ReplicaSets, and their
-   pods (from the watch);
-3. the agents' latest `GET /v1/status` answers (`agentview`): swept by the drift timer
-   (`resync`), asked by the pass itself only when new (token from the WeightSync's
-   Secret, created if absent);
-
-then decides with the pure modules (`plan`, `readiness`, `recovery`, `status`) and acts:
-starts P2P recoveries of pods that are behind (`POST /v1/recover`, holding them out of
-the group until they are done), delivers a new generation with `PUT /v1/plan` if
-membership changed, writes the status once, posts Events for what changed, and then
-sets the inference pods' readiness gates (status first: `kubectl get wsync` never lags
-the gates; the gates go out many at a time).
-
-The only in-memory state is soft: the agents' latest answers (a restart polls them
-again), when a generation was planned (for the pre-warm timeout; a restarted operator
-starts that clock again), which pods sit out a cooldown after a failed delivery or a
-pre-warm timeout, and each recovering pod's failures and reported attempts (a restart
-may report a finished recovery once more).
+Soft state only (`memory`): the agents' answers (a restart polls them again), when a
+generation was planned (a restart restarts the pre-warm clock), cooldowns, recovery
+trackers (a restart may report a finished recovery once more), gate writes in flight.
 """
 
 from __future__ import annotations
@@ -44,7 +34,7 @@ from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics, tokens
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
-from weightsync.controller.cache import Indexes
+from weightsync.controller.cache import Indexes, newest
 from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
 from weightsync.controller.kube import Kube, api_unavailable
@@ -75,6 +65,7 @@ from weightsync.controller.workloads import (
 log = logging.getLogger(__name__)
 
 RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery running
+EVENT_PASS_DELAY_SECONDS = 0.5  # a pod event's pass waits this long for the rest of a burst
 
 
 class Outcome(StrEnum):
@@ -120,7 +111,9 @@ class Reconciler:
         self.post_event = post_event
         self._memory: dict[tuple[str, str], Memory] = {}
         self.planner = Planner(agents, settings, post_event)
-        self._scheduler: PassScheduler[tuple[str, str], Result] = PassScheduler(self._measured)
+        self._scheduler: PassScheduler[tuple[str, str], Result] = PassScheduler(
+            self._measured, request_delay=EVENT_PASS_DELAY_SECONDS
+        )
         # Pods admitted meanwhile may have met no webhook of ours (`pods_to_recreate`).
         started = utc_now()
         self.webhook_settling = (
@@ -193,7 +186,7 @@ class Reconciler:
     # -- the pass --------------------------------------------------------------------
 
     async def _pass(self, namespace: str, name: str, memory: Memory) -> Result:
-        raw = await asyncio.to_thread(self.kube.get_weightsync, namespace, name)
+        raw = await self._read(namespace, name, memory)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             return Result(Outcome.GONE)
         generation = int(raw["metadata"].get("generation") or 0)
@@ -269,6 +262,17 @@ class Reconciler:
         )
         return Result(Outcome.OK)
 
+    async def _read(self, namespace: str, name: str, memory: Memory) -> Mapping[str, Any] | None:
+        """The WeightSync as stored, from the watch when it holds the newest version this
+        process knows of (`cache.newest`), else by a GET: the status a pass rewrites is
+        never older than its own last write."""
+        watched = self.indexes.weightsync(namespace, name)
+        found = newest(watched[0] if watched else None, memory.seen_version, memory.written)
+        if found is None:
+            found = await asyncio.to_thread(self.kube.get_weightsync, namespace, name)
+        memory.seen_version = found["metadata"].get("resourceVersion") if found else None
+        return found
+
     async def _answers(
         self, pods: list[PodView], token: str, memory: Memory
     ) -> tuple[dict[str, AgentStatus], dict[str, str]]:
@@ -323,13 +327,8 @@ class Reconciler:
             raw, sync, (old, previous, planned_engine), desired, statuses,
             evidence=evidence, token=token, memory=memory,
         )  # fmt: skip
-        timed_out = self.planner.prewarm_timed_out(
-            sync,
-            planned[:2],
-            view.since(memory.planned_at.get(planned[1] or 0)),
-            pods,
-            memory,
-        )
+        evidence = view.since(memory.planned_at.get(planned[1] or 0))
+        timed_out = self.planner.prewarm_timed_out(sync, planned[:2], evidence, pods, memory)
         return desired, planned, timed_out
 
     async def _recover(
@@ -387,7 +386,12 @@ class Reconciler:
         if raw.get("status") == body:
             return  # what is stored already; `old` was parsed from it: no transitions
         meta = raw["metadata"]
-        await asyncio.to_thread(self.kube.patch_status, meta["namespace"], meta["name"], body)
+        after = await asyncio.to_thread(
+            self.kube.patch_status, meta["namespace"], meta["name"], body
+        )
+        memory = self._memory.get((meta["namespace"], meta["name"]))
+        if memory is not None:
+            memory.written = (str(meta.get("resourceVersion")), after)
         for event in transition_events(old, new):
             self.post_event(raw, event)
 

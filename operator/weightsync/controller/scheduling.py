@@ -29,8 +29,9 @@ class _Lane(Generic[R]):
 
 
 class PassScheduler(Generic[K, R]):
-    def __init__(self, run_pass: Callable[[K], Awaitable[R]]) -> None:
+    def __init__(self, run_pass: Callable[[K], Awaitable[R]], request_delay: float = 0.0) -> None:
         self._run_pass = run_pass
+        self._request_delay = request_delay
         self._lanes: dict[K, _Lane[R]] = {}
 
     def request(self, key: K, failed: Callable[[K, Exception], None]) -> None:
@@ -41,6 +42,7 @@ class PassScheduler(Generic[K, R]):
             return  # a pass that has not started yet covers this request too
 
         async def follow() -> None:
+            await asyncio.sleep(self._request_delay)  # what else the burst brings
             try:
                 await self.run(key)
             except Exception as error:

@@ -177,9 +177,25 @@ def needs_new_generation(
         return True
     if desired.engine_pod != planned_engine:
         return True
-    if slots(desired.members) != tuple(planned):
+    if not intact(planned, planned_generation, statuses):
         return True
-    return not intact(planned, planned_generation, statuses)
+    wanted = slots(desired.members)
+    if wanted == tuple(planned):
+        return False
+    # Only newcomers: they wait while the planned generation still forms, so that a
+    # scale-up forms a few generations, not one per pass (each is a new communicator
+    # for every member). They join the next one, planned once this one is warm.
+    only_newcomers = wanted[: len(planned)] == tuple(planned)
+    return not (only_newcomers and forming(planned, planned_generation, statuses))
+
+
+def forming(planned: Sequence[Slot], generation: int, statuses: Mapping[str, AgentStatus]) -> bool:
+    """Whether a member that answered (`statuses`) still forms `generation`."""
+    return any(
+        rank_state(statuses[slot.pod], generation, slot.rank) is GenerationState.FORMING
+        for slot in planned
+        if slot.pod in statuses
+    )
 
 
 def intact(

@@ -355,3 +355,16 @@ def test_only_an_answer_shows_a_generation_gone() -> None:
     restarted = {**statuses, "e-1": agent("e-1")}
     assert not intact(planned, 4, restarted)
     assert not intact(planned, None, statuses)
+
+
+def test_newcomers_wait_while_the_planned_generation_still_forms() -> None:
+    _, planned, statuses = group_of_three()
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2"), sink_view("e-3")]
+    grown = desired_members(sync().spec, pods, {p.name for p in pods}, planned)
+    assert names_of(grown.members) == ["trainer-0", "e-1", "e-2", "e-3"]
+    forming = {**statuses, "e-1": agent("e-1", generations={4: (F, 1)})}
+    assert not needs_new_generation(grown, planned, 4, forming)  # e-3 joins the next one
+    assert needs_new_generation(grown, planned, 4, statuses)  # warm everywhere: now
+    # A member lost is no reason to wait.
+    shrunk = desired_members(sync().spec, pods[:2], {"trainer-0", "e-1"}, planned)
+    assert needs_new_generation(shrunk, planned, 4, forming)

@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: demo demo-down setup test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
-        cluster-up cluster-down chaos
+        cluster-up cluster-down chaos scale
 
 demo: setup  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
 	$(PY) -m tests.e2e.demo run $(DEMO_ARGS)
@@ -37,6 +37,9 @@ test-e2e: setup
 
 chaos: setup  ## the seeded fault matrix on the real node: 100 faults (CI runs 4), report printed
 	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} $(PY) -m pytest -m e2e tests/e2e/test_chaos.py -s $(PYTEST_ARGS)
+
+scale: setup  ## one WeightSync grown to 1,000 KWOK pods (agents: a load generator); prints a table
+	$(PY) -m tests.scale run $(SCALE_ARGS)
 
 test-gpu:  ## on a GPU machine: the same contracts over NCCL
 	NCCL_NVLS_ENABLE=0 python3 -m pytest -m "gpu or multigpu" -p no:cacheprovider tests/gpu $(PYTEST_ARGS)

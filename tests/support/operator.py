@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,14 @@ PODS_UP = 120.0
 class OperatorProcess:
     """`weightsync-operator --namespace <ns>` as a local process, webhook in URL mode."""
 
-    def __init__(self, cluster: LocalCluster, namespace: str, workdir: Path) -> None:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        namespace: str,
+        workdir: Path,
+        overrides: Mapping[str, str | None] | None = None,
+    ) -> None:
+        """`overrides`: settings to change (None: leave the operator's default)."""
         self.cluster = cluster
         self.namespace = namespace
         self.log = workdir / "operator.log"
@@ -74,6 +81,11 @@ class OperatorProcess:
             "WEIGHTSYNC_OPERATOR_AGENT_CPU_REQUEST": "10m",
             "WEIGHTSYNC_OPERATOR_AGENT_MEMORY_REQUEST": "64Mi",
         }
+        for key, value in (overrides or {}).items():
+            if value is None:
+                self.env.pop(key, None)
+            else:
+                self.env[key] = value
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

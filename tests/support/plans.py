@@ -30,7 +30,16 @@ def local_plan(
     sources: int = 1,
 ) -> MembershipPlan:
     """The plan for `rank` of a group whose agents all listen on 127.0.0.1 (rendezvous on
-    `port`): the first `sources` pods are source ranks, the others sinks, ranked in order."""
+    `port`): the first `sources` pods are source ranks, the others sinks, ranked in order.
+    As the operator sends them: the roster to sources, a compact plan (their own entry
+    and the group's size) to sinks."""
+    members = [
+        PlanMember(
+            rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i < sources else Role.SINK
+        )
+        for i, pod in enumerate(pods)
+    ]
+    compact = rank >= sources
     return MembershipPlan(
         sync_name=sync_name,
         generation=generation,
@@ -38,12 +47,9 @@ def local_plan(
         backend=backend,
         mode=mode,
         rendezvous=Rendezvous(host="127.0.0.1", port=port),
-        members=[
-            PlanMember(
-                rank=i, pod=pod, host="127.0.0.1", role=Role.SOURCE if i < sources else Role.SINK
-            )
-            for i, pod in enumerate(pods)
-        ],
+        members=[members[rank]] if compact else members,
+        world_size=len(members),
+        source_count=sources,
         transfer=transfer,
         prewarm_timeout_seconds=prewarm_timeout_seconds,
         local_engine=local_engine,

@@ -28,7 +28,13 @@ from weightsync.agent.engine_lane import EngineLane
 from weightsync.agent.failures import SECONDHAND, Stage, root_cause
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
-from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
+from weightsync.agent.rounds import (
+    FAILURE_GRACE_SECONDS,
+    RankRound,
+    RoundFailed,
+    RoundOutcome,
+    naming_peers,
+)
 from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
@@ -377,6 +383,11 @@ class SourceRound(RankRound):
         if all(n.rank != plan.rank for n in notes):
             notes.append(self._note(failure))
         cause = root_cause(notes, plan.members, plan.rank) or self._note(failure)
+        if "; peer: " not in cause.message:
+            # A sink's plan has no roster (`MembershipPlan`): the peer behind an address
+            # in its note is named here, where the roster is.
+            message = naming_peers(cause.message, plan.members, cause.rank)
+            cause = cause.model_copy(update={"message": message})
         return RoundOutcome.blamed(
             self.version, self.generation.number, started, cause, lineage=self.lineage
         )

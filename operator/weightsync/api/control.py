@@ -73,7 +73,15 @@ class LocalEngine(_Message):
 
 
 class MembershipPlan(_Message):
-    """Generation `generation` of the sync group, addressed to the member with `rank`."""
+    """Generation `generation` of the sync group, addressed to the member with `rank`.
+
+    `members` is the whole roster (ranks 0..world_size-1) or, in a *compact* plan, only
+    this member's own entry. The operator sends the roster to the source ranks alone:
+    they report rounds and name the member a failure is put down to, while a sink needs
+    only its rank, the group's size and the rendezvous (the collectives and the store
+    take it from there). That keeps a generation's plans O(members) bytes in all: a
+    thousand sinks each carrying the roster were 80 MB per generation.
+    """
 
     sync_name: str = Field(min_length=1)
     generation: int = Field(ge=1)
@@ -82,6 +90,10 @@ class MembershipPlan(_Message):
     mode: SyncMode = SyncMode.DISAGGREGATED
     rendezvous: Rendezvous
     members: list[PlanMember] = Field(min_length=1)
+    # The group's size and its source ranks (0..source_count-1); implied by a roster,
+    # required with a compact plan.
+    world_size: int = Field(default=0, ge=0)
+    source_count: int = Field(default=0, ge=0)
     transfer: TransferOptions = TransferOptions()
     prewarm_timeout_seconds: float = Field(default=120.0, gt=0)
     # This member keeps the latest committed version in host memory for P2P recovery.
@@ -90,33 +102,60 @@ class MembershipPlan(_Message):
     holder: bool = False
     local_engine: LocalEngine | None = None  # Colocated only: where the source hands off
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sizes_from_roster(cls, data: object) -> object:
+        """A plan with a roster may leave out the sizes: they are the roster's."""
+        if not isinstance(data, dict) or data.get("world_size"):
+            return data
+        members = data.get("members")
+        if not isinstance(members, list) or (len(members) <= 1 and data.get("rank", 0) != 0):
+            return data  # a compact plan must say its sizes; the checks below say so
+        roles = [str(m.get("role") if isinstance(m, dict) else m.role) for m in members]
+        return {
+            **data,
+            "world_size": len(members),
+            "source_count": sum(1 for r in roles if r.lower() == Role.SOURCE.label),
+        }
+
     @model_validator(mode="after")
     def _check_members(self) -> Self:
-        ranks = sorted(m.rank for m in self.members)
-        if ranks != list(range(len(ranks))):
-            raise ValueError(f"member ranks must be 0..{len(ranks) - 1} once each, got {ranks}")
-        sources = sorted(m.rank for m in self.members if m.role == Role.SOURCE)
-        if sources != list(range(len(sources))) or not sources:
-            raise ValueError(
-                "the source members are ranks 0..n-1 (rank 0, the first, hosts the rendezvous"
-                f" store), got source ranks {sources}"
-            )
-        if self.rank >= len(self.members):
+        if self.has_roster:
+            ranks = sorted(m.rank for m in self.members)
+            if ranks != list(range(len(ranks))):
+                raise ValueError(f"member ranks must be 0..{len(ranks) - 1} once each, got {ranks}")
+            sources = sorted(m.rank for m in self.members if m.role == Role.SOURCE)
+            if sources != list(range(len(sources))) or not sources:
+                raise ValueError(
+                    "the source members are ranks 0..n-1 (rank 0, the first, hosts the"
+                    f" rendezvous store), got source ranks {sources}"
+                )
+            if len(sources) != self.source_count:
+                raise ValueError(f"source_count {self.source_count} but {len(sources)} sources")
+        else:
+            own = self.members[0]
+            if len(self.members) != 1 or own.rank != self.rank:
+                raise ValueError(
+                    "members is the whole roster (world_size entries) or this rank's own entry"
+                )
+            if self.world_size < 1:
+                raise ValueError("a compact plan (one member's entry) must give world_size")
+            if not 1 <= self.source_count <= self.world_size:
+                raise ValueError(f"source_count {self.source_count} is not in 1..world_size")
+            if (own.role == Role.SOURCE) != (self.rank < self.source_count):
+                raise ValueError(f"rank {self.rank} and source_count disagree on its role")
+        if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not a member of the plan")
-        if self.mode == SyncMode.COLOCATED and len(self.members) != 1:
+        if self.mode == SyncMode.COLOCATED and self.world_size != 1:
             raise ValueError("a Colocated plan has only the source member")
         if self.local_engine is not None and self.mode != SyncMode.COLOCATED:
             raise ValueError("only a Colocated plan names a local engine")
         return self
 
     @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    @property
-    def source_count(self) -> int:
-        """How many members are sources (ranks 0..source_count-1): each sends its shard."""
-        return sum(1 for m in self.members if m.role == Role.SOURCE)
+    def has_roster(self) -> bool:
+        """Whether `members` is the whole group (else only this member's own entry)."""
+        return len(self.members) == self.world_size
 
     @property
     def me(self) -> PlanMember:

@@ -38,6 +38,7 @@ from weightsync.api import parse_weightsync
 from weightsync.api.v1alpha1 import WeightSync
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics
+from weightsync.controller.cache import Indexes
 from weightsync.controller.injection import AgentTemplate, injection_patch
 from weightsync.controller.kube import Kube
 from weightsync.controller.patches import JsonPatch
@@ -91,13 +92,18 @@ def workload_of(
 
 
 def pod_patch(
-    kube: Kube, pod: Mapping[str, Any], namespace: str, template: AgentTemplate
+    kube: Kube,
+    pod: Mapping[str, Any],
+    namespace: str,
+    template: AgentTemplate,
+    indexes: Indexes | None = None,
 ) -> JsonPatch:
-    """The injection patch for a labelled pod being created (empty: leave it alone)."""
+    """The injection patch for a labelled pod being created (empty: leave it alone).
+    WeightSyncs come from the watch (`indexes`), listed only before it is bound."""
     workload = workload_of(pod, lambda rs: kube.replicaset_owner(namespace, rs))
     if workload is None:
         return []
-    target = select_target(workload, pod, parse_all(kube.list_weightsyncs(namespace)))
+    target = select_target(workload, pod, parse_all(kube.weightsyncs(namespace, indexes)))
     if target is None:
         return []
     return injection_patch(
@@ -120,12 +126,18 @@ def apply_patch(ops: JsonPatch) -> Callable[[kopf.RawBody], None]:
     return apply
 
 
-def inject(kube: Kube, template: AgentTemplate, body: Mapping[str, Any], patch: Any) -> None:
+def inject(
+    kube: Kube,
+    template: AgentTemplate,
+    body: Mapping[str, Any],
+    patch: Any,
+    indexes: Indexes | None = None,
+) -> None:
     """The mutating handler's body. Never raises (an error would deny the pod)."""
     meta = body.get("metadata") or {}
     namespace = str(meta.get("namespace") or "")
     try:
-        ops = pod_patch(kube, body, namespace, template)
+        ops = pod_patch(kube, body, namespace, template, indexes)
     except Exception:
         log.exception(
             "could not decide injection for a pod in %s; admitting it unchanged", namespace

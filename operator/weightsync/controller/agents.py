@@ -8,6 +8,7 @@ and must carry on with the ones that answered.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,6 +25,7 @@ from weightsync.api.control import (
     RecoveryStatus,
 )
 from weightsync.controller import metrics
+from weightsync.controller.agentview import AgentView
 
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
@@ -107,11 +109,27 @@ class AgentClient:
                 errors[agent.pod] = result
         return answers, errors
 
+    async def poll(
+        self, view: AgentView, agents: Iterable[AgentAddress], token: str, *, sweep: bool = False
+    ) -> None:
+        """Ask `agents` for their status now and record the answers in `view`; a `sweep`
+        (every agent of a WeightSync) is timed in `agent_poll_duration_seconds`."""
+        targets = list(agents)
+        if not targets:
+            return
+        asked = time.monotonic()
+        answers, errors = await self.statuses(targets, token)
+        view.record(answers, errors, asked)
+        if sweep:
+            metrics.AGENT_POLL_DURATION.observe(time.monotonic() - asked)
+
     async def put_plan(self, agent: AgentAddress, plan: MembershipPlan, token: str) -> str | None:
         """Deliver `plan`; None when accepted, else why not."""
+        body = plan.model_dump_json()
+        metrics.PLAN_BYTES.inc(len(body))
         accepted = await self._call(
             "PUT", f"{agent.url}/v1/plan", token, PlanAccepted,
-            label="plan", expect=202, body=plan.model_dump_json(),
+            label="plan", expect=202, body=body,
         )  # fmt: skip
         if isinstance(accepted, str):
             return accepted

@@ -25,7 +25,7 @@ from weightsync.controller.plan import (
 )
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.status import EventSpec
+from weightsync.controller.status import EventSpec, listing
 from weightsync.controller.workloads import PodView
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,15 @@ class Planner:
         desired: Desired,
         statuses: Mapping[str, AgentStatus],
         *,
+        evidence: Mapping[str, AgentStatus],
         token: str,
         memory: Memory,
     ) -> tuple[list[Slot], int | None, dict[str, str]]:
         """Plan a new generation if the group must change: (slots, generation, refusals).
         `stored`: the status as read, the slots of the generation it records, and the
-        Colocated engine that generation feeds."""
+        Colocated engine that generation feeds. `statuses`: every agent's latest answer;
+        `evidence`: those given since the planned generation was delivered, the only
+        ones that can show it broken (`plan.needs_new_generation`)."""
         old, planned, planned_engine = stored
         # Prewarmed is written only by passes that planned (or kept) a group, so its
         # observedGeneration is the spec generation the current group was planned from.
@@ -67,7 +70,7 @@ class Planner:
             desired,
             planned,
             old.group_generation,
-            statuses,
+            evidence,
             planned_from_older_spec=older_spec,
             planned_engine=planned_engine,
         ):
@@ -122,7 +125,7 @@ class Planner:
                 reasons.GENERATION_PLANNED_MESSAGE.format(
                     generation=generation,
                     count=len(members),
-                    pods=", ".join(p.name for p in members),
+                    pods=listing([p.name for p in members]),
                 ),
             ),
         )
@@ -147,11 +150,14 @@ class Planner:
     def prewarm_timed_out(
         sync: WeightSync,
         group: tuple[list[Slot], int | None],
-        statuses: Mapping[str, AgentStatus],
+        evidence: Mapping[str, AgentStatus],
         pods: list[PodView],
         memory: Memory,
     ) -> bool:
-        """Whether the planned generation is past its pre-warm timeout; cold pods cool down."""
+        """Whether the planned generation is past its pre-warm timeout; cold pods cool down.
+        Only members that answered since it was delivered (`evidence`) and report it
+        not warm are cold: one whose answers the operator lacks is unknown, and the
+        operator being slow never benches anyone."""
         planned, generation = group
         if generation is None or not planned or not sync.spec.prewarm.enabled:
             return False
@@ -159,7 +165,7 @@ class Planner:
         since = memory.planned_at.setdefault(generation, now)
         if now - since < sync.spec.prewarm.timeout_seconds:
             return False
-        cold = cold_members(planned, generation, statuses)
+        cold = cold_members(planned, generation, evidence)
         uids = {p.name: p.uid for p in pods}
         for slot in cold:
             # The source never cools down: without it no generation could be planned at

@@ -3,17 +3,18 @@
 * create / update / resume -> one reconcile pass (`reconcile.Reconciler.run`); a missing
   workload is a slow `TemporaryError`, a spec the operator cannot act on a
   `PermanentError` (its status already says why, with a Warning Event).
-* a timer per WeightSync -> the same pass, for drift and for polling the agents.
+* a timer per WeightSync -> a sweep of its agents' status, then the same pass (drift).
 * pod events (labelled pods only: the watch itself is filtered server-side) -> a pass
   for the WeightSync that selects the pod (all of the namespace's if it carries no
   sync label yet); passes coalesce (`scheduling`), so a burst costs one or two.
+* indexes of labelled pods and of WeightSyncs (`cache`): what passes and webhooks read
+  instead of listing; every handler binds them for the passes it starts.
 * delete -> open the readiness gates the WeightSync held (the finalizer's job).
 * admission -> `admission.inject` and `admission.claim_errors`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,19 @@ from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import admission, metrics, names
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentClient
+from weightsync.controller.cache import (
+    BODIES_INDEX,
+    DEPLOYMENTS_INDEX,
+    PODS_INDEX,
+    REPLICASETS_INDEX,
+    STATEFULSETS_INDEX,
+    WEIGHTSYNCS_INDEX,
+    Indexes,
+    pod_key,
+    slim_pod,
+    slim_weightsync,
+    slim_workload,
+)
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
 from weightsync.controller.reconcile import Outcome, Reconciler, Result, log_pass_failure
@@ -42,6 +56,7 @@ class Runtime:
     agents: AgentClient
     reconciler: Reconciler
     template: AgentTemplate
+    indexes: Indexes
     namespaces: tuple[str, ...] = ()  # served namespaces; empty: the whole cluster
 
     def serves(self, namespace: str | None) -> bool:
@@ -77,54 +92,106 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
         return info
 
+    bind = runtime.indexes.bind
+
+    # Index functions are coroutines: kopf runs plain functions in its thread pool, and
+    # a thousand pod events would each cost a hop to a thread and back.
+    @kopf.index(*resource, registry=registry, id=WEIGHTSYNCS_INDEX)
+    async def weightsyncs_by_namespace(
+        namespace: str | None, body: kopf.Body, **_: Any
+    ) -> dict[str, dict[str, Any]]:
+        return {_namespaced(namespace): slim_weightsync(body)}
+
+    @kopf.index(*resource, registry=registry, id=BODIES_INDEX)
+    async def weightsync_bodies(
+        namespace: str | None, name: str, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(_namespaced(namespace), name): dict(body)}
+
+    @kopf.index(
+        "v1", "pods", registry=registry, id=PODS_INDEX,
+        labels={names.INJECT_LABEL: names.INJECT_VALUE},
+    )  # fmt: skip
+    async def pods_by_owner(
+        namespace: str | None, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]] | None:
+        key = pod_key(_namespaced(namespace), body)
+        return {key: slim_pod(body)} if key is not None else None
+
+    _register_workload_indexes(registry)
+
     @kopf.on.create(*resource, registry=registry, id="reconcile")
     @kopf.on.update(*resource, registry=registry, id="reconcile")
     @kopf.on.resume(*resource, registry=registry, id="reconcile")
-    async def reconcile(namespace: str | None, name: str, **_: Any) -> None:
+    async def reconcile(namespace: str | None, name: str, **kwargs: Any) -> None:
+        bind(kwargs)
         result = await reconciler.run(_namespaced(namespace), name)
         _raise_for(result, settings.missing_reference_retry_seconds)
 
     @kopf.timer(*resource, registry=registry, id="resync", interval=settings.resync_seconds)
-    async def resync(namespace: str | None, name: str, **_: Any) -> None:
+    async def resync(namespace: str | None, name: str, **kwargs: Any) -> None:
+        bind(kwargs)
         # Errors are the next tick's business: a timer must not back off for minutes.
         try:
-            await reconciler.run(_namespaced(namespace), name)
+            await reconciler.resync(_namespaced(namespace), name)
         except Exception as error:
             log_pass_failure(f"resync of {namespace}/{name}", error)
 
-    @kopf.index(*resource, registry=registry)
-    def weightsyncs_by_namespace(namespace: str | None, name: str, **_: Any) -> dict[str, str]:
-        return {_namespaced(namespace): name}
-
     @kopf.on.event("v1", "pods", registry=registry, labels={names.INJECT_LABEL: names.INJECT_VALUE})
-    async def pod_changed(
-        body: kopf.Body,
-        namespace: str | None,
-        weightsyncs_by_namespace: kopf.Index[str, str] | None = None,
-        **_: Any,
-    ) -> None:
+    async def pod_changed(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
+        bind(kwargs)
         namespace = _namespaced(namespace)
         label = (body.metadata.labels or {}).get(names.SYNC_LABEL)
         if label:
             await pod_actions.close_gate_if_restarting(runtime.kube, namespace, body)
-        index: Mapping[str, Collection[str]] = weightsyncs_by_namespace or {}
-        known = list(index.get(namespace, []))
+        index: Mapping[str, Collection[Mapping[str, Any]]] = kwargs.get(WEIGHTSYNCS_INDEX) or {}
+        known = sorted({str(s["metadata"]["name"]) for s in index.get(namespace, [])})
         # The label is the WeightSync's name or, for a long name, a hash of it.
-        targets = [n for n in known if names.sync_label(n) == label] or known
-        results = await asyncio.gather(
-            *(reconciler.run(namespace, target) for target in targets), return_exceptions=True
-        )
-        for target, outcome in zip(targets, results, strict=True):
-            if isinstance(outcome, Exception):
-                log.warning(
-                    "pass for %s/%s after a pod event failed: %s", namespace, target, outcome
-                )
+        for target in [n for n in known if names.sync_label(n) == label] or known:
+            reconciler.request(namespace, target)
 
     @kopf.on.delete(*resource, registry=registry, id="release")
-    async def release(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> None:
+    async def release(namespace: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:
+        bind(kwargs)
         namespace = _namespaced(namespace)
         await reconciler.release(namespace, dict(body))
         log.info("released the pods of %s/%s", namespace, name)
+
+    _register_admission(registry, runtime)
+
+    @kopf.on.cleanup(registry=registry)
+    async def close_clients(**_: Any) -> None:
+        await runtime.agents.close()
+        await runtime.kube.gates.close()
+
+
+def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
+    """The workloads a pass reads (`cache`), kept from watches instead of read per pass."""
+
+    @kopf.index("apps", "v1", "statefulsets", registry=registry, id=STATEFULSETS_INDEX)
+    async def statefulsets_by_name(
+        namespace: str | None, name: str, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(_namespaced(namespace), name): slim_workload(body)}
+
+    @kopf.index("apps", "v1", "deployments", registry=registry, id=DEPLOYMENTS_INDEX)
+    async def deployments_by_name(
+        namespace: str | None, name: str, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(_namespaced(namespace), name): slim_workload(body)}
+
+    @kopf.index("apps", "v1", "replicasets", registry=registry, id=REPLICASETS_INDEX)
+    async def replicasets_by_owner(
+        namespace: str | None, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]] | None:
+        key = pod_key(_namespaced(namespace), body)  # (namespace, controller uid)
+        return {key: slim_workload(body)} if key is not None else None
+
+
+def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
+    """The pod webhook (inject the agent) and the WeightSync webhook (claims)."""
+    bind = runtime.indexes.bind
+    resource = (GROUP, VERSION, PLURAL)
 
     @kopf.on.mutate(
         "v1", "pods",
@@ -132,11 +199,12 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         labels={names.INJECT_LABEL: names.INJECT_VALUE},
         ignore_failures=True, persistent=False, side_effects=False,
     )  # fmt: skip
-    def inject_agent(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    def inject_agent(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
+        bind(kwargs)
         if not runtime.serves(body.metadata.namespace):
             metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
             return
-        admission.inject(runtime.kube, runtime.template, body, patch)
+        admission.inject(runtime.kube, runtime.template, body, patch, runtime.indexes)
 
     @kopf.on.validate(
         *resource,
@@ -144,12 +212,13 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         ignore_failures=False, persistent=False, side_effects=False,
     )  # fmt: skip
     def validate_claims(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
+        bind(kwargs)
         old: kopf.Body | None = kwargs.get("old")  # the stored object, on UPDATE
         if not runtime.serves(namespace):
             metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()
             return
         try:
-            listing = runtime.kube.list_weightsyncs(_namespaced(namespace))
+            listing = runtime.kube.weightsyncs(_namespaced(namespace), runtime.indexes)
         except Exception as error:
             metrics.ADMISSIONS.labels("validate-claims", "error").inc()
             raise kopf.AdmissionError(
@@ -160,7 +229,3 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
             metrics.ADMISSIONS.labels("validate-claims", "denied").inc()
             raise kopf.AdmissionError("; ".join(errors), code=409)
         metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()
-
-    @kopf.on.cleanup(registry=registry)
-    async def close_clients(**_: Any) -> None:
-        await runtime.agents.close()

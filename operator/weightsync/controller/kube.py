@@ -2,12 +2,16 @@
 
 These functions block: async code calls them with `asyncio.to_thread`. Objects come
 back as plain dicts in the API server's JSON shape, so the pure modules never see the
-client's model classes.
+client's model classes: reads and writes skip them altogether (`_preload_content=False`,
+the JSON parsed as it came), since building a pod's model objects costs milliseconds
+and a thousand of them cost seconds. Every request is counted by verb, resource and
+result (`weightsync_operator_api_requests_total`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import urllib3
@@ -15,11 +19,15 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
-from weightsync.controller import names
-from weightsync.controller.workloads import World
+from weightsync.controller import metrics, names
+from weightsync.controller.cache import Indexes
+from weightsync.controller.gatewriter import GateWriter
+from weightsync.controller.workloads import World, template_labelled
 
 NOT_FOUND = 404
 CONFLICT = 409
+# Connections the official client keeps to the API server (its default: 5 per CPU).
+CONNECTIONS = 16
 
 
 def load_config() -> client.ApiClient:
@@ -28,7 +36,17 @@ def load_config() -> client.ApiClient:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = CONNECTIONS
+    return client.ApiClient(configuration)
+
+
+def _result(error: ApiException) -> str:
+    if error.status == NOT_FOUND:
+        return "not_found"
+    if error.status == CONFLICT:
+        return "conflict"
+    return "error"
 
 
 def selector_string(selector: Mapping[str, Any] | None) -> str:
@@ -56,81 +74,140 @@ class Kube:
 
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
+        self.gates = GateWriter(api)  # readiness-gate writes, many at once, on the event loop
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
-    def _plain(self, obj: object) -> dict[str, Any]:
-        result: dict[str, Any] = self.api.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
-        return result
+    def _call(
+        self, verb: str, resource: str, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> bytes:
+        """One request and its raw reply, counted."""
+        try:
+            response = call(*args, _preload_content=False, **kwargs)
+        except ApiException as error:
+            metrics.API_REQUESTS.labels(verb, resource, _result(error)).inc()
+            raise
+        except Exception:
+            metrics.API_REQUESTS.labels(verb, resource, "unreachable").inc()
+            raise
+        try:
+            data = response.data
+        finally:
+            response.release_conn()
+        metrics.API_REQUESTS.labels(verb, resource, "ok").inc()
+        return bytes(data or b"")
+
+    def _get(self, resource: str, call: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = json.loads(self._call("get", resource, call, *args))
+        except ApiException as error:
+            if error.status == NOT_FOUND:
+                return None
+            raise
+        return found
+
+    def _list(
+        self, resource: str, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> list[dict[str, Any]]:
+        listing = json.loads(self._call("list", resource, call, *args, **kwargs) or b"{}")
+        return list(listing.get("items") or [])
 
     # -- WeightSyncs ---------------------------------------------------------------
 
     def get_weightsync(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            obj: dict[str, Any] = self.custom.get_namespaced_custom_object(  # type: ignore[assignment]
-                GROUP, VERSION, namespace, PLURAL, name
-            )
-        except ApiException as error:
-            if error.status == NOT_FOUND:
-                return None
-            raise
-        return obj
+        return self._get(
+            "weightsyncs", self.custom.get_namespaced_custom_object,
+            GROUP, VERSION, namespace, PLURAL, name,
+        )  # fmt: skip
 
     def list_weightsyncs(self, namespace: str) -> list[dict[str, Any]]:
-        listing: dict[str, Any] = self.custom.list_namespaced_custom_object(  # type: ignore[assignment]
-            GROUP, VERSION, namespace, PLURAL
-        )
-        return list(listing.get("items") or [])
+        return self._list(
+            "weightsyncs", self.custom.list_namespaced_custom_object,
+            GROUP, VERSION, namespace, PLURAL,
+        )  # fmt: skip
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        """Replace the status (a JSON merge patch replaces lists whole)."""
-        self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, {"status": status}
-        )
+    def weightsyncs(self, namespace: str, indexes: Indexes | None) -> Sequence[Mapping[str, Any]]:
+        """The namespace's WeightSyncs from the watch (`indexes`), listed until it is bound."""
+        watched = indexes.weightsyncs(namespace) if indexes is not None else None
+        return watched if watched is not None else self.list_weightsyncs(namespace)
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """Replace the status (a JSON merge patch replaces lists whole); the object after."""
+        reply = self._call(
+            "patch", "weightsyncs/status", self.custom.patch_namespaced_custom_object_status,
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status},
+        )  # fmt: skip
+        after: dict[str, Any] = json.loads(reply)
+        return after
 
     # -- workloads -----------------------------------------------------------------
 
-    def _read(self, read: Any, name: str, namespace: str) -> dict[str, Any] | None:
-        try:
-            return self._plain(read(name, namespace))
-        except ApiException as error:
-            if error.status == NOT_FOUND:
-                return None
-            raise
+    def observe(
+        self, namespace: str, trainer: str, deployments: list[str], indexes: Indexes
+    ) -> World:
+        """The trainer StatefulSet, the Deployments, their ReplicaSets and their pods.
 
-    def observe(self, namespace: str, trainer: str, deployments: list[str]) -> World:
-        """The trainer StatefulSet, the Deployments, their ReplicaSets and their pods."""
-        statefulset = self._read(self.apps.read_namespaced_stateful_set, trainer, namespace)
+        Pods come from the watch (`indexes`) for every controller whose pod template
+        carries the inject label; the others' pods (no sidecar, reported) are listed.
+        """
+        statefulset = self._workload(indexes, "StatefulSet", namespace, trainer)
         found = {
-            name: self._read(self.apps.read_namespaced_deployment, name, namespace)
-            for name in deployments
+            name: self._workload(indexes, "Deployment", namespace, name) for name in deployments
         }
-        replicasets: dict[str, dict[str, Any]] = {}
-        pods: dict[str, dict[str, Any]] = {}
-        for name, deployment in found.items():
+        replicasets: dict[str, Mapping[str, Any]] = {}
+        for deployment in found.values():
             if deployment is None:
                 continue
-            selector = selector_string(deployment["spec"].get("selector"))
-            for rs in self.apps.list_namespaced_replica_set(
-                namespace, label_selector=selector
-            ).items:
-                plain = self._plain(rs)
-                replicasets[plain["metadata"]["uid"]] = plain
-            self._add_pods(pods, namespace, selector)
-            del name
-        if statefulset is not None:
-            self._add_pods(pods, namespace, selector_string(statefulset["spec"].get("selector")))
+            for rs in self._replicasets(indexes, namespace, deployment):
+                replicasets[rs["metadata"]["uid"]] = rs
+        owners = [*replicasets.values(), *([statefulset] if statefulset else [])]
+        pods: dict[str, Mapping[str, Any]] = {}
+        for owner in owners:
+            for pod in self._owned_pods(namespace, owner, indexes):
+                pods[pod["metadata"]["uid"]] = pod
         return World(statefulset, found, list(replicasets.values()), list(pods.values()))
 
-    def _add_pods(self, into: dict[str, dict[str, Any]], namespace: str, selector: str) -> None:
-        for pod in self.core.list_namespaced_pod(namespace, label_selector=selector).items:
-            plain = self._plain(pod)
-            into[plain["metadata"]["uid"]] = plain
+    def _workload(
+        self, indexes: Indexes, kind: str, namespace: str, name: str
+    ) -> Mapping[str, Any] | None:
+        watched = indexes.workload(kind, namespace, name)
+        if watched is not None:
+            return watched[0]
+        if kind == "StatefulSet":
+            return self._get(
+                "statefulsets", self.apps.read_namespaced_stateful_set, name, namespace
+            )
+        return self._get("deployments", self.apps.read_namespaced_deployment, name, namespace)
+
+    def _replicasets(
+        self, indexes: Indexes, namespace: str, deployment: Mapping[str, Any]
+    ) -> Sequence[Mapping[str, Any]]:
+        watched = indexes.replicasets_of(namespace, deployment["metadata"]["uid"])
+        if watched is not None:
+            return watched
+        selector = selector_string(deployment["spec"].get("selector"))
+        return self._list(
+            "replicasets", self.apps.list_namespaced_replica_set, namespace,
+            label_selector=selector,
+        )  # fmt: skip
+
+    def _owned_pods(
+        self, namespace: str, owner: Mapping[str, Any], indexes: Indexes
+    ) -> Sequence[Mapping[str, Any]]:
+        spec, status = owner.get("spec") or {}, owner.get("status") or {}
+        if not spec.get("replicas") and not status.get("replicas"):
+            return []  # a ReplicaSet of an old revision, scaled to nothing
+        if template_labelled(owner):
+            watched = indexes.pods_of(namespace, owner["metadata"]["uid"])
+            if watched is not None:
+                return watched
+        selector = selector_string(owner["spec"].get("selector"))
+        return self._list("pods", self.core.list_namespaced_pod, namespace, label_selector=selector)
 
     def replicaset_owner(self, namespace: str, name: str) -> str | None:
         """The Deployment that controls ReplicaSet `name`, if any (for the webhook)."""
-        rs = self._read(self.apps.read_namespaced_replica_set, name, namespace)
+        rs = self._get("replicasets", self.apps.read_namespaced_replica_set, name, namespace)
         for ref in (rs or {}).get("metadata", {}).get("ownerReferences") or []:
             if ref.get("controller") and ref.get("kind") == "Deployment":
                 return str(ref["name"])
@@ -155,56 +232,38 @@ class Kube:
             "type": "Opaque",
             "stringData": {names.TOKEN_KEY: token},
         }
-        self.core.patch_namespaced_secret(
-            name,
-            namespace,
-            body,
-            field_manager=self.FIELD_MANAGER,
-            force=True,
+        self._call(
+            "apply", "secrets", self.core.patch_namespaced_secret, name, namespace, body,
+            field_manager=self.FIELD_MANAGER, force=True,
             _content_type="application/apply-patch+yaml",
-        )
+        )  # fmt: skip
 
     # -- pods ----------------------------------------------------------------------
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         """Delete exactly this pod (a UID precondition spares a same-named replacement)."""
         try:
-            self.core.delete_namespaced_pod(
-                name,
-                namespace,
+            self._call(
+                "delete", "pods", self.core.delete_namespaced_pod, name, namespace,
                 body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
-            )
+            )  # fmt: skip
         except ApiException as error:
             if error.status not in (NOT_FOUND, CONFLICT):
                 raise
 
-    def set_pod_condition(
-        self,
-        namespace: str,
-        pod: str,
-        *,
-        kind: str,
-        status: str,
-        reason: str,
-        message: str,
-        since: str,
-    ) -> None:
-        """Set one pod condition (a strategic merge keyed by type leaves the others)."""
-        condition = {
-            "type": kind,
-            "status": status,
-            "reason": reason,
-            "message": message,
-            "lastTransitionTime": since,
-            "lastProbeTime": None,
-        }
-        try:
-            self.core.patch_namespaced_pod_status(
-                pod, namespace, {"status": {"conditions": [condition]}}
-            )
-        except ApiException as error:
-            if error.status != NOT_FOUND:  # the pod went away meanwhile: nothing to gate
-                raise
+
+def pod_condition(
+    *, kind: str, status: str, reason: str, message: str, since: str
+) -> dict[str, Any]:
+    """A pod condition as the API server stores it."""
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "lastProbeTime": None,
+    }
 
 
 def owner_reference(sync: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import kopf
 from weightsync.api import GROUP
 from weightsync.controller import handlers, metrics, names, tokens
 from weightsync.controller.agents import AgentClient
+from weightsync.controller.cache import Indexes
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube, load_config
 from weightsync.controller.reconcile import Reconciler
@@ -44,6 +45,23 @@ def agent_template(settings: OperatorSettings) -> AgentTemplate:
     )
 
 
+class OwnKindsDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base in our annotations, built only for our own kinds.
+
+    kopf builds a "last handled" essence (a deep copy of the object without its
+    status) on every event of every watched object, though only kinds with change
+    handlers use it. Ours are WeightSyncs; pods and workloads are watched for indexes
+    and events alone, and copying each pod's spec on each of a thousand events was a
+    sixth of the operator's time while a WeightSync scaled to 1,000 pods.
+    """
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        if not str(body.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            return kopf.BodyEssence()
+        essence: kopf.BodyEssence = super().build(body=body, extra_fields=extra_fields)
+        return essence
+
+
 def post_event(obj: Any, event: EventSpec) -> None:
     kopf.event(obj, type=event.type, reason=event.reason, message=event.message)
 
@@ -57,9 +75,7 @@ def configure_kopf(
     # Progress and the diff base in annotations under our prefix: the status schema is
     # strict (no x-kubernetes-preserve-unknown-fields), so kopf must not write there.
     persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
+    persistence.diffbase_storage = OwnKindsDiffBase(prefix=GROUP, key="last-handled-configuration")
     # Events: the reconcile posts its own (transitions, plans); kopf turns only warnings
     # and errors from handler logs into Events, so routine logs do not spam `describe`.
     kopf_settings.posting.enabled = True
@@ -112,12 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     token_key = tokens.load_key(kube.core, settings.namespace, settings.token_key_secret)
     agents = AgentClient(settings.agent_timeout_seconds)
     namespaces = args.namespace or list(settings.watch_namespaces)
+    indexes = Indexes()
     runtime = handlers.Runtime(
         settings=settings,
         kube=kube,
         agents=agents,
-        reconciler=Reconciler(kube, agents, settings, post_event, token_key),
+        reconciler=Reconciler(kube, agents, settings, post_event, token_key, indexes=indexes),
         template=agent_template(settings),
+        indexes=indexes,
         namespaces=tuple(namespaces),
     )
     registry = kopf.OperatorRegistry()

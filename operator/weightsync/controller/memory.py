@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
+from weightsync.controller.agents import AgentAddress
+from weightsync.controller.agentview import AgentView
+from weightsync.controller.gatesync import GateSync
 from weightsync.controller.recovery import Tracker
 
 
 @dataclass
 class Memory:
-    """Soft per-WeightSync state; losing it (a restart) costs at most a slower timeout."""
+    """Soft per-WeightSync state; losing it (a restart) costs at most a slower timeout
+    and one poll of every agent."""
 
     planned_at: dict[int, float] = field(default_factory=dict)
     cooldown: dict[str, float] = field(default_factory=dict)  # pod uid -> monotonic deadline
@@ -18,3 +23,13 @@ class Memory:
     poll_soon: bool = False  # the last pass left a recovery in flight
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass
     token_written_for: str | None = None  # the WeightSync uid whose token Secret was applied
+    agents: AgentView = field(default_factory=AgentView)  # the agents' latest answers
+    # What the drift timer's sweep polls: the last pass's agents and their token.
+    addresses: list[AgentAddress] = field(default_factory=list)
+    token: str = ""
+    watched: frozenset[str] = frozenset()  # pods a follow-up pass polls (recoveries)
+    gates: GateSync | None = None  # its gate writes, in the background of the passes
+    # The WeightSync's newest version a pass used, and the last status write: (the
+    # version it was made on, the object it returned). See `Reconciler._read`.
+    seen_version: str | None = None
+    written: tuple[str, dict[str, Any]] | None = None

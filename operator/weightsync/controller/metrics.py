@@ -24,8 +24,27 @@ RECONCILES = Counter(
 )
 RECONCILE_DURATION = Histogram(
     f"{PREFIX}_reconcile_duration_seconds",
-    "How long one reconcile pass took, agents' answers included.",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    "How long one reconcile pass took: deciding and writing (agents are polled apart,"
+    " see agent_poll_duration_seconds; newcomers' first answers are included).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 30),
+    registry=REGISTRY,
+)
+API_REQUESTS = Counter(
+    f"{PREFIX}_api_requests_total",
+    "Requests to the Kubernetes API server (watches aside), by verb (get, list, patch,"
+    " apply, delete), resource and result (ok, not_found, conflict, error, unreachable).",
+    ["verb", "resource", "result"],
+    registry=REGISTRY,
+)
+AGENT_POLL_DURATION = Histogram(
+    f"{PREFIX}_agent_poll_duration_seconds",
+    "How long one poll of a WeightSync's agents (GET /v1/status to each) took.",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+    registry=REGISTRY,
+)
+PLAN_BYTES = Counter(
+    f"{PREFIX}_plan_bytes_total",
+    "Bytes of membership plans sent to agents (PUT /v1/plan bodies).",
     registry=REGISTRY,
 )
 ADMISSIONS = Counter(
@@ -92,6 +111,17 @@ for _route in ("status", "plan", "recover"):
         AGENT_REQUESTS.labels(_route, _result)
 for _result in ("started", "done", "failed", "refused"):
     RECOVERIES.labels(_result)
+for _verb, _resource in (
+    ("get", "weightsyncs"),
+    ("patch", "weightsyncs/status"),
+    ("patch", "pods/status"),
+    ("list", "pods"),
+    ("get", "statefulsets"),
+    ("get", "deployments"),
+    ("list", "replicasets"),
+):
+    for _result in ("ok", "error", "unreachable"):
+        API_REQUESTS.labels(_verb, _resource, _result)
 
 
 def record_status(namespace: str, name: str, status: WeightSyncStatus) -> None:

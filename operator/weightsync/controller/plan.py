@@ -82,19 +82,25 @@ def desired_members(
     sources: Sequence[int] | None = None,
     excluded: Collection[str] = (),
     previous_engine: str | None = None,
+    unknown: Collection[str] = (),
 ) -> Desired:
     """The next generation's members: the trainer's source ranks (`sources`, by default
     the listed ones; in rank order: plan ranks 0..n-1, the lowest hosting the
     rendezvous), then every joinable sink.
 
-    `answering` names the pods whose agents answered `GET /v1/status` this pass;
+    `answering` names the pods whose agents answered `GET /v1/status` at their latest
+    poll; `unknown` those whose latest polls only timed out, lately: a member of the
+    planned group among them keeps its place (a slow answer is no evidence that it
+    left; dropping it would re-form the whole group), a newcomer waits for an answer.
     `excluded` names pods held out for a while (a failed plan delivery or a member that
     did not warm in time). Colocated groups have only the source member, and the
     engine it hands off to: the one planned before (`previous_engine`) while joinable.
     """
+    planned = {slot.pod for slot in previous}
 
     def eligible(pod: PodView) -> bool:
-        return pod.joinable and pod.name in answering and pod.name not in excluded
+        heard = pod.name in answering or (pod.name in unknown and pod.name in planned)
+        return pod.joinable and heard and pod.name not in excluded
 
     by_rank = {p.rank: p for p in pods if p.role is Role.SOURCE}
     members = []
@@ -161,9 +167,12 @@ def needs_new_generation(
 ) -> bool:
     """Whether the planned generation no longer describes the group the operator wants.
 
-    `planned_from_older_spec`: the spec changed since the group was planned (transfer
-    options, timeouts), and agents only learn those from a new plan. `planned_engine`:
-    the Colocated engine pod the planned generation hands off to.
+    `statuses`: the answers given since the planned generation was delivered; a member
+    with none is unknown, not cold, and no reason for a new generation (only a member
+    that answered without holding it is). `planned_from_older_spec`: the spec changed
+    since the group was planned (transfer options, timeouts), and agents only learn
+    those from a new plan. `planned_engine`: the Colocated engine pod the planned
+    generation hands off to.
     """
     if not desired.formable:
         return False
@@ -171,9 +180,38 @@ def needs_new_generation(
         return True
     if desired.engine_pod != planned_engine:
         return True
-    if slots(desired.members) != tuple(planned):
+    if not intact(planned, planned_generation, statuses):
         return True
-    return not all(holds(statuses.get(slot.pod), planned_generation, slot.rank) for slot in planned)
+    wanted = slots(desired.members)
+    if wanted == tuple(planned):
+        return False
+    # Only newcomers: they wait while the planned generation still forms, so that a
+    # scale-up forms a few generations, not one per pass (each is a new communicator
+    # for every member). They join the next one, planned once this one is warm.
+    only_newcomers = wanted[: len(planned)] == tuple(planned)
+    return not (only_newcomers and forming(planned, planned_generation, statuses))
+
+
+def forming(planned: Sequence[Slot], generation: int, statuses: Mapping[str, AgentStatus]) -> bool:
+    """Whether a member that answered (`statuses`) still forms `generation`."""
+    return any(
+        rank_state(statuses[slot.pod], generation, slot.rank) is GenerationState.FORMING
+        for slot in planned
+        if slot.pod in statuses
+    )
+
+
+def intact(
+    planned: Sequence[Slot], generation: int | None, statuses: Mapping[str, AgentStatus]
+) -> bool:
+    """Whether no member that answered (`statuses`) reports `generation` gone from it
+    (never received, broken, retired at its rank): the evidence a generation needs
+    before it is given up."""
+    if generation is None:
+        return False
+    return all(
+        holds(statuses[slot.pod], generation, slot.rank) for slot in planned if slot.pod in statuses
+    )
 
 
 def cold_members(
@@ -227,7 +265,8 @@ def build_plans(
     engine: PodView | None = None,
 ) -> list[MembershipPlan]:
     """One `MembershipPlan` per member (each addressed to its own rank); `engine`: the
-    Colocated inference pod the source hands off to."""
+    Colocated inference pod the source hands off to. Source ranks get the roster; sinks
+    a compact plan with their own entry (`MembershipPlan`: O(members) bytes in all)."""
     hosts = [p.ip for p in members]
     if any(host is None for host in hosts):
         raise ValueError("every member of a plan needs a pod IP")
@@ -241,22 +280,28 @@ def build_plans(
         timeout_seconds=float(spec.transfer.timeout_seconds),
         checksum=spec.transfer.checksum,
     )
-    holding = holder_ranks(spec, len(members), sum(p.role is Role.SOURCE for p in members))
+    sources = sum(p.role is Role.SOURCE for p in members)
+    holding = holder_ranks(spec, len(members), sources)
+    backend = backend_for(members)
+    rendezvous = Rendezvous(host=members[0].ip or "", port=rendezvous_port)
+    handoff = local_engine(spec, engine) if engine is not None else None
     return [
         MembershipPlan(
             sync_name=sync_name,
             generation=generation,
-            rank=rank,
-            backend=backend_for(members),
+            rank=member.rank,
+            backend=backend,
             mode=spec.mode,
-            rendezvous=Rendezvous(host=members[0].ip or "", port=rendezvous_port),
-            members=plan_members,
+            rendezvous=rendezvous,
+            members=plan_members if member.role is Role.SOURCE else [member],
+            world_size=len(members),
+            source_count=sources,
             transfer=transfer,
             prewarm_timeout_seconds=float(spec.prewarm.timeout_seconds),
-            holder=rank in holding,
-            local_engine=local_engine(spec, engine) if engine is not None else None,
+            holder=member.rank in holding,
+            local_engine=handoff,
         )
-        for rank in range(len(members))
+        for member in plan_members
     ]
 
 

@@ -1,22 +1,18 @@
 """One level-based reconcile pass over a WeightSync, and the per-object bookkeeping around it.
 
-A pass reads everything it acts on from the API server and the agents (nothing it
-decides depends on an earlier pass having run in this process):
+A pass reads what it acts on (nothing it decides depends on an earlier pass in this
+process): the WeightSync (the newest this process knows, `_read`), the other
+WeightSyncs, the workloads and their pods from the watches (`cache`), and the agents'
+latest `GET /v1/status` answers (`agentview`: swept by the drift timer, `resync`; new
+agents asked by the pass). It decides with the pure modules (`plan`, `readiness`,
+`recovery`, `status`) and acts: starts P2P recoveries of pods that are behind (held out
+of the group until done), delivers a new generation with `PUT /v1/plan` if membership
+changed, writes the status once, posts Events, then hands the readiness gates to a
+background writer (`gatesync`): status first, so `kubectl get wsync` never lags them.
 
-1. the WeightSync (spec, stored status) and the other WeightSyncs of its namespace;
-2. the trainer StatefulSet, the inference Deployments, their ReplicaSets and pods;
-3. the agents' `GET /v1/status` (token from the WeightSync's Secret, created if absent);
-
-then decides with the pure modules (`plan`, `readiness`, `recovery`, `status`) and acts:
-starts P2P recoveries of pods that are behind (`POST /v1/recover`, holding them out of
-the group until they are done), delivers a new generation with `PUT /v1/plan` if
-membership changed, sets each inference pod's readiness gate, writes the status once and
-posts Events for what changed.
-
-The only in-memory state is soft: when a generation was planned (for the pre-warm
-timeout; a restarted operator starts that clock again), which pods sit out a cooldown
-after a failed delivery or a pre-warm timeout, and each recovering pod's failures and
-reported attempts (a restart may report a finished recovery once more).
+Soft state only (`memory`): the agents' answers (a restart polls them again), when a
+generation was planned (a restart restarts the pre-warm clock), cooldowns, recovery
+trackers (a restart may report a finished recovery once more), gate writes in flight.
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
-from pydantic import ValidationError
-
 from weightsync.api import parse_weightsync, reasons
 from weightsync.api.base import utc_now
 from weightsync.api.control import AgentStatus
@@ -40,15 +34,20 @@ from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics, tokens
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.cache import Indexes, newest
+from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
 from weightsync.controller.kube import Kube, api_unavailable
 from weightsync.controller.memory import Memory
-from weightsync.controller.plan import (
-    Slot,
-    desired_members,
-)
+from weightsync.controller.plan import Desired, Slot, desired_members, intact
 from weightsync.controller.pods import EventPoster
-from weightsync.controller.readiness import Current, current_version, rounds_reach
+from weightsync.controller.problems import Problem, claimed, missing, stored_status
+from weightsync.controller.readiness import (
+    Current,
+    current_version,
+    gate_changes,
+    rounds_reach,
+)
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.scheduling import PassScheduler
 from weightsync.controller.settings import OperatorSettings
@@ -60,7 +59,6 @@ from weightsync.controller.status import (
 )
 from weightsync.controller.workloads import (
     PodView,
-    claim_conflicts,
     planned_sources,
     sync_pods,
 )
@@ -68,8 +66,7 @@ from weightsync.controller.workloads import (
 log = logging.getLogger(__name__)
 
 RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery running
-
-Problem = tuple[str, str]  # (reason, message) for Ready=False
+EVENT_PASS_DELAY_SECONDS = 0.5  # a pod event's pass waits this long for the rest of a burst
 
 
 class Outcome(StrEnum):
@@ -94,20 +91,6 @@ def log_pass_failure(what: str, error: Exception) -> None:
         log.error("%s failed", what, exc_info=error)
 
 
-def stored_status(raw: Mapping[str, Any]) -> WeightSyncStatus:
-    """The stored status, or an empty one if it does not parse (then it is rewritten whole)."""
-    try:
-        return WeightSyncStatus.model_validate(raw.get("status") or {})
-    except ValidationError:
-        log.warning("status of %s does not parse; rebuilding it", raw["metadata"]["name"])
-        return WeightSyncStatus()
-
-
-def _created(raw: Mapping[str, Any]) -> tuple[str, str]:
-    meta = raw["metadata"]
-    return (str(meta.get("creationTimestamp") or ""), str(meta.get("name") or ""))
-
-
 class Reconciler:
     """Runs passes, one at a time per WeightSync (`scheduling`), and follows recoveries up."""
 
@@ -118,15 +101,20 @@ class Reconciler:
         settings: OperatorSettings,
         post_event: EventPoster,
         token_key: bytes,
+        *,
+        indexes: Indexes | None = None,
     ) -> None:
         self.kube = kube
+        self.indexes = indexes or Indexes()
         self.agents = agents
         self.settings = settings
         self.token_key = token_key
         self.post_event = post_event
         self._memory: dict[tuple[str, str], Memory] = {}
         self.planner = Planner(agents, settings, post_event)
-        self._scheduler: PassScheduler[tuple[str, str], Result] = PassScheduler(self._measured)
+        self._scheduler: PassScheduler[tuple[str, str], Result] = PassScheduler(
+            self._measured, request_delay=EVENT_PASS_DELAY_SECONDS
+        )
         # Pods admitted meanwhile may have met no webhook of ours (`pods_to_recreate`).
         started = utc_now()
         self.webhook_settling = (
@@ -152,6 +140,8 @@ class Reconciler:
         await asyncio.sleep(RECOVERY_POLL_SECONDS)
         memory.poll = None  # this pass may schedule the next one
         try:
+            watched = [a for a in memory.addresses if a.pod in memory.watched]
+            await self.agents.poll(memory.agents, watched, memory.token)
             await self.run(namespace, name)
         except Exception as error:
             log_pass_failure(f"follow-up pass of {namespace}/{name}", error)
@@ -159,6 +149,21 @@ class Reconciler:
     async def run(self, namespace: str, name: str) -> Result:
         """The result of a pass that started after this call (see `scheduling`)."""
         return await self._scheduler.run((namespace, name))
+
+    def request(self, namespace: str, name: str) -> None:
+        """A pass soon, not waited for (pod events); a failure is logged."""
+        self._scheduler.request(
+            (namespace, name),
+            lambda key, error: log_pass_failure(f"pass for {key[0]}/{key[1]}", error),
+        )
+
+    async def resync(self, namespace: str, name: str) -> Result:
+        """The drift timer's tick: poll every agent the last pass knew (a *sweep*, apart
+        from the pass: sweeps never overlap, one timer tick at a time), then a pass."""
+        memory = self._memory.get((namespace, name))
+        if memory is not None and memory.addresses:
+            await self.agents.poll(memory.agents, memory.addresses, memory.token, sweep=True)
+        return await self.run(namespace, name)
 
     async def _measured(self, key: tuple[str, str]) -> Result:
         namespace, name = key
@@ -182,29 +187,35 @@ class Reconciler:
     # -- the pass --------------------------------------------------------------------
 
     async def _pass(self, namespace: str, name: str, memory: Memory) -> Result:
-        raw = await asyncio.to_thread(self.kube.get_weightsync, namespace, name)
+        raw = await self._read(namespace, name, memory)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             return Result(Outcome.GONE)
         generation = int(raw["metadata"].get("generation") or 0)
         old = stored_status(raw)
         try:
-            sync = parse_weightsync(raw)
+            # Without the status: `old` has it, and its members are a thousand models.
+            sync = parse_weightsync({k: v for k, v in raw.items() if k != "status"})
         except WeightSyncInvalidError as error:
             message = reasons.INVALID_SPEC_MESSAGE.format(errors=error)
             await self._problem(raw, old, generation, (reasons.INVALID_SPEC, message))
             return Result(Outcome.INVALID, message)
-        problem = await self._spec_problem(namespace, raw, sync)
+        listing = self.indexes.weightsyncs(namespace)
+        if listing is None:  # no handler has bound the watch's index yet
+            listing = await asyncio.to_thread(self.kube.list_weightsyncs, namespace)
+        problem = claimed(raw, sync, listing)
         if problem is not None:
             await self._problem(raw, old, generation, problem)
             return Result(Outcome.INVALID, problem[1])
         spec = sync.spec
         trainer = spec.trainer.stateful_set_ref.name
         deployments = [entry.deployment_ref.name for entry in spec.inference]
-        world = await asyncio.to_thread(self.kube.observe, namespace, trainer, deployments)
-        missing = self._missing(world.statefulset, world.deployments, trainer)
-        if missing is not None:
-            await self._problem(raw, old, generation, missing)
-            return Result(Outcome.WAITING, missing[1])
+        world = await asyncio.to_thread(
+            self.kube.observe, namespace, trainer, deployments, self.indexes
+        )
+        absent = missing(world.statefulset, world.deployments, trainer)
+        if absent is not None:
+            await self._problem(raw, old, generation, absent)
+            return Result(Outcome.WAITING, absent[1])
         token = tokens.derive(self.token_key, namespace, sync.metadata.name or "")
         uid = raw["metadata"]["uid"]
         if memory.token_written_for != uid:  # once per WeightSync object (and per restart)
@@ -214,51 +225,17 @@ class Reconciler:
         await pod_actions.recreate_uninjected(
             self.kube, self.post_event, raw, pods, self.webhook_settling
         )
-        statuses, errors = await self.agents.statuses(self._addresses(pods), token)
-
-        now = time.monotonic()
-        memory.cooldown = {uid: t for uid, t in memory.cooldown.items() if t > now}
-        excluded = {p.name for p in pods if p.uid in memory.cooldown}
+        statuses, errors = await self._answers(pods, token, memory)
         sources = planned_sources(sync, world, pods)
-        recovering = await self._recover(
+        desired, (planned, planned_generation, plan_errors), timed_out = await self._group(
             raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources
-        )
-        excluded |= recovering.held_out
-        previous = [Slot(m.rank, m.pod, m.role) for m in old.members]
-        # Colocated: the engine pod the planned group feeds, as its source agent says.
-        planned_source = next((s.pod for s in previous if s.role is Role.SOURCE), None)
-        source_status = statuses.get(planned_source) if planned_source else None
-        planned_engine = source_status.local_engine if source_status else None
-        desired = desired_members(
-            spec,
-            pods,
-            statuses.keys(),
-            previous,
-            sources=sources,
-            excluded=excluded,
-            previous_engine=planned_engine,
-        )
-        planned, planned_generation, plan_errors = await self.planner.plan(
-            raw,
-            sync,
-            (old, previous, planned_engine),
-            desired,
-            statuses,
-            token=token,
-            memory=memory,
-        )
-        timed_out = self.planner.prewarm_timed_out(
-            sync, (planned, planned_generation), statuses, pods, memory
         )
 
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
         current = current_version(source, Current(old.current_version, old.lineage))
         # Colocated engines are no members: the source loads them whatever the generation.
         reached = None if spec.mode is SyncMode.COLOCATED else rounds_reach(source, statuses)
-        await pod_actions.set_gates(
-            self.kube, namespace, pods, statuses=statuses, errors=errors, current=current,
-            reached=reached,
-        )  # fmt: skip
+        gates = gate_changes(pods, statuses, errors, current, reached)
         observation = Observation(
             spec=spec,
             metadata_generation=generation,
@@ -275,8 +252,86 @@ class Reconciler:
         )
         new = observed_status(old, observation, utc_now())
         await self._write(raw, old, new)
+        # Status first, then the gates, written in the background: the next pass need
+        # not wait for a thousand of them (`gatesync`).
+        if memory.gates is None:
+            memory.gates = GateSync(self.kube.gates, namespace)
+        memory.gates.submit(pods, gates)
         metrics.record_status(namespace, name, new)
         return Result(Outcome.OK)
+
+    async def _read(self, namespace: str, name: str, memory: Memory) -> Mapping[str, Any] | None:
+        """The WeightSync as stored, from the watch when it holds the newest version this
+        process knows of (`cache.newest`), else by a GET: the status a pass rewrites is
+        never older than its own last write."""
+        watched = self.indexes.weightsync(namespace, name)
+        found = newest(watched[0] if watched else None, memory.seen_version, memory.written)
+        if found is None:
+            found = await asyncio.to_thread(self.kube.get_weightsync, namespace, name)
+        memory.seen_version = found["metadata"].get("resourceVersion") if found else None
+        return found
+
+    async def _answers(
+        self, pods: list[PodView], token: str, memory: Memory
+    ) -> tuple[dict[str, AgentStatus], dict[str, str]]:
+        """The agents' latest answers (`agentview`), new pods' asked now; one set for the
+        whole pass, whatever a sweep records meanwhile."""
+        addresses = self._addresses(pods)
+        view = memory.agents
+        view.retain({a.pod for a in addresses})
+        memory.addresses, memory.token = addresses, token
+        newcomers = set(view.unpolled(a.pod for a in addresses))
+        await self.agents.poll(view, [a for a in addresses if a.pod in newcomers], token)
+        return dict(view.statuses), dict(view.errors)
+
+    async def _group(
+        self,
+        raw: Mapping[str, Any],
+        sync: WeightSync,
+        pods: list[PodView],
+        seen: tuple[dict[str, AgentStatus], WeightSyncStatus],
+        *,
+        token: str,
+        memory: Memory,
+        sources: list[int],
+    ) -> tuple[Desired, tuple[list[Slot], int | None, dict[str, str]], bool]:
+        """Recoveries, then the members wanted (`sources`: the trainer ranks), the
+        generation planned (a new one if the group must change), and whether it is past
+        its pre-warm timeout."""
+        statuses, old = seen
+        spec, view, now = sync.spec, memory.agents, time.monotonic()
+        memory.cooldown = {uid: t for uid, t in memory.cooldown.items() if t > now}
+        excluded = {p.name for p in pods if p.uid in memory.cooldown}
+        recovering = await self._recover(
+            raw, sync, pods, seen, token=token, memory=memory, sources=sources
+        )
+        excluded |= recovering.held_out
+        previous = [Slot(m.rank, m.pod, m.role) for m in old.members]
+        # Answers to requests sent since the planned generation was delivered: the only
+        # evidence about it (all of them after a restart: it was delivered before).
+        evidence = view.since(memory.planned_at.get(old.group_generation or 0))
+        # Members whose polls time out keep their places while nothing shows the group
+        # broken; once it is, a new generation without them is due anyway.
+        unknown = (
+            view.unknown(now, float(spec.prewarm.timeout_seconds))
+            if intact(previous, old.group_generation, evidence)
+            else frozenset()
+        )
+        # Colocated: the engine pod the planned group feeds, as its source agent says.
+        planned_source = next((s.pod for s in previous if s.role is Role.SOURCE), None)
+        source_status = statuses.get(planned_source) if planned_source else None
+        planned_engine = source_status.local_engine if source_status else None
+        desired = desired_members(
+            spec, pods, statuses.keys(), previous, sources=sources,
+            excluded=excluded, previous_engine=planned_engine, unknown=unknown,
+        )  # fmt: skip
+        planned = await self.planner.plan(
+            raw, sync, (old, previous, planned_engine), desired, statuses,
+            evidence=evidence, token=token, memory=memory,
+        )  # fmt: skip
+        evidence = view.since(memory.planned_at.get(planned[1] or 0))
+        timed_out = self.planner.prewarm_timed_out(sync, planned[:2], evidence, pods, memory)
+        return desired, planned, timed_out
 
     async def _recover(
         self,
@@ -310,45 +365,8 @@ class Reconciler:
             default_port=self.settings.agent_http_port,
         )
         memory.poll_soon = recovering.in_flight
+        memory.watched = recovering.watched
         return recovering
-
-    async def _spec_problem(
-        self, namespace: str, raw: Mapping[str, Any], sync: WeightSync
-    ) -> Problem | None:
-        """What the CRD cannot check: claims by older WeightSyncs."""
-        listing = await asyncio.to_thread(self.kube.list_weightsyncs, namespace)
-        older = []
-        for other in listing:
-            if _created(other) >= _created(raw):
-                continue
-            try:
-                older.append(parse_weightsync(other))
-            except WeightSyncInvalidError:
-                continue  # an invalid WeightSync syncs nothing, so it claims nothing
-        conflicts = claim_conflicts(sync, older)
-        if conflicts:
-            message = reasons.WORKLOAD_CLAIMED_MESSAGE.format(conflicts="; ".join(conflicts))
-            return reasons.WORKLOAD_CLAIMED, message
-        return None
-
-    @staticmethod
-    def _missing(
-        statefulset: Mapping[str, Any] | None,
-        deployments: Mapping[str, Mapping[str, Any] | None],
-        trainer: str,
-    ) -> Problem | None:
-        if statefulset is None:
-            return (
-                reasons.TRAINER_NOT_FOUND,
-                reasons.TRAINER_NOT_FOUND_MESSAGE.format(name=trainer),
-            )
-        for name, deployment in deployments.items():
-            if deployment is None:
-                return (
-                    reasons.DEPLOYMENT_NOT_FOUND,
-                    reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
-                )
-        return None
 
     def _addresses(self, pods: list[PodView]) -> list[AgentAddress]:
         return [
@@ -367,12 +385,16 @@ class Reconciler:
         self, raw: Mapping[str, Any], old: WeightSyncStatus, new: WeightSyncStatus
     ) -> None:
         """Write the status if it changed, then post Events for the transitions."""
-        if new == old and raw.get("status") == new.to_k8s():
-            return
+        body = new.to_k8s()
+        if raw.get("status") == body:
+            return  # what is stored already; `old` was parsed from it: no transitions
         meta = raw["metadata"]
-        await asyncio.to_thread(
-            self.kube.patch_status, meta["namespace"], meta["name"], new.to_k8s()
+        after = await asyncio.to_thread(
+            self.kube.patch_status, meta["namespace"], meta["name"], body
         )
+        memory = self._memory.get((meta["namespace"], meta["name"]))
+        if memory is not None:
+            memory.written = (str(meta.get("resourceVersion")), after)
         for event in transition_events(old, new):
             self.post_event(raw, event)
 
@@ -380,5 +402,5 @@ class Reconciler:
 
     async def release(self, namespace: str, raw: Mapping[str, Any]) -> None:
         """On deletion: open the readiness gates the WeightSync held, so no pod stays stuck."""
-        await pod_actions.release(self.kube, namespace, raw)
+        await pod_actions.release(self.kube, namespace, raw, self.indexes)
         self.forget(namespace, raw["metadata"]["name"])

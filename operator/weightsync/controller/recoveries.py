@@ -7,6 +7,7 @@ generation, and whether a recovery is in flight (the reconciler then polls soone
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ MIN_RECOVERY_TIMEOUT_SECONDS = 120.0
 class RecoveryPass:
     held_out: frozenset[str]  # pod names not to plan yet
     in_flight: bool  # a recovery runs or waits for its backoff: poll again soon
+    watched: frozenset[str] = frozenset()  # the pods whose progress the follow-up polls
 
 
 def finished_event(pod: str, finished: RecoveryStatus, retry: float) -> EventSpec:
@@ -111,23 +113,30 @@ async def run_recoveries(
         default_port=default_port,
     )
     held_out: set[str] = set()
-    in_flight = False
+    watched: set[str] = set()
+    starts = []
     for decision in decisions:
         tracker = trackers[decision.pod.uid] = decision.tracker
         _report(decision, post_event, raw)
         if decision.step is Step.START and current.version is not None:
-            pod = decision.pod
-            address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
-            request = request_for(spec, current, decision.holders)
-            answer = await agents.recover(address, request, token)
-            _started(
-                pod.name, request, answer, tracker=tracker, post_event=post_event, raw=raw, now=now
-            )
+            starts.append((decision.pod, tracker))
         if decision.step is not Step.ADMIT:
-            in_flight = True
+            watched.add(decision.pod.name)
             if not decision.in_group:
                 held_out.add(decision.pod.name)
-    return RecoveryPass(frozenset(held_out), in_flight=in_flight)
+
+    async def start(pod: PodView, tracker: Tracker) -> None:
+        address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
+        request = request_for(spec, current, holders_for[pod.name])
+        answer = await agents.recover(address, request, token)
+        _started(
+            pod.name, request, answer, tracker=tracker, post_event=post_event, raw=raw, now=now
+        )
+
+    holders_for = {d.pod.name: d.holders for d in decisions}
+    # A scale-up brings many pods to recover at once: ask them all together.
+    await asyncio.gather(*(start(pod, tracker) for pod, tracker in starts))
+    return RecoveryPass(frozenset(held_out), in_flight=bool(watched), watched=frozenset(watched))
 
 
 def _report(decision: Decision, post_event: EventPoster, raw: Mapping[str, Any]) -> None:

@@ -228,10 +228,13 @@ def plan_recoveries(
     if not enabled_for(spec, current):
         return []
     decisions = []
+    # Once per pass, not once per pod: a thousand pods made this a million checks.
+    holding = holders_of(current, pods, statuses, default_port, excluding="")
     for pod in pods:
         if pod.role is not Role.SINK or not pod.joinable:
             continue
-        holders = holders_of(current, pods, statuses, default_port, excluding=pod.name)
+        own = agent_url(pod, default_port)
+        holders = [url for url in holding if url != own]
         decisions.append(
             decide(
                 pod,

@@ -25,12 +25,30 @@ class _Lane(Generic[R]):
     requested: int = 0  # requests so far
     served: int = 0  # requests the last finished pass covers
     result: R | None = None
+    queued: asyncio.Task[None] | None = None  # a requested pass that has not started yet
 
 
 class PassScheduler(Generic[K, R]):
-    def __init__(self, run_pass: Callable[[K], Awaitable[R]]) -> None:
+    def __init__(self, run_pass: Callable[[K], Awaitable[R]], request_delay: float = 0.0) -> None:
         self._run_pass = run_pass
+        self._request_delay = request_delay
         self._lanes: dict[K, _Lane[R]] = {}
+
+    def request(self, key: K, failed: Callable[[K, Exception], None]) -> None:
+        """A pass for `key` that starts after this call, without waiting for it; its
+        failure goes to `failed`."""
+        lane = self._lanes.setdefault(key, _Lane())
+        if lane.queued is not None:
+            return  # a pass that has not started yet covers this request too
+
+        async def follow() -> None:
+            await asyncio.sleep(self._request_delay)  # what else the burst brings
+            try:
+                await self.run(key)
+            except Exception as error:
+                failed(key, error)
+
+        lane.queued = asyncio.get_running_loop().create_task(follow(), name=f"pass {key}")
 
     async def run(self, key: K) -> R:
         """A pass for `key` that started after this call, or its result."""
@@ -38,6 +56,8 @@ class PassScheduler(Generic[K, R]):
         lane.requested += 1
         ticket = lane.requested
         async with lane.lock:
+            if lane.queued is asyncio.current_task():
+                lane.queued = None  # from here on, a request needs another pass
             if lane.served >= ticket and lane.result is not None:
                 return lane.result  # a pass that started after our request has finished
             covers = lane.requested

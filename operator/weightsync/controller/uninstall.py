@@ -30,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import names
 from weightsync.controller import pods as pod_actions
+from weightsync.controller.cache import Indexes
 from weightsync.controller.kube import Kube, load_config
 
 log = logging.getLogger("weightsync.uninstall")
@@ -93,7 +94,14 @@ def let_go(kube: Kube, sync: dict[str, Any]) -> None:
     """Open the WeightSync's gates and drop the operator's finalizer (nothing else)."""
     meta = sync["metadata"]
     namespace, name = meta["namespace"], meta["name"]
-    asyncio.run(pod_actions.release(kube, namespace, sync))
+
+    async def release() -> None:
+        try:  # no watches here: the pods are listed
+            await pod_actions.release(kube, namespace, sync, Indexes())
+        finally:
+            await kube.gates.close()  # its session belongs to this loop
+
+    asyncio.run(release())
     finalizers = list(meta.get("finalizers") or [])
     if names.FINALIZER in finalizers:
         kept = [f for f in finalizers if f != names.FINALIZER]

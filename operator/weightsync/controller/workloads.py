@@ -231,6 +231,13 @@ def pods_to_recreate(
     return list(found.values())
 
 
+def template_labelled(owner: Obj) -> bool:
+    """Whether a controller's pod template opts its pods in (the inject label)."""
+    template = (owner.get("spec") or {}).get("template") or {}
+    labels = (template.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(names.INJECT_LABEL) == names.INJECT_VALUE)
+
+
 def has_agent(pod: Obj) -> bool:
     spec = pod.get("spec") or {}
     containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]

@@ -85,3 +85,49 @@ def test_valid_plan_defaults() -> None:
 def test_invalid_plans(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         MembershipPlan.model_validate(plan(**overrides))
+
+
+def test_a_compact_plan_carries_this_member_and_the_group_size() -> None:
+    compact = MembershipPlan.model_validate(
+        plan(
+            rank=2,
+            members=[{"rank": 2, "pod": "infer-b", "host": "10.0.0.3", "role": "sink"}],
+            world_size=3,
+            source_count=1,
+        )
+    )
+    assert (compact.me.pod, compact.world_size, compact.source_count) == ("infer-b", 3, 1)
+    assert not compact.has_roster
+    assert MembershipPlan.model_validate(plan()).has_roster
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (  # no sizes: a lone sink entry is no roster
+            {"rank": 2, "members": [{"rank": 2, "pod": "b", "host": "h", "role": "sink"}]},
+            "must give world_size",
+        ),
+        (  # somebody else's entry
+            {
+                "rank": 2,
+                "world_size": 3,
+                "source_count": 1,
+                "members": [{"rank": 1, "pod": "b", "host": "h", "role": "sink"}],
+            },
+            "own entry",
+        ),
+        (  # a sink at a source rank
+            {
+                "rank": 1,
+                "world_size": 3,
+                "source_count": 2,
+                "members": [{"rank": 1, "pod": "b", "host": "h", "role": "sink"}],
+            },
+            "disagree",
+        ),
+    ],
+)
+def test_invalid_compact_plans(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        MembershipPlan.model_validate(plan(**overrides))

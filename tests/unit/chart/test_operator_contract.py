@@ -259,10 +259,15 @@ _CLUSTER_KINDS = {
 
 
 def api_calls_in_controller() -> set[tuple[str, str, str]]:
-    """(group, resource, verb) of every client method named in weightsync.controller."""
+    """(group, resource, verb) of every client method named in weightsync.controller, and
+    of the requests a module sends past the client (its `API_CALLS`)."""
     calls = set()
     for path in sorted((ROOT / "operator" / "weightsync" / "controller").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "API_CALLS" for t in node.targets
+            ):
+                calls.update(ast.literal_eval(node.value))
             if not isinstance(node, ast.Attribute):
                 continue
             match = _CLIENT_METHOD.match(node.attr)

@@ -15,6 +15,7 @@ from weightsync.controller.plan import (
     build_plans,
     cold_members,
     desired_members,
+    intact,
     needs_new_generation,
     next_generation,
     slots,
@@ -231,7 +232,11 @@ def test_plans_are_valid_control_messages_addressed_to_each_rank() -> None:
     )
     assert [p.rank for p in plans] == [0, 1, 2]
     first = plans[0]
-    assert all(p.members == first.members for p in plans)
+    # The source gets the roster; a sink only its own entry, the group's size and the
+    # rendezvous: a generation's plans are O(members) bytes in all.
+    assert [p.has_roster for p in plans] == [True, False, False]
+    assert [(p.world_size, p.source_count) for p in plans] == [(3, 1)] * 3
+    assert [p.members for p in plans[1:]] == [[first.members[1]], [first.members[2]]]
     assert [(m.pod, m.host, m.role) for m in first.members] == [
         ("trainer-0", "10.0.0.9", Role.SOURCE),
         ("e-1", "10.0.1.1", Role.SINK),
@@ -316,3 +321,50 @@ def test_every_source_rank_joins_first_in_rank_order() -> None:
     waiting = desired_members(spec, pods, answering - {"trainer-2"}, [])
     assert not waiting.formable
     assert "trainer rank 2" in waiting.waiting_for
+
+
+def test_a_thousand_sinks_cost_kilobytes_not_megabytes_of_plans() -> None:
+    members = [source_view(), *(sink_view(f"engine-{i}", ip=f"10.1.{i // 250}.{i % 250}")
+                                for i in range(1000))]  # fmt: skip
+    plans = build_plans(
+        sync_name="ns/sync", spec=sync().spec, generation=2, members=members,
+        rendezvous_port=29470,
+    )  # fmt: skip
+    total = sum(len(plan.model_dump_json()) for plan in plans)
+    assert total < 2_000_000  # each sink carrying the roster was 80 MB
+    assert len(plans[0].model_dump_json()) > 50 * len(plans[1].model_dump_json())
+
+
+def test_a_member_whose_poll_timed_out_keeps_its_place_a_newcomer_waits() -> None:
+    _desired, planned, statuses = group_of_three()
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2"), sink_view("e-3")]
+    silent = {"e-1", "e-3"}
+    answering = {p.name for p in pods} - silent
+    kept = desired_members(sync().spec, pods, answering, planned, unknown=silent)
+    assert names_of(kept.members) == ["trainer-0", "e-1", "e-2"]  # e-3 is no member yet
+    assert not needs_new_generation(kept, planned, 4, {k: statuses[k] for k in answering - {"e-3"}})
+    # Without the benefit of the doubt, e-1 would be dropped and the group re-formed.
+    dropped = desired_members(sync().spec, pods, answering, planned)
+    assert names_of(dropped.members) == ["trainer-0", "e-2"]
+
+
+def test_only_an_answer_shows_a_generation_gone() -> None:
+    _, planned, statuses = group_of_three()
+    assert intact(planned, 4, statuses)
+    assert intact(planned, 4, {})  # nobody answered since: no evidence
+    restarted = {**statuses, "e-1": agent("e-1")}
+    assert not intact(planned, 4, restarted)
+    assert not intact(planned, None, statuses)
+
+
+def test_newcomers_wait_while_the_planned_generation_still_forms() -> None:
+    _, planned, statuses = group_of_three()
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2"), sink_view("e-3")]
+    grown = desired_members(sync().spec, pods, {p.name for p in pods}, planned)
+    assert names_of(grown.members) == ["trainer-0", "e-1", "e-2", "e-3"]
+    forming = {**statuses, "e-1": agent("e-1", generations={4: (F, 1)})}
+    assert not needs_new_generation(grown, planned, 4, forming)  # e-3 joins the next one
+    assert needs_new_generation(grown, planned, 4, statuses)  # warm everywhere: now
+    # A member lost is no reason to wait.
+    shrunk = desired_members(sync().spec, pods[:2], {"trainer-0", "e-1"}, planned)
+    assert needs_new_generation(shrunk, planned, 4, forming)

@@ -77,3 +77,27 @@ def test_a_failed_pass_fails_its_caller_and_the_waiters_get_a_pass_of_their_own(
         assert len(passes.started) == 2
 
     asyncio.run(scenario())
+
+
+def test_requests_return_at_once_and_one_queued_pass_stands_for_all_of_them() -> None:
+    async def scenario() -> None:
+        passes = Passes()
+        failures: list[str] = []
+        scheduler: PassScheduler[str, tuple[str, int]] = PassScheduler(passes)
+        running = asyncio.create_task(scheduler.run("a"))
+        await asyncio.sleep(0)
+        passes.world = 1  # a thousand pod events while that pass runs
+        for _ in range(1000):
+            scheduler.request("a", lambda key, error: failures.append(key))
+        passes.release.set()
+        await running
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert passes.started == [0, 1]  # one more pass, and it saw the change
+        passes.fail_next = True
+        scheduler.request("a", lambda key, error: failures.append(key))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert failures == ["a"]
+
+    asyncio.run(scenario())

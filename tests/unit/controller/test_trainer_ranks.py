@@ -184,3 +184,15 @@ def test_an_uninjected_pod_of_several_ranks_is_recreated_once() -> None:
 
     again = pods_to_recreate(views, created, timedelta(seconds=60))
     assert [v.pod_name for v in again] == ["trainer-0"]
+
+
+def test_the_watch_keeps_what_the_ranks_of_a_pod_are_read_from() -> None:
+    from weightsync.controller.cache import slim_pod
+
+    paths = {"spec.trainer.sourceRanks": ["all"]}
+    spec = sync(**paths)
+    injected = _running(_inject(trainer_pod(0, gpus=2), **paths), "10.0.0.1")
+    missed = trainer_pod(1, gpus=2)  # the webhook was away: ranks from its GPUs
+    whole = sync_pods(spec, _world(injected, missed))
+    assert len(whole) == 4
+    assert sync_pods(spec, _world(slim_pod(injected), slim_pod(missed))) == whole

@@ -1,0 +1,1 @@
+"""The operator at scale: a harness on the local cluster (`make scale`)."""

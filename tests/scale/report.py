@@ -1,0 +1,91 @@
+"""The scale run's figures and the table it prints, each row beside the issue's target."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MB = 1_000_000
+
+
+@dataclass
+class Figures:
+    pods: int
+    start: int
+    running_seconds: float = 0.0  # scale-up until every engine pod is Running
+    members_after_running: float = 0.0  # ... until the status lists every member
+    gates_after_running: float = 0.0  # ... until every gate is True
+    steady_from: float = 0.0
+    steady_until: float = 0.0
+    round_detection: list[float] = field(default_factory=list)  # a round -> status shows it
+    passes: list[float] = field(default_factory=list)  # at `pods`, rounds running
+    shared_passes: int = 0
+    close: dict[str, float] = field(default_factory=dict)
+    open: dict[str, float] = field(default_factory=dict)
+    slow: dict[str, Any] = field(default_factory=dict)
+    slow_window: tuple[float, float] = (0.0, 0.0)
+    slow_passes: list[float] = field(default_factory=list)
+    rss_peak: int = 0
+    rss_after: int = 0
+    plan_bytes: dict[int, int] = field(default_factory=dict)  # by generation
+    plans: dict[int, int] = field(default_factory=dict)  # plans delivered, by generation
+    operator_log_tracebacks: int = 0
+    floor: dict[str, float] = field(default_factory=dict)  # the API server's own pace
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s"
+
+
+def rows(f: Figures) -> list[tuple[str, str, str]]:
+    """(figure, measured, target) for the report."""
+    p50 = statistics.median(f.passes) if f.passes else float("nan")
+    worst = max(f.passes, default=float("nan"))
+    largest = max(f.plan_bytes.values(), default=0)
+    total = sum(f.plan_bytes.values())
+    detection = max(f.round_detection, default=float("nan"))
+    slow = f.slow
+    return [
+        ("engine pods Running after the scale-up", _seconds(f.running_seconds), ""),
+        ("status shows every member, after the last pod is Running",
+         _seconds(f.members_after_running), "<= 5 s"),
+        ("every gate True, after the last pod is Running", _seconds(f.gates_after_running), ""),
+        (f"reconcile pass p50 / max ({len(f.passes)} passes, {f.shared_passes} shared)",
+         f"{p50:.3f} / {worst:.3f} s", "<= 0.2 / 2 s"),
+        ("version flip: operator noticed -> last gate (close / open)",
+         f"{f.close.get('reach', 0):.2f} / {f.open.get('reach', 0):.2f} s", "<= 2 s"),
+        (f"... floor: {int(f.floor.get('patches', 0))} pod status patches straight from the"
+         " harness", _seconds(f.floor.get("seconds", 0.0)), ""),
+        ("version flip: flip -> operator noticed (close / open)",
+         f"{f.close.get('noticed', 0):.2f} / {f.open.get('noticed', 0):.2f} s", ""),
+        ("version flip: flip -> status shows it (close / open)",
+         f"{f.close.get('status', 0):.2f} / {f.open.get('status', 0):.2f} s", ""),
+        ("round -> status shows its version (worst of the steady rounds)", _seconds(detection), ""),
+        (f"plan bytes per generation, largest ({len(f.plan_bytes)} generations, {total / MB:.1f} MB"
+         " in all)", f"{largest / MB:.2f} MB", "<= 2 MB"),
+        ("operator RSS, peak / after scaling in",
+         f"{f.rss_peak / MB:.0f} / {f.rss_after / MB:.0f} MB", "<= 300 MB"),
+        ("agents slowed past the poll timeout for 30 s: generations planned",
+         str(slow.get("generations", "?")), "0"),
+        ("... fewest members in the status meanwhile", str(slow.get("fewest_members", "?")),
+         str(f.pods + 1)),
+        ("... Ready and every gate back, after the agents are",
+         _seconds(slow.get("ready_after", 0)), ""),
+        ("... reconcile pass max meanwhile", _seconds(max(f.slow_passes, default=0.0)), ""),
+        ("tracebacks in the operator's log", str(f.operator_log_tracebacks), "0"),
+    ]  # fmt: skip
+
+
+def table(f: Figures) -> str:
+    lines = [
+        f"one WeightSync, {f.start} -> {f.pods} inference pods",
+        "",
+        "| figure | measured | target |",
+        "|---|---|---|",
+    ]
+    lines.extend(f"| {name} | {value} | {target} |" for name, value, target in rows(f))
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""The agents' latest answers: what counts as evidence about a generation, who is unknown."""
+
+from __future__ import annotations
+
+from tests.unit.controller.builders import agent
+from weightsync.controller.agentview import AgentView, silent
+from weightsync.controller.status import listing
+
+
+def test_each_pod_keeps_its_latest_poll_answer_or_error() -> None:
+    view = AgentView()
+    view.record({"a": agent("a"), "b": agent("b")}, {}, asked_at=1.0)
+    view.record({}, {"a": "TimeoutError"}, asked_at=2.0)
+    assert set(view.statuses) == {"b"}
+    assert view.errors == {"a": "TimeoutError"}
+    assert view.unpolled(["a", "b", "c"]) == ["c"]
+    view.retain({"b"})
+    assert view.unpolled(["a", "b"]) == ["a"]
+
+
+def test_only_answers_asked_after_a_delivery_are_evidence_about_it() -> None:
+    view = AgentView()
+    view.record({"a": agent("a")}, {}, asked_at=1.0)
+    view.record({"b": agent("b")}, {}, asked_at=3.0)
+    assert set(view.since(2.0)) == {"b"}
+    assert set(view.since(None)) == {"a", "b"}  # delivered before this process started
+
+
+def test_a_silent_agent_is_unknown_for_a_while_a_refusal_is_no_silence() -> None:
+    view = AgentView()
+    view.record({"a": agent("a")}, {}, asked_at=0.0)
+    view.record({}, {"a": "TimeoutError", "b": "HTTP 401 unauthorized"}, asked_at=10.0)
+    view.record({}, {"a": "TimeoutError"}, asked_at=20.0)
+    assert view.unknown(now=30.0, keep_seconds=60.0) == {"a"}  # silent since 10 s
+    assert view.unknown(now=80.0, keep_seconds=60.0) == frozenset()
+    view.record({"a": agent("a")}, {}, asked_at=85.0)
+    view.record({}, {"a": "TimeoutError"}, asked_at=90.0)
+    assert view.unknown(now=100.0, keep_seconds=60.0) == {"a"}  # a new silence
+    assert silent("ServerTimeoutError: read")
+    assert silent("ServerDisconnectedError")
+    assert not silent("HTTP 401 unauthorized")
+    assert not silent("unexpected reply to GET http://a/v1/status: 2 errors")
+
+
+def test_messages_name_a_few_and_count_the_rest() -> None:
+    assert listing(["a", "b"]) == "a, b"
+    assert listing([f"p{i}" for i in range(1000)]) == "p0, p1, p2, p3, p4 and 995 more"

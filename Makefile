@@ -35,7 +35,7 @@ test-cluster: setup
 test-e2e: setup
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
-chaos: setup  ## the seeded fault matrix on the real node: 100 faults (CI runs 4), report printed
+chaos: setup  ## the seeded fault matrix on the real node: 100 faults (CI runs 12), report printed
 	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} $(PY) -m pytest -m e2e tests/e2e/test_chaos.py -s $(PYTEST_ARGS)
 
 scale: setup  ## one WeightSync grown to 1,000 KWOK pods (agents: a load generator); prints a table

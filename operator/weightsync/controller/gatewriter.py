@@ -62,10 +62,13 @@ class GateWriter:
         return self._state
 
     def _headers(self) -> dict[str, str]:
+        """The official client's own header auth (`auth_settings`): in a pod the token is
+        kept as `BearerToken`, from a kubeconfig as `authorization` (a lookup of the
+        latter alone sent in-cluster requests anonymous: 403 on every gate)."""
         headers = {"Content-Type": "application/strategic-merge-patch+json"}
-        token = self._configuration.get_api_key_with_prefix("authorization")
-        if token:
-            headers["Authorization"] = token
+        for setting in self._configuration.auth_settings().values():
+            if setting.get("in") == "header" and setting.get("value"):
+                headers[str(setting["key"]).title()] = str(setting["value"])
         return headers
 
     async def set_condition(self, namespace: str, pod: str, condition: dict[str, Any]) -> None:

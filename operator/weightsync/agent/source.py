@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Protocol
 
@@ -35,13 +35,11 @@ from weightsync.agent.rounds import (
     RoundOutcome,
     naming_peers,
 )
-from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, bucket_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
 from weightsync.transfer.handoff import Pieces
 from weightsync.transfer.layout import Bucket, BucketLayout
-from weightsync.transfer.shards import RankReport, ShardPlan, staging_bound
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +57,6 @@ class FillChannel(Protocol):
         agent reallocated them; raise `RoundFailed`."""
 
 
-# Sharded rounds: the slots for the round's layout and staging bytes, and their new
-# handles when they had to be reallocated (the Publisher maps them).
-Resize = Callable[[BucketLayout, int], tuple[BucketSlots, SlotHandles | None]]
-
-
 class SourceRound(RankRound):
     def __init__(
         self,
@@ -79,9 +72,6 @@ class SourceRound(RankRound):
         holder: Holder | None = None,
         hold_from: Mapping[str, torch.Tensor] | None = None,
         deadline: float | None = None,
-        report: RankReport | None = None,
-        plans: ShardPlans | None = None,
-        resize: Resize | None = None,
     ) -> None:
         super().__init__(generation, generation.take_seq(), slots.device, deadline)
         self.layout = layout
@@ -95,10 +85,6 @@ class SourceRound(RankRound):
         # The tensors being published, when this agent maps them: the holder copies from
         # them beside the broadcast instead of from each slot before its reuse.
         self.hold_from = hold_from
-        # Several source ranks: what this one holds, and where the round's plan is made.
-        self.report = report
-        self.plans = plans or ShardPlans()
-        self.resize = resize
         self.checksum = generation.plan.transfer.checksum
         self.lane = (
             EngineLane(engine_timeout_seconds, self.trace, self.deadline) if local_engine else None
@@ -110,6 +96,7 @@ class SourceRound(RankRound):
         return self.lane.error if self.lane is not None else None
 
     async def _announce(self, reports: list[str] | None = None) -> None:
+        """Ring the doorbell: the round's header (and its layout, once per generation)."""
         ctl = self.group.ctl
         header = RoundHeader(
             seq=self.seq,
@@ -192,104 +179,6 @@ class SourceRound(RankRound):
         self.trace.mark("streamed")
         return checksums
 
-    async def _start_sharded(self, report: RankReport) -> ShardPlan:
-        """Offer this rank's report; the lead gathers every rank's, plans, and rings the
-        doorbell; the others follow its header. The round's plan, the same on every rank,
-        and its layout (the whole model's) becomes this round's."""
-        group, seq, transfer = self.group, self.seq, self.generation.plan.transfer
-        await offer_report(group, seq, report, self.generation.reports_sent)
-        started = self.trace.now()
-        if self.me.rank == 0:
-            digests, missing = await gather_reports(
-                group, self.generation.plan, seq, self.deadline, self.failure_key
-            )
-            if missing is not None:
-                # Rung anyway (the round is flagged failed by then): the sinks take this
-                # round's number and stay in step. Secondhand here: the note in the missing
-                # rank's name says who.
-                await self._announce(digests)
-                raise RoundFailed("timeout", missing.describe(), Stage.TIMEOUT)
-            plan = await self.plans.get(group, digests, transfer.bucket_size_bytes)
-            self.layout = plan.layout
-            await self._announce(digests)
-        else:
-            # The lead rings by the deadline, a missing rank or not: wait a grace longer.
-            until = self.deadline + FAILURE_GRACE_SECONDS
-            header = await follow_header(group, self.generation.plan, seq, until, self.failure_key)
-            if "" in header.reports:  # secondhand: the lead wrote the missing rank's note
-                raise RoundFailed("peer_failed", "a source rank did not publish this round")
-            if header.version != self.version:
-                raise RoundFailed(
-                    "sources_disagree",
-                    f"source rank 0 publishes version {header.version}, this rank"
-                    f" {self.version}: every source rank publishes the same step",
-                )
-            if len(header.reports) <= self.me.rank or header.reports[self.me.rank] != report.digest:
-                raise RoundFailed("sources_disagree", "the round's header lacks this rank's report")
-            plan = await self.plans.get(
-                group, header.reports, transfer.bucket_size_bytes, header.layout_hash
-            )
-            self.layout = plan.layout
-        self.trace.add("reports", started)
-        return plan
-
-    async def _stream_sharded(self, report: RankReport) -> list[int]:
-        """The buckets of a round with several source ranks: each bucket is a few
-        broadcasts, one per segment from its owner; this rank fills its own pieces first.
-        Every source rank assembles the full bucket too (the lead's checksums, holders)."""
-        try:
-            plan = await self._start_sharded(report)
-        except RoundFailed as exc:
-            # Before any collective: the other ranks cannot go on without this one, and
-            # wait on the round's failure key. Fail it hard (this rank's note, the key).
-            self.error = exc
-            raise TransferError(exc.reason, str(exc)) from exc
-        new_handles = None
-        if self.resize is not None:
-            staging = staging_bound(self.layout, self.generation.plan.source_count)
-            self.slots, new_handles = self.resize(self.layout, staging)
-        routes = self.plans.routes(plan, self.slots.slots)
-        transport, depth, rank = self.group.transport, len(self.slots.slots), self.me.rank
-        pending: deque[tuple[Bucket, list[dist.Work | None]]] = deque()
-        checksums: list[int] = []
-
-        async def complete(bucket: Bucket, works: list[dist.Work | None]) -> None:
-            for work in works:
-                await self._wait_sent(work, "slot_wait")
-            slot_index = bucket.index % depth
-            if routes.staged:
-                await self.group.run(partial(routes.place, bucket.index, slot_index))
-            view = self.slots.slots[slot_index][: bucket.nbytes]
-            if self.checksum and rank == 0:
-                checksums.append(await self.group.run(partial(bucket_checksum, view)))
-            if self.holder is not None:
-                await self.holder.stage(self.version, self.layout, bucket, view, depth)
-
-        for bucket in self.layout.buckets:
-            slot_index = bucket.index % depth
-            if len(pending) == depth:
-                await complete(*pending.popleft())
-            pieces = routes.fill_offsets(bucket.index, rank)
-            if pieces and self._round_error() is None:
-                started = self.trace.now()
-                try:
-                    await self.channel.fill(bucket.index, slot_index, pieces, new_handles)
-                    new_handles = None
-                except RoundFailed as exc:
-                    self.error = exc
-                self.trace.add("fill", started)
-            started = self.trace.now()
-            works = [
-                await self.group.run(partial(transport.start_bucket, view, owner))
-                for owner, view in routes.sends(bucket.index, slot_index)
-            ]
-            self.trace.add("issue", started)
-            pending.append((bucket, works))
-        while pending:
-            await complete(*pending.popleft())
-        self.trace.mark("streamed")
-        return checksums
-
     async def _wait_sent(self, work: dist.Work | None, phase: str) -> None:
         if work is None:
             return
@@ -331,10 +220,7 @@ class SourceRound(RankRound):
             engine, lane = self.local_engine, self.lane
             if engine is not None and lane is not None:
                 lane.submit("begin", "engine_begin", lambda: engine.begin_update(self.version))
-            if self.report is None:
-                checksums = await self._stream()
-            else:
-                checksums = await self._stream_sharded(self.report)
+            checksums = await self._stream()
             if self.checksum and self.me.rank == 0:
                 payload = json.dumps(checksums)
                 await self.group.run(lambda: self.group.ctl.set(checksum_key(self.seq), payload))

@@ -3,8 +3,9 @@
 A round enters here from the Publisher's socket (`agent.handoff_server`), chooses the
 newest warm generation (telling older ones to switch), checks that the Publisher's
 layout and slots still hold, attaches the Colocated engine to the slots when they
-change, and runs one `SourceRound`. Its start and end go in the `RoundBook`, as a
-sink's do from the `SinkLoop`.
+change, and runs one `SourceRound` (a `ShardedSourceRound` when the plan has several
+source ranks). Its start and end go in the `RoundBook`, as a sink's do from the
+`SinkLoop`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from weightsync.agent.packing import SourcePacker
 from weightsync.agent.round_book import RoundBook
 from weightsync.agent.rounds import RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans, report_of
+from weightsync.agent.sharded_source import ShardedSourceRound
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.control import GenerationState, LocalEngine
@@ -217,26 +219,43 @@ class SourceLoop:
         if packer is not None and group is not None:
             channel = packer.channel(slots.slots, group.run)
         self.book.started(generation)
-        runner = SourceRound(
-            generation,
-            layout,
-            slots,
-            request.version,
-            channel,
-            lineage=request.lineage,
-            local_engine=engine,
-            engine_timeout_seconds=self.engine_timeout,
-            # Several source ranks each see the whole version; the lead holds it (by
-            # default), the others only when the plan asks.
-            holder=self.holder
-            if sources == 1 or generation.plan.rank == 0 or generation.plan.holder
-            else None,
-            hold_from=packer.by_name if packer is not None else None,
-            deadline=deadline,
-            report=self._report(layout, generation.plan.rank) if sources > 1 else None,
-            plans=self.plans,
-            resize=partial(self._resize, transfer.pipeline_depth),
-        )
+        # Several source ranks each see the whole version; the lead holds it (by default),
+        # the others only when the plan asks.
+        holds = sources == 1 or generation.plan.rank == 0 or generation.plan.holder
+        holder = self.holder if holds else None
+        hold_from = packer.by_name if packer is not None else None
+        runner: SourceRound
+        if sources == 1:
+            runner = SourceRound(
+                generation,
+                layout,
+                slots,
+                request.version,
+                channel,
+                lineage=request.lineage,
+                local_engine=engine,
+                engine_timeout_seconds=self.engine_timeout,
+                holder=holder,
+                hold_from=hold_from,
+                deadline=deadline,
+            )
+        else:
+            runner = ShardedSourceRound(
+                generation,
+                layout,
+                slots,
+                request.version,
+                channel,
+                report=self._report(layout, generation.plan.rank),
+                plans=self.plans,
+                resize=partial(self._resize, transfer.pipeline_depth),
+                lineage=request.lineage,
+                local_engine=engine,
+                engine_timeout_seconds=self.engine_timeout,
+                holder=holder,
+                hold_from=hold_from,
+                deadline=deadline,
+            )
         return await runner.run()
 
     def _report(self, layout: BucketLayout, rank: int) -> RankReport:

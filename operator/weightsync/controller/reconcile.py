@@ -42,12 +42,7 @@ from weightsync.controller.memory import Memory
 from weightsync.controller.plan import Desired, Slot, desired_members, intact
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
-from weightsync.controller.readiness import (
-    Current,
-    current_version,
-    gate_changes,
-    rounds_reach,
-)
+from weightsync.controller.readiness import Current, current_version, gate_changes, rounds_reach
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.scheduling import PassScheduler
 from weightsync.controller.settings import OperatorSettings
@@ -57,11 +52,7 @@ from weightsync.controller.status import (
     problem_status,
     transition_events,
 )
-from weightsync.controller.workloads import (
-    PodView,
-    planned_sources,
-    sync_pods,
-)
+from weightsync.controller.workloads import PodView, planned_sources, sync_pods
 
 log = logging.getLogger(__name__)
 

@@ -174,7 +174,7 @@ class Demo:
     def install_chart(self) -> None:
         helm = str(self.cluster.bin_dir / "helm")
         with self.console.step("helm install weightsync (operator, CRDs, webhook, dashboards)"):
-            subprocess.run(
+            installed = subprocess.run(
                 [
                     helm, "upgrade", "--install", "weightsync", str(CHART),
                     "--namespace", SYSTEM_NAMESPACE, "--create-namespace",
@@ -189,14 +189,31 @@ class Demo:
                     "--set", "operator.resyncSeconds=1",
                     "--wait", "--timeout", f"{int(OPERATOR_UP_SECONDS)}s",
                 ],
-                check=True, capture_output=True, text=True, timeout=OPERATOR_UP_SECONDS + 30,
+                check=False, capture_output=True, text=True, timeout=OPERATOR_UP_SECONDS + 30,
             )  # fmt: skip
+            if installed.returncode != 0:
+                detail = f"{installed.stderr.strip()}\n{self.system_state()}"
+                raise DemoError(f"helm install failed: {detail}")
             eventually(
                 self._webhook_registered,
                 timeout=OPERATOR_UP_SECONDS,
                 interval=1,
                 message="the operator registered its webhooks",
             )
+
+    def system_state(self) -> str:
+        """The release namespace's pods and events and the node's condition: what a failed
+        install is read from."""
+        parts = []
+        for args in (
+            ("get", "pods", "-n", SYSTEM_NAMESPACE, "-o", "wide"),
+            ("describe", "pods", "-n", SYSTEM_NAMESPACE),
+            ("get", "events", "-n", SYSTEM_NAMESPACE, "--sort-by=.lastTimestamp"),
+            ("describe", "nodes"),
+        ):
+            result = self.cluster.kubectl(*args, check=False)
+            parts.append(f"$ kubectl {' '.join(args)}\n{result.stdout}{result.stderr}")
+        return "\n".join(parts)
 
     def operator_may(self, verb: str, resource: str, namespace: str) -> bool:
         """`kubectl auth can-i` as the operator's ServiceAccount."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from tests.engines_real.rig import trainer
 from tests.integration.contract import ContractConfig, apply_plan
 from tests.integration.stack import free_port, stack
+from tests.support.eventually import eventually
 from weightsync.api.control import Backend
 from weightsync.client import Publisher
 from weightsync.engines.reference.model import LlamaForCausalLM, randomize
@@ -42,5 +43,10 @@ def publish_versions(
                 randomize(model, seed=3000 + version)
                 result = publisher.publish(model.named_parameters(), version=version)
                 assert result.ok, result
-                assert sink.status().version == version
+                # The sink books its commit just after the vote the source returns on.
+                eventually(
+                    lambda v=version: sink.status().version == v,
+                    timeout=10,
+                    message=f"the sink agent reports version {version}",
+                )
                 check(model, version)

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,10 @@ STACK_WARM_SECONDS = 300.0
 ROUND_SECONDS = 120.0
 SETTLE_ROUNDS = 60  # extra steps, at most, until the replacement is back and in sync
 SETTLE_PAUSE_SECONDS = 2.0
+# The node's copy of the images and its containers: 14 GB at the demo's peak (measured
+# 2026-11-25). Short of that, kubelets stop starting containers and every later step
+# times out waiting for pods: refuse up front instead.
+NODE_DISK_BYTES = 16 << 30
 
 
 class DemoError(RuntimeError):
@@ -162,6 +167,7 @@ class Demo:
             slow_hint="; the first run compiles Kubernetes from source, about 10 minutes",
         ):
             self.cluster.bin_dir = build_binaries()
+        self.check_disk()
         with self.console.step("Starting the local control plane and its node"):
             self.cluster.up()
         self.console.say(f"KUBECONFIG={self.cluster.kubeconfig}")
@@ -170,6 +176,21 @@ class Demo:
             slow_hint="; the first run downloads torch's wheels and builds, about 8 minutes",
         ):
             result.images = images.ensure_images(self.cluster.node.containerd_address)
+
+    def check_disk(self) -> None:
+        """Refuse to start a node that cannot hold its images (see NODE_DISK_BYTES)."""
+        where = next(
+            p for p in (self.cluster.state_dir, *self.cluster.state_dir.parents) if p.exists()
+        )
+        free = shutil.disk_usage(where).free
+        kept = self.cluster.node.dir / "containerd" / "root"  # a kept node imports little
+        if free < NODE_DISK_BYTES and not kept.exists():
+            raise DemoError(
+                f"{free / 2**30:.1f} GiB free under {where}; the demo's node needs about"
+                f" {NODE_DISK_BYTES >> 30} GiB for its images and containers (a demo left"
+                f" by `make demo` keeps its node's images in {DEMO_DIR} after `make"
+                " demo-down`: remove that folder once it is down)"
+            )
 
     def install_chart(self) -> None:
         helm = str(self.cluster.bin_dir / "helm")

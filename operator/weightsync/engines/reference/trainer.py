@@ -55,6 +55,9 @@ class StepReport:
     generation: int | None = None
     duration_seconds: float = 0.0
     bytes: int = 0
+    # The Publisher's lineage: a restarted trainer starts a new one, and its versions
+    # count from 1 again (the WeightSync's status.lineage says which one it serves).
+    lineage: str = ""
 
 
 class Trainer:
@@ -99,7 +102,9 @@ class Trainer:
                         self.model.named_parameters(), version=self.version
                     )
             except PublisherError as error:
-                report = StepReport(self.version, False, error.reason, str(error))
+                report = StepReport(
+                    self.version, False, error.reason, str(error), lineage=self.publisher.lineage
+                )
             else:
                 report = StepReport(
                     result.version,
@@ -109,6 +114,7 @@ class Trainer:
                     result.generation,
                     result.duration_seconds,
                     result.bytes,
+                    self.publisher.lineage,
                 )
             self.last = report
             log.info("step %d published: %s", self.version, report)

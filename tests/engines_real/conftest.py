@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines_real import install, servers
+# The helpers hold assertions of their own: rewritten, a failure shows its values.
+pytest.register_assert_rewrite("tests.engines_real.agents", "tests.engines_real.rig")
+
+from tests.engines_real import install, servers  # noqa: E402 (after the rewrite hook)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

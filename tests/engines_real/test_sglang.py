@@ -6,8 +6,6 @@ last, which kills it.
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from tests.engines_real.replay_real import replay
 from tests.engines_real.rig import (
     PROMPT,
     Rig,
+    killed_mid_round,
     plan_buckets,
     post_empty,
     post_json,
@@ -183,22 +182,4 @@ def test_every_recorded_exchange_matches_the_real_server(sglang_server: EngineSe
 def test_engine_killed_mid_round_fails_the_round(
     sglang_server: EngineServer, rig: Callable[..., Rig]
 ) -> None:
-    old, new = trainer(41), trainer(42)
-    link = rig()
-    link.run(link.sync(state(old), 41))
-    buckets = plan_buckets(state(new))
-
-    async def round_() -> None:
-        await link.adapter.begin_update(42)
-        await link.load(buckets[:1])
-        os.killpg(sglang_server.process.pid, signal.SIGKILL)
-        with pytest.raises(EngineError) as caught:
-            await link.load(buckets[1:])
-        assert caught.value.reason == "unreachable"
-        with pytest.raises(EngineError):
-            await link.adapter.abort_update(42, "engine gone")
-
-    link.run(round_())
-    health = link.run(link.adapter.health())
-    assert not health.healthy
-    assert health.version is None
+    killed_mid_round(sglang_server, rig())

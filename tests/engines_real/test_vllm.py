@@ -11,8 +11,6 @@ vLLM keeps as loaded (embedding, norms, lm_head); greedy output checks the rest.
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from tests.engines_real.rig import (
     PROMPT,
     Rig,
     get_json,
+    killed_mid_round,
     plan_buckets,
     post_json,
     reference_tokens,
@@ -185,22 +184,4 @@ def test_every_recorded_exchange_matches_the_real_server(vllm_server: EngineServ
 def test_engine_killed_mid_round_fails_the_round(
     vllm_server: EngineServer, rig: Callable[..., Rig]
 ) -> None:
-    old, new = trainer(41), trainer(42)
-    link = rig()
-    link.run(link.sync(state(old), 41))
-    buckets = plan_buckets(state(new))
-
-    async def round_() -> None:
-        await link.adapter.begin_update(42)
-        await link.load(buckets[:1])
-        os.killpg(vllm_server.process.pid, signal.SIGKILL)
-        with pytest.raises(EngineError) as caught:
-            await link.load(buckets[1:])
-        assert caught.value.reason == "unreachable"
-        with pytest.raises(EngineError):
-            await link.adapter.abort_update(42, "engine gone")
-
-    link.run(round_())
-    health = link.run(link.adapter.health())
-    assert not health.healthy
-    assert health.version is None
+    killed_mid_round(vllm_server, rig())

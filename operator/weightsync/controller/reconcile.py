@@ -78,6 +78,8 @@ def log_pass_failure(what: str, error: Exception) -> None:
     API server is away (the next pass retries), the traceback for anything else."""
     if api_unavailable(error):
         log.warning("%s: the API server is unavailable (%s); the next pass retries", what, error)
+    elif isinstance(error, TimeoutError):  # `scheduling.PASS_TIMEOUT_SECONDS`
+        log.warning("%s: stuck, cancelled; the next pass retries", what)
     else:
         log.error("%s failed", what, exc_info=error)
 

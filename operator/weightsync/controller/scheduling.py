@@ -15,6 +15,11 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+# A pass takes up to ~3 s at 1,000 pods and each of its API and agent calls has a
+# timeout of its own; one still running after this is stuck, and would hold every later
+# pass of its object behind it: it is cancelled (TimeoutError to its callers).
+PASS_TIMEOUT_SECONDS = 120.0
+
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 
@@ -29,9 +34,15 @@ class _Lane(Generic[R]):
 
 
 class PassScheduler(Generic[K, R]):
-    def __init__(self, run_pass: Callable[[K], Awaitable[R]], request_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        run_pass: Callable[[K], Awaitable[R]],
+        request_delay: float = 0.0,
+        pass_timeout: float = PASS_TIMEOUT_SECONDS,
+    ) -> None:
         self._run_pass = run_pass
         self._request_delay = request_delay
+        self._pass_timeout = pass_timeout
         self._lanes: dict[K, _Lane[R]] = {}
 
     def request(self, key: K, failed: Callable[[K, Exception], None]) -> None:
@@ -61,7 +72,9 @@ class PassScheduler(Generic[K, R]):
             if lane.served >= ticket and lane.result is not None:
                 return lane.result  # a pass that started after our request has finished
             covers = lane.requested
-            result = await self._run_pass(key)  # an exception reaches this caller only
+            # An exception (a stuck pass's TimeoutError too) reaches this caller only.
+            async with asyncio.timeout(self._pass_timeout):  # runs the pass in this task
+                result = await self._run_pass(key)
             lane.served, lane.result = covers, result
             return result
 

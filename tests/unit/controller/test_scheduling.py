@@ -101,3 +101,19 @@ def test_requests_return_at_once_and_one_queued_pass_stands_for_all_of_them() ->
         assert failures == ["a"]
 
     asyncio.run(scenario())
+
+
+def test_a_stuck_pass_is_cancelled_and_the_next_one_runs() -> None:
+    # A pass that never returns (a request on a connection an API-server restart left
+    # dangling) must not hold every later pass of its object behind it.
+    async def scenario() -> None:
+        passes = Passes()
+        scheduler: PassScheduler[str, tuple[str, int]] = PassScheduler(passes, pass_timeout=0.05)
+        with pytest.raises(TimeoutError):
+            await scheduler.run("a")  # `release` never set: stuck
+        passes.world = 1
+        passes.release.set()
+        assert await scheduler.run("a") == ("a", 1)
+        assert passes.started == [0, 1]
+
+    asyncio.run(scenario())

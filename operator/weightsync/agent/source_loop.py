@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -224,38 +225,28 @@ class SourceLoop:
         holds = sources == 1 or generation.plan.rank == 0 or generation.plan.holder
         holder = self.holder if holds else None
         hold_from = packer.by_name if packer is not None else None
-        runner: SourceRound
-        if sources == 1:
-            runner = SourceRound(
-                generation,
-                layout,
-                slots,
-                request.version,
-                channel,
-                lineage=request.lineage,
-                local_engine=engine,
-                engine_timeout_seconds=self.engine_timeout,
-                holder=holder,
-                hold_from=hold_from,
-                deadline=deadline,
-            )
-        else:
-            runner = ShardedSourceRound(
-                generation,
-                layout,
-                slots,
-                request.version,
-                channel,
+        # Several source ranks: the same round, plus the report exchange and owners' sends.
+        make: Callable[..., SourceRound] = SourceRound
+        if sources > 1:
+            make = partial(
+                ShardedSourceRound,
                 report=self._report(layout, generation.plan.rank),
                 plans=self.plans,
                 resize=partial(self._resize, transfer.pipeline_depth),
-                lineage=request.lineage,
-                local_engine=engine,
-                engine_timeout_seconds=self.engine_timeout,
-                holder=holder,
-                hold_from=hold_from,
-                deadline=deadline,
             )
+        runner = make(
+            generation,
+            layout,
+            slots,
+            request.version,
+            channel,
+            lineage=request.lineage,
+            local_engine=engine,
+            engine_timeout_seconds=self.engine_timeout,
+            holder=holder,
+            hold_from=hold_from,
+            deadline=deadline,
+        )
         return await runner.run()
 
     def _report(self, layout: BucketLayout, rank: int) -> RankReport:

@@ -358,6 +358,7 @@ def diagnosis(
                 f" ip {pod['status'].get('podIP')} serves {served} {conditions}"
             )
     parts.append("operator log tail:\n" + operator.output()[-6000:])
+    parts.append("operator tasks:\n" + operator.task_dump()[-20000:])
     for name, text in pod_logs(cluster, namespace).items():
         parts.append(f"log {name} tail:\n{text[-3000:]}")
     return "\n".join(parts)

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -129,6 +130,15 @@ class OperatorProcess:
                 }:
                     return float(sample.value)
         return 0.0
+
+    def task_dump(self) -> str:
+        """Where each of the operator's asyncio tasks is suspended (`taskdump`, SIGUSR1)."""
+        if self.popen is None or self.popen.poll() is not None:
+            return "(the operator is not running)"
+        before = len(self.output())
+        os.kill(self.popen.pid, signal.SIGUSR1)
+        time.sleep(1.0)  # the loop logs it on its next turn
+        return self.output()[before:]
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

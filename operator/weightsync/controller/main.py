@@ -10,6 +10,7 @@ credentials from the pod's ServiceAccount, or KUBECONFIG outside a cluster.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import kopf
 
 from weightsync.api import GROUP
-from weightsync.controller import handlers, metrics, names, tokens
+from weightsync.controller import handlers, metrics, names, taskdump, tokens
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.cache import Indexes
 from weightsync.controller.injection import AgentTemplate
@@ -141,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     registry = kopf.OperatorRegistry()
     handlers.register(registry, runtime)
     server = build_server(kube.core, settings)
+
+    @kopf.on.startup(registry=registry)
+    async def dump_tasks_on_sigusr1(**_: Any) -> None:
+        taskdump.install(asyncio.get_running_loop())
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:

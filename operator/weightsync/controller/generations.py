@@ -73,6 +73,7 @@ class Planner:
             evidence,
             planned_from_older_spec=older_spec,
             planned_engine=planned_engine,
+            abandoned=memory.abandoned is not None and memory.abandoned == old.group_generation,
         ):
             return planned, old.group_generation, {}
         number = next_generation(old.group_generation, statuses)
@@ -166,10 +167,16 @@ class Planner:
         if now - since < sync.spec.prewarm.timeout_seconds:
             return False
         cold = cold_members(planned, generation, evidence)
+        if not cold or memory.abandoned == generation:
+            return bool(cold)
+        # Once per generation: cooling its cold members down again on every pass kept
+        # them out for good when all sinks were cold (no group formable, so no new
+        # generation, so the same timeout again): the operator stopped planning at all.
+        memory.abandoned = generation
         uids = {p.name: p.uid for p in pods}
         for slot in cold:
             # The source never cools down: without it no generation could be planned at
             # all, and the trainer would wait on a group that never forms.
             if slot.pod in uids and slot.role is not Role.SOURCE:
                 memory.cooldown[uids[slot.pod]] = now + sync.spec.prewarm.timeout_seconds
-        return bool(cold)
+        return True

@@ -19,6 +19,9 @@ class Memory:
 
     planned_at: dict[int, float] = field(default_factory=dict)
     cooldown: dict[str, float] = field(default_factory=dict)  # pod uid -> monotonic deadline
+    # The planned generation given up on at its pre-warm timeout: its cold members sat
+    # out once (not again on every pass), and the next formable group is a new generation.
+    abandoned: int | None = None
     recoveries: dict[str, Tracker] = field(default_factory=dict)  # by pod uid
     poll_soon: bool = False  # the last pass left a recovery in flight
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass

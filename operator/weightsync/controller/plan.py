@@ -164,6 +164,7 @@ def needs_new_generation(
     *,
     planned_from_older_spec: bool = False,
     planned_engine: str | None = None,
+    abandoned: bool = False,
 ) -> bool:
     """Whether the planned generation no longer describes the group the operator wants.
 
@@ -172,11 +173,13 @@ def needs_new_generation(
     that answered without holding it is). `planned_from_older_spec`: the spec changed
     since the group was planned (transfer options, timeouts), and agents only learn
     those from a new plan. `planned_engine`: the Colocated engine pod the planned
-    generation hands off to.
+    generation hands off to. `abandoned`: the planned generation passed its pre-warm
+    timeout with cold members; once a group is formable again (their sit-out over), it
+    is planned anew, even with the same members: a retry, not a wait on a dead one.
     """
     if not desired.formable:
         return False
-    if planned_generation is None or planned_from_older_spec:
+    if planned_generation is None or planned_from_older_spec or abandoned:
         return True
     if desired.engine_pod != planned_engine:
         return True

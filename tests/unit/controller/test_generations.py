@@ -1,0 +1,64 @@
+"""The pre-warm timeout: cold members sit out once, then the group is planned anew."""
+
+from __future__ import annotations
+
+import time
+
+from tests.unit.controller.builders import agent, sink_view, source_view, sync
+from weightsync.api.control import GenerationState
+from weightsync.api.v1alpha1 import Role
+from weightsync.controller.generations import Planner
+from weightsync.controller.memory import Memory
+from weightsync.controller.plan import desired_members, needs_new_generation, slots
+
+B, A = GenerationState.BROKEN, GenerationState.ACTIVE
+TIMEOUT = 60
+
+
+def test_all_sinks_cold_at_the_timeout_sit_out_once_then_the_group_is_planned_anew() -> None:
+    """The chaos matrix's stuck operator: every sink's agent reported the planned
+    generation broken past its pre-warm timeout, so every sink sat out; with no sink no
+    group was formable, so no new generation was planned, so the next pass found the
+    same generation timed out and benched the sinks again, for good."""
+    spec = sync(spec__prewarm__timeoutSeconds=TIMEOUT).spec
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2", ip="10.0.1.2")]
+    answering = {p.name for p in pods}
+    planned = list(slots(desired_members(spec, pods, answering, []).members))
+    statuses = {
+        "trainer-0": agent("trainer-0", Role.SOURCE, generations={19: (A, 0)}),
+        "e-1": agent("e-1", generations={19: (B, 1)}),
+        "e-2": agent("e-2", generations={19: (B, 2)}),
+    }
+    memory = Memory(planned_at={19: time.monotonic() - TIMEOUT - 1})
+    parsed = sync(spec__prewarm__timeoutSeconds=TIMEOUT)
+
+    assert Planner.prewarm_timed_out(parsed, (planned, 19), statuses, pods, memory)
+    benched = dict(memory.cooldown)
+    assert set(benched) == {"uid-e-1", "uid-e-2"}  # the source never sits out
+    excluded = {p.name for p in pods if p.uid in benched}
+    waiting = desired_members(spec, pods, answering, planned, excluded=excluded)
+    assert not waiting.formable  # nothing to plan while they sit out
+    assert not needs_new_generation(waiting, planned, 19, statuses, abandoned=True)
+
+    # Later passes still see generation 19 timed out, and bench nobody again.
+    memory.cooldown = {uid: time.monotonic() - 1 for uid in benched}  # the sit-out is over
+    assert Planner.prewarm_timed_out(parsed, (planned, 19), statuses, pods, memory)
+    assert all(deadline < time.monotonic() for deadline in memory.cooldown.values())
+    back = desired_members(spec, pods, answering, planned)
+    assert back.formable
+    assert needs_new_generation(back, planned, 19, statuses, abandoned=True)
+
+
+def test_a_timed_out_generation_whose_members_still_form_it_is_retried() -> None:
+    """Cold but holding (stuck forming): the same members get a new generation once
+    their sit-out ends, rather than waiting on the old one forever."""
+    spec = sync().spec
+    pods = [source_view(), sink_view("e-1")]
+    desired = desired_members(spec, pods, {p.name for p in pods}, [])
+    planned = list(slots(desired.members))
+    forming = {
+        "trainer-0": agent("trainer-0", Role.SOURCE, generations={7: (A, 0)}),
+        "e-1": agent("e-1", generations={7: (GenerationState.FORMING, 1)}),
+    }
+    assert not needs_new_generation(desired, planned, 7, forming)
+    assert needs_new_generation(desired, planned, 7, forming, abandoned=True)

@@ -22,6 +22,7 @@ from weightsync.controller.plan import (
     needs_new_generation,
     next_generation,
     slots,
+    warm_at,
 )
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.settings import OperatorSettings
@@ -161,6 +162,13 @@ class Planner:
         operator being slow never benches anyone."""
         planned, generation = group
         if generation is None or not planned or not sync.spec.prewarm.enabled:
+            return False
+        if all(warm_at(evidence.get(slot.pod), generation, slot.rank) for slot in planned):
+            memory.formed = generation
+        if memory.formed == generation:
+            # It pre-warmed: a member that breaks it later (its trainer pod replaced, a
+            # peer lost) is evidence for a new generation (`needs_new_generation`), not a
+            # pre-warm timeout; benching the survivors then only delayed that one.
             return False
         now = time.monotonic()
         since = memory.planned_at.setdefault(generation, now)

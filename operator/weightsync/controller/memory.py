@@ -22,6 +22,7 @@ class Memory:
     # The planned generation given up on at its pre-warm timeout: its cold members sat
     # out once (not again on every pass), and the next formable group is a new generation.
     abandoned: int | None = None
+    formed: int | None = None  # the last planned generation seen warm on every member
     recoveries: dict[str, Tracker] = field(default_factory=dict)  # by pod uid
     poll_soon: bool = False  # the last pass left a recovery in flight
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass

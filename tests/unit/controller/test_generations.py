@@ -62,3 +62,27 @@ def test_a_timed_out_generation_whose_members_still_form_it_is_retried() -> None
     }
     assert not needs_new_generation(desired, planned, 7, forming)
     assert needs_new_generation(desired, planned, 7, forming, abandoned=True)
+
+
+def test_a_generation_that_pre_warmed_and_broke_later_benches_nobody() -> None:
+    """Its trainer pod replaced: the sinks report the generation broken, which asks for a
+    new one at once; treating it as a pre-warm timeout benched both sinks for a minute
+    (the matrix's trainer replacement converged in 76-137 s)."""
+    parsed = sync(spec__prewarm__timeoutSeconds=TIMEOUT)
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2", ip="10.0.1.2")]
+    planned = list(slots(desired_members(parsed.spec, pods, {p.name for p in pods}, []).members))
+    memory = Memory(planned_at={17: time.monotonic() - 5})
+    warm = {
+        "trainer-0": agent("trainer-0", Role.SOURCE, generations={17: (A, 0)}),
+        "e-1": agent("e-1", generations={17: (A, 1)}),
+        "e-2": agent("e-2", generations={17: (A, 2)}),
+    }
+    assert not Planner.prewarm_timed_out(parsed, (planned, 17), warm, pods, memory)
+    memory.planned_at[17] -= TIMEOUT  # long past its pre-warm timeout now
+    broken = {
+        "trainer-0": agent("trainer-0", Role.SOURCE),  # the replacement holds nothing
+        "e-1": agent("e-1", generations={17: (B, 1)}),
+        "e-2": agent("e-2", generations={17: (B, 2)}),
+    }
+    assert not Planner.prewarm_timed_out(parsed, (planned, 17), broken, pods, memory)
+    assert memory.cooldown == {}

@@ -43,6 +43,8 @@ LOCAL_RANKS: Final = env_name("local_ranks")
 
 # Not a setting: the pod IP from the downward API, which HTTP_HOST and ENGINE_URL expand.
 POD_IP: Final = env_name("pod_ip")
+# Not a setting: where torch puts its shared-memory manager's socket (see injection).
+TMPDIR: Final = "TMPDIR"
 
 # Every variable the webhook may write that the agent reads as a setting.
 SETTINGS: Final = (

@@ -172,6 +172,11 @@ def agent_container(
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
     if shm:
         mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
+        # CPU slots reach an engine (SGLang) as torch file-system shared memory, whose
+        # reader registers with the agent's torch_shm_manager through a socket under
+        # TMPDIR: in the default /tmp, another container cannot reach it and the engine's
+        # load fails; /dev/shm is the one directory the pod's containers share.
+        env.append({"name": agent_env.TMPDIR, "value": names.SHM_DIR})
     ports = []
     for local in locals_:  # named by local rank past the first (a name has <= 15 chars)
         suffix = f"-{local}" if local else ""

@@ -154,6 +154,9 @@ def test_one_shared_memory_volume_sized_for_the_slots_unless_the_pod_brings_its_
     assert volumes[names.SHM_VOLUME]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2048Mi"}
     mounts = [m for m in agent_of(patched)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     assert mounts == [{"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR}]
+    # torch's shared-memory manager socket (CPU slots read by SGLang) must be there too.
+    env = {e["name"]: e.get("value") for e in agent_of(patched)["env"]}
+    assert env[agent_env.TMPDIR] == names.SHM_DIR
 
     own = pod("engine-a-abc-x2").build()
     own["spec"]["containers"][0]["volumeMounts"] = [{"name": "big", "mountPath": "/dev/shm/"}]
@@ -270,5 +273,5 @@ def test_sink_agent_gets_the_entry_engine_options_as_json() -> None:
 def test_the_sidecar_gets_only_variables_of_the_agent_env_contract(role: Role) -> None:
     _, patched = inject(pod("p").build(), role)
     names_written = set(env_of(agent_of(patched)))
-    assert names_written <= {*agent_env.SETTINGS, agent_env.POD_IP}
+    assert names_written <= {*agent_env.SETTINGS, agent_env.POD_IP, agent_env.TMPDIR}
     assert agent_env.ROLE in names_written

@@ -37,7 +37,6 @@ test-e2e: setup
 
 chaos: setup  ## the seeded fault matrix on the real node: 100 faults (CI runs 12), report printed
 	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} \
-	CHAOS_KINDS=$${CHAOS_KINDS:-engine_restart,engine_replace,engine_freeze,agent_kill,operator_kill,apiserver_restart,engine_partition,trainer_replace} \
 	$(PY) -m pytest -m e2e tests/e2e/test_chaos.py -s $(PYTEST_ARGS)
 
 scale: setup  ## one WeightSync grown to 1,000 KWOK pods (agents: a load generator); prints a table

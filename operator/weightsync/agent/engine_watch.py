@@ -58,7 +58,11 @@ class EngineWatch:
         """
         incarnation = self.adapter.attached_to
         self.loaded = Loaded(incarnation, lineage, version)
-        if incarnation is not None:
+        # An engine that names no incarnation is vouched for by the version it reports
+        # (`vouched`): the commit read it back, so the last poll's older one must not
+        # close the pod's gate until the next poll.
+        nameless = self.health is not None and self.health.incarnation is None
+        if incarnation is not None or nameless:
             self.health = EngineHealth(True, version, incarnation=incarnation)
             self.checked_at = time.monotonic()
 
@@ -112,6 +116,12 @@ class EngineWatch:
         if time.monotonic() - self.checked_at > STALE_SECONDS:
             return None
         if not health.healthy or health.torn or health.incarnation != loaded.incarnation:
+            return None
+        # An engine that names no incarnation (SGLang, vLLM) is the same process only as
+        # far as it still says the version loaded: restarted, it answers its start-up
+        # label ("default"), and vouching by incarnation alone (None == None) opened a
+        # restarted vLLM's gate on dummy weights.
+        if health.version != loaded.version:
             return None
         return loaded
 

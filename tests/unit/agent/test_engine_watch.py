@@ -1,0 +1,68 @@
+"""What an agent vouches its engine serves, for engines that name no incarnation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from weightsync.agent.engine_watch import EngineWatch
+from weightsync.engines.base import EngineAdapter, EngineHealth
+from weightsync.transfer.layout import TensorSlice
+
+
+class Says(EngineAdapter):
+    """Answers `health()` with what the test sets; a round never runs here. SGLang's and
+    vLLM's adapters name no incarnation either (`engines.base`)."""
+
+    def __init__(self) -> None:
+        self.reply = EngineHealth(True, None)
+
+    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+        raise AssertionError("no round here")
+
+    async def begin_update(self, version: int) -> None:
+        raise AssertionError("no round here")
+
+    async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
+        raise AssertionError("no round here")
+
+    async def finish_update(self, version: int) -> None:
+        raise AssertionError("no round here")
+
+    async def abort_update(self, version: int, reason: str) -> None:
+        raise AssertionError("no round here")
+
+    async def health(self) -> EngineHealth:
+        return self.reply
+
+
+def test_an_engine_restarted_at_its_start_up_label_is_not_vouched_for() -> None:
+    """A vLLM server restarted in place answered `weight_version: "default"` (no
+    version) with dummy weights; its agent still vouched for version 2, and the
+    operator opened its gate."""
+    adapter = Says()
+    watch = EngineWatch(adapter)
+    watch.committed("lineage-a", 2)
+    adapter.reply = EngineHealth(True, 2)
+    asyncio.run(watch.poll())
+    assert watch.vouched() is not None
+    assert watch.status().version == 2
+
+    adapter.reply = EngineHealth(True, None)  # restarted: its start-up label
+    asyncio.run(watch.poll())
+    assert watch.vouched() is None
+    status = watch.status()
+    assert status.version is None
+    assert status.detail == "restarted: behind until a round or a recovery loads it"
+
+    adapter.reply = EngineHealth(True, 7)  # another version it was never given by us
+    asyncio.run(watch.poll())
+    assert watch.vouched() is None
+
+    watch.committed("lineage-a", 3)  # a recovery loaded the current version
+    assert watch.status().version == 3  # at once: the commit read it back
+    adapter.reply = EngineHealth(True, 3)
+    asyncio.run(watch.poll())
+    assert watch.status().version == 3

@@ -23,16 +23,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightsync.engines.reference.model import ModelConfig
+from weightsync.engines.reference.model import PRESETS, ModelConfig
 
-MODEL = ModelConfig(
-    vocab_size=256,  # a multiple of 64: neither engine pads the embedding
-    hidden_size=128,
-    num_layers=2,
-    num_heads=4,  # head size 32
-    num_kv_heads=2,
-    intermediate_size=256,
-)
+# Vocabulary 256, a multiple of 64: neither engine pads the embedding. Head size 32.
+PRESET = "tiny-hd32"
+MODEL = PRESETS[PRESET]
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 # Startup took 42-67 s (vLLM) and 17-37 s (SGLang) on 2 shared cores; the bound is for a
 # loaded CI machine.
@@ -120,7 +115,7 @@ def free_port() -> int:
         return port
 
 
-def vllm_command(python: Path, model: Path, port: int) -> list[str]:
+def vllm_command(python: Path, model: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     return [
         str(python),
         "-m",
@@ -130,7 +125,7 @@ def vllm_command(python: Path, model: Path, port: int) -> list[str]:
         "--served-model-name",
         "model",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         # bf16 hits an illegal instruction in the CPU attention kernel on these machines.
@@ -160,7 +155,7 @@ VLLM_ENV = {
 }
 
 
-def sglang_command(python: Path, model: Path, port: int) -> list[str]:
+def sglang_command(python: Path, model: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     return [
         str(python),
         "-m",
@@ -168,7 +163,7 @@ def sglang_command(python: Path, model: Path, port: int) -> list[str]:
         "--model-path",
         str(model),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--device",

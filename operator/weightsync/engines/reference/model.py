@@ -50,6 +50,16 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=2,
         intermediate_size=128,
     ),
+    # The real vLLM and SGLang CPU servers' model (tests/engines_real): vLLM's CPU attention
+    # needs a head size of at least 32.
+    "tiny-hd32": ModelConfig(
+        vocab_size=256,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+    ),
     # Sizes that do not divide by 2 or 4 (vocabulary 250, MLP 90): shards come out uneven.
     "uneven": ModelConfig(
         vocab_size=250,

@@ -224,6 +224,9 @@ class Stack:
                 proc.popen.terminate()
         for proc in self.procs:
             proc.stop()
+            # A process killed, or stopped in a round, leaves its shared-memory slots.
+            for leftover in Path("/dev/shm").glob(f"weightsync-{proc.popen.pid}-*"):
+                leftover.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -5,8 +5,11 @@ place), an engine pod replaced, an engine frozen (SIGSTOP) for 2 x the round tim
 agent container killed, the operator killed and restarted, the API server stopped for a
 few seconds and restarted, an engine pod cut off the network (nft in its namespace) for
 2 x the round timeout, the trainer pod replaced (its StatefulSet starts a new one, whose
-trainer starts over from step 1: a new lineage).
-`CHAOS_FAULTS` of them (CI: 12, each kind once and 4 again; `make chaos`: 100), each
+trainer starts over from step 1: a new lineage), bulk data into an engine pod corrupted
+for 2 x the round timeout (nftables rewrites payload bytes with the TCP checksum fixed
+up; bucket checksums are on: each such window must fail a round, and no corrupted round
+may pass), the holder's agent killed as a replaced engine pod recovers from it.
+`CHAOS_FAULTS` of them (CI: 12, each kind once and 2 again; `make chaos`: 100), each
 followed by convergence: both engines Ready and serving the last version the trainer (the
 replacement, after a trainer fault) published, bit-identical.
 
@@ -40,7 +43,13 @@ from typing import Any
 import pytest
 
 from tests.cluster.controlplane import LocalCluster
-from tests.e2e.test_recovery import answers, in_group, no_tracebacks
+from tests.e2e.test_recovery import (
+    AGENT_HTTP_PORT,
+    agent_status,
+    answers,
+    in_group,
+    no_tracebacks,
+)
 from tests.support.eventually import eventually
 from tests.support.kube import condition
 from tests.support.operator import (
@@ -59,6 +68,8 @@ from tests.support.operator import (
     weightsync,
 )
 from tests.support.recovery import (
+    agent_token,
+    corrupted,
     engine_digest,
     kill_container,
     partitioned,
@@ -68,13 +79,14 @@ from tests.support.recovery import (
 )
 from weightsync.controller import names
 
-FAULTS = int(os.environ.get("CHAOS_FAULTS", "12"))  # CI: each kind once, 4 drawn again
+FAULTS = int(os.environ.get("CHAOS_FAULTS", "12"))  # CI: each kind once, 2 drawn again
 # A fault and its convergence took 31 s on average in a 21-fault run here: 90 s each is
 # room for a slow machine, and `make chaos` (100) is not cut off at an hour.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600 + 90 * FAULTS)]
 SEED = int(os.environ.get("CHAOS_SEED", "15"))
 TIMEOUT_SECONDS = 8  # transfer.timeoutSeconds: a frozen engine fails rounds fast
 OVERRUN_LIMIT_SECONDS = 2.0
+AGENT_METRICS_PORT = 9470  # the operator's default for the agents' metrics
 CONVERGE_SECONDS = 240.0
 ALL_KINDS = (
     "engine_restart",
@@ -85,6 +97,8 @@ ALL_KINDS = (
     "apiserver_restart",
     "engine_partition",
     "trainer_replace",
+    "bucket_corrupt",
+    "holder_kill",
 )
 # `CHAOS_KINDS=a,b` draws from those kinds only (to chase one kind's failure).
 KINDS = tuple(os.environ.get("CHAOS_KINDS", ",".join(ALL_KINDS)).split(","))
@@ -99,6 +113,8 @@ class Report:
     not_bit_exact: list[tuple[str, int]] = field(default_factory=list)
     engine_pods: set[str] = field(default_factory=set)
     lineages: int = 0
+    # Per corruption window: the rounds that ended in it failed at least once.
+    corruption_caught: list[bool] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.rounds if r["ok"]]
@@ -121,6 +137,9 @@ class Report:
             "ok_not_bit_exact": len(self.not_bit_exact),
             "max_overrun_seconds": round(max(overrun, 0.0), 2),
             "engine_pods_created": len(self.engine_pods),
+            "checksum_failures": sum("checksum" in r["message"] for r in failed),
+            "corruption_windows_caught": f"{sum(self.corruption_caught)}/"
+            f"{len(self.corruption_caught)}",
             "trainer_lineages": self.lineages,
         }
 
@@ -274,7 +293,7 @@ def _restarts(pod: dict[str, Any]) -> int:
 
 
 def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorProcess,
-           rng: random.Random) -> None:  # fmt: skip
+           rng: random.Random, *, token: str) -> None:  # fmt: skip
     victims = pods(cluster, namespace, "engine")
     victim = rng.choice(victims)
     if kind == "engine_restart":
@@ -302,8 +321,44 @@ def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorP
     elif kind == "trainer_replace":
         (source,) = pods(cluster, namespace, "trainer")
         replace_pod(cluster, source)
+    elif kind == "bucket_corrupt":
+        spare = (ENGINE_PORT, AGENT_HTTP_PORT, AGENT_METRICS_PORT)
+        with corrupted(cluster.node, victim, "engine", spare):
+            time.sleep(2 * TIMEOUT_SECONDS)
+    elif kind == "holder_kill":
+        holder_killed_during_recovery(cluster, namespace, victims, token)
     else:
         raise ValueError(kind)
+
+
+def holder_killed_during_recovery(
+    cluster: LocalCluster, namespace: str, victims: list[dict[str, Any]], token: str
+) -> None:
+    """Replace the engine pod that does not hold a copy, and kill the holder's agent
+    once the replacement's recovery has started (the tiny model's pull takes
+    milliseconds: `test_recovery` kills a holder mid-pull with slowed buckets)."""
+
+    def holding(pod: dict[str, Any]) -> bool:
+        with contextlib.suppress(OSError):
+            return agent_status(pod, token).get("holding") is not None
+        return False
+
+    holder = next((p for p in victims if holding(p)), victims[0])
+    replaced = next((p for p in victims if p is not holder), holder)
+    known = {p["metadata"]["name"] for p in victims}
+    replace_pod(cluster, replaced)
+
+    def recovering() -> bool:
+        for pod in pods(cluster, namespace, "engine"):
+            if pod["metadata"]["name"] in known or not pod["status"].get("podIP"):
+                continue
+            with contextlib.suppress(OSError):
+                if (agent_status(pod, token).get("recovery") or {}).get("state"):
+                    return True
+        return False
+
+    eventually(recovering, timeout=PODS_UP, interval=0.05, message="the replacement recovering")
+    kill_container(cluster.node, holder, names.AGENT_CONTAINER)
 
 
 def schedule(rng: random.Random, count: int) -> list[str]:
@@ -360,15 +415,19 @@ def diagnosis(
     return "\n".join(parts)
 
 
-def test_fault_matrix(cluster: LocalCluster, namespace: str, operator: OperatorProcess) -> None:
+def test_fault_matrix(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
+) -> None:
     sync = weightsync()
     sync["spec"]["recovery"] = {"protocol": "TCP", "holders": 1}
     sync["spec"]["transfer"]["timeoutSeconds"] = TIMEOUT_SECONDS
+    sync["spec"]["transfer"]["checksum"] = True  # a corrupted bucket must fail its round
     apply(cluster, namespace, trainer(), engines(replicas=2), sync)
     eventually(lambda: in_group(cluster, namespace, 3), timeout=PODS_UP, message="group warm")
     (source,) = pods(cluster, namespace, "trainer")
     url = f"http://{source['status']['podIP']}:{TRAINER_PORT}/digest"
     eventually(lambda: answers(url), timeout=PODS_UP, message="trainer serving")
+    token = agent_token(k8s, namespace, names.token_secret_name("sync"))
 
     report = Report()
     publisher = Publisher(cluster, namespace, report)
@@ -379,10 +438,13 @@ def test_fault_matrix(cluster: LocalCluster, namespace: str, operator: OperatorP
     try:
         eventually(lambda: converged(cluster, namespace, publisher), timeout=CONVERGE_SECONDS,
                    message="synced before the first fault")  # fmt: skip
-        for kind in schedule(rng, FAULTS):
-            started, stepped = time.monotonic(), publisher.uid
-            inject(kind, cluster, namespace, operator, rng)
+        for number, kind in enumerate(schedule(rng, FAULTS), start=1):
+            started, stepped, seen = time.monotonic(), publisher.uid, len(report.rounds)
+            inject(kind, cluster, namespace, operator, rng, token=token)
             report.faults[kind] += 1
+            if kind == "bucket_corrupt":
+                window = report.rounds[seen:]
+                report.corruption_caught.append(any(not r["ok"] for r in window))
             time.sleep(2.0)  # let the fault be seen before asking for convergence
             if kind == "trainer_replace":  # converged: to what the replacement publishes
                 eventually(
@@ -401,6 +463,8 @@ def test_fault_matrix(cluster: LocalCluster, namespace: str, operator: OperatorP
                 print(diagnosis(cluster, namespace, operator, publisher))
                 raise
             report.converge[kind].append(time.monotonic() - started)
+            print(f"[chaos] {number}/{FAULTS} {kind}: converged in"
+                  f" {report.converge[kind][-1]:.1f} s", flush=True)  # fmt: skip
             assert publisher.error is None, publisher.error
             time.sleep(rng.uniform(0.0, 3.0))
     finally:
@@ -413,6 +477,7 @@ def test_fault_matrix(cluster: LocalCluster, namespace: str, operator: OperatorP
     assert publisher.error is None, publisher.error
     assert report.stale_ready == [], report.stale_ready
     assert report.not_bit_exact == [], report.not_bit_exact
+    assert all(report.corruption_caught), summary  # each corruption window failed a round
     assert summary["max_overrun_seconds"] <= OVERRUN_LIMIT_SECONDS, summary
     assert summary["ok"] > FAULTS, summary
     no_tracebacks(cluster, operator, namespace)

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,6 +70,38 @@ def partitioned(node: RealNode, pod: dict[str, Any], container: str) -> Iterator
         yield
     finally:
         subprocess.run(["nsenter", netns, "nft", "delete", "table", "inet", _PARTITION_TABLE],
+                       check=False, timeout=30)  # fmt: skip
+
+
+_CORRUPT_TABLE = "weightsync_chaos_corrupt"
+
+
+@contextmanager
+def corrupted(
+    node: RealNode, pod: dict[str, Any], container: str, spare_ports: Iterable[int]
+) -> Iterator[None]:
+    """Corrupt the bulk data `pod` receives while the block runs, as a bad link or NIC
+    would: nftables rewrites four payload bytes, 1 KiB into every TCP segment of more
+    than 2 KiB that arrives (its own network namespace; the TCP checksum is fixed up, so
+    the bytes are delivered as if the wire had carried them). `spare_ports`: TCP ports
+    left alone on either side (control APIs), so what is hit is broadcast buckets and
+    P2P pulls, past their framing headers."""
+    ports = ", ".join(str(port) for port in sorted(set(spare_ports)))
+    rules = f"""table inet {_CORRUPT_TABLE} {{
+  chain input {{
+    type filter hook input priority -10; policy accept;
+    iifname != "lo" tcp sport != {{ {ports} }} tcp dport != {{ {ports} }} \\
+      meta length > 2048 @ih,8192,32 set 0xdeadbeef
+  }}
+}}
+"""
+    netns = f"--net=/proc/{running_container(node, pod, container)['pid']}/ns/net"
+    subprocess.run(["nsenter", netns, "nft", "-f", "-"], input=rules, text=True, check=True,
+                   timeout=30)  # fmt: skip
+    try:
+        yield
+    finally:
+        subprocess.run(["nsenter", netns, "nft", "delete", "table", "inet", _CORRUPT_TABLE],
                        check=False, timeout=30)  # fmt: skip
 
 

@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: demo demo-down setup test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
-        cluster-up cluster-down chaos scale
+        cluster-up cluster-down chaos scale test-engine-pods
 
 demo: setup  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
 	$(PY) -m tests.e2e.demo run $(DEMO_ARGS)
@@ -38,6 +38,9 @@ test-e2e: setup
 chaos: setup  ## the seeded fault matrix on the real node: 100 faults (CI runs 12), report printed
 	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} \
 	$(PY) -m pytest -m e2e tests/e2e/test_chaos.py -s $(PYTEST_ARGS)
+
+test-engine-pods: setup  ## real vLLM and SGLang engine pods on the real node: synced, killed, recovered
+	$(PY) -m pytest tests/e2e/test_real_engines.py $(PYTEST_ARGS)
 
 scale: setup  ## one WeightSync grown to 1,000 KWOK pods (agents: a load generator); prints a table
 	$(PY) -m tests.scale run $(SCALE_ARGS)

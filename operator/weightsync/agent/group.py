@@ -110,7 +110,9 @@ class CollectiveThread:
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         if self._stopped:
-            raise RuntimeError("the collective thread is stopped")
+            # A round that reaches a generation retired or broken under it fails like any
+            # transfer (named, bounded label); a bare RuntimeError read as internal_error.
+            raise TransferError("generation_closed", "the generation was closed under the round")
         future: Future[T] = Future()
         self._calls.put((fn, future))  # type: ignore[arg-type]
         return future

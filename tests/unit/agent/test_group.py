@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.integration.stack import free_port
-from weightsync.agent.group import Group, GroupSpec, form_group
+from weightsync.agent.group import CollectiveThread, Group, GroupSpec, form_group
 from weightsync.api.control import Backend
 from weightsync.transfer.broadcast import TransferError
 
@@ -114,3 +114,14 @@ def test_a_peer_failure_key_stops_a_waiting_rank() -> None:
             group.close()
 
     asyncio.run(scenario())
+
+
+def test_a_round_on_a_closed_generation_fails_as_a_named_transfer_failure() -> None:
+    """The 100-fault matrix saw `internal_error: RuntimeError('the collective thread is
+    stopped')`: a round reached a generation retired under it."""
+    worker = CollectiveThread("test-coll")
+    assert worker.submit(lambda: 7).result(timeout=5) == 7
+    worker.stop()
+    with pytest.raises(TransferError) as failure:
+        worker.submit(lambda: 8)
+    assert failure.value.reason == "generation_closed"

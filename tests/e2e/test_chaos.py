@@ -269,8 +269,14 @@ class StaleWatch(threading.Thread):
 
     def _current(self, served: dict[str, Any], current: int, lineage: str) -> bool:
         """`served` is the status's version of its lineage or newer: the bytes its trainer
-        published, or a version it has not recorded yet (its step in flight)."""
+        published, or a version it has not recorded yet (its step in flight); or, while
+        the status still names the replaced trainer's lineage, bytes the new trainer
+        published (its versions start again at 1: the status lags, the engine does not)."""
         version = served["version"]
+        stepping = self.publisher.lineage
+        newer = self.publisher.published.get(stepping, {}) if stepping != lineage else {}
+        if version is not None and newer.get(version) == served:
+            return True
         if version is None or version < current:
             return False
         published = self.publisher.published.get(lineage, {})

@@ -21,6 +21,7 @@ import torch
 
 from weightsync.agent.doorbell import SwitchNotice, doorbell_key
 from weightsync.agent.engine_adapter import adapter_for
+from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation, Generations
 from weightsync.agent.holder import Holder
 from weightsync.agent.packing import SourcePacker
@@ -32,6 +33,7 @@ from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.control import GenerationState, LocalEngine
 from weightsync.engines.base import EngineAdapter, EngineError
+from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.buffers import (
     BucketSlots,
     SlotError,
@@ -163,6 +165,18 @@ class SourceLoop:
                     lineage=request.lineage,
                     member=self._member(),
                     stage=exc.stage.value,
+                )
+            except TransferError as exc:  # before the round's own handling: e.g. the
+                # generation it selected closed under it (`generation_closed`)
+                outcome = RoundOutcome.failed(
+                    request.version,
+                    None,
+                    started,
+                    exc.reason,
+                    str(exc),
+                    lineage=request.lineage,
+                    member=self._member(),
+                    stage=Stage.TRANSFER.value,
                 )
             except Exception as exc:
                 log.exception("round for version %d failed unexpectedly", request.version)

@@ -155,7 +155,10 @@ class SourceLoop:
             try:
                 self._check_version(request)
                 outcome = await self._round(request, channel, started)
-            except RoundFailed as exc:
+            except (RoundFailed, TransferError) as exc:
+                # A TransferError here came before the round's own handling (the
+                # generation it selected closed under it: `generation_closed`).
+                stage = exc.stage if isinstance(exc, RoundFailed) else Stage.TRANSFER
                 outcome = RoundOutcome.failed(
                     request.version,
                     None,
@@ -164,19 +167,7 @@ class SourceLoop:
                     str(exc),
                     lineage=request.lineage,
                     member=self._member(),
-                    stage=exc.stage.value,
-                )
-            except TransferError as exc:  # before the round's own handling: e.g. the
-                # generation it selected closed under it (`generation_closed`)
-                outcome = RoundOutcome.failed(
-                    request.version,
-                    None,
-                    started,
-                    exc.reason,
-                    str(exc),
-                    lineage=request.lineage,
-                    member=self._member(),
-                    stage=Stage.TRANSFER.value,
+                    stage=stage.value,
                 )
             except Exception as exc:
                 log.exception("round for version %d failed unexpectedly", request.version)

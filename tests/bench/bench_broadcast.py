@@ -2,7 +2,11 @@
 
     python -m tests.bench.bench_broadcast [--gpus N] [--configs 512x2,1024x2,512x3]
                                           [--reps 5] [--skip naive|colocated|http]
-                                          [--holder]
+                                          [--holder] [--preset llama3-8b|qwen3-30b-a3b]
+
+`--preset qwen3-30b-a3b` sends a Qwen3-30B-A3B-shaped state dict instead (18,867 tensors,
+61.1 GB): the many-small-tensors case, where the one-buffer broadcast is the floor that
+counts (tensor by tensor, NCCL pays a launch per tensor).
 
 One run measures, on the same GPUs:
 * floor:     NCCL broadcast tensor by tensor from a process that holds the tensors, and
@@ -52,7 +56,6 @@ from weightsync.client import Publisher, PublishResult
 from weightsync.engines.reference.model import PRESETS, state_dict_metas
 from weightsync.transfer.buffers import torch_dtype
 
-PRESET = "llama3-8b"
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]
 AGENT_ENV = {"WEIGHTSYNC_HOLDER": "false"}  # see the module doc
 WARMUP_ROUNDS = 2  # per configuration: new slots, staging arenas, and their mappings
@@ -331,11 +334,11 @@ def run_naive(args: argparse.Namespace) -> float:
     st = Stack(Path(tempfile.mkdtemp(prefix="ws-naive-")), engine_args=ENGINE_ARGS)
     try:
         engines = [
-            st.start_engine(f"naive-engine-{i}", preset=PRESET, seed=0, device=f"cuda:{i}")
+            st.start_engine(f"naive-engine-{i}", preset=args.preset, seed=0, device=f"cuda:{i}")
             for i in range(1, args.gpus)
         ]
         st.wait_ready([], engines)
-        kwargs = {"version": 1, "engines": [e.url for e in engines]}
+        kwargs = {"version": 1, "engines": [e.url for e in engines], "preset": args.preset}
         result = spawn_workers(naive_worker, args.gpus, kwargs)
         stale = [e.port for e in engines if e.health()["version"] != 1]
     except BaseException:
@@ -417,6 +420,7 @@ def main() -> None:
         action="store_true",
         help="also run with the source agent holding for P2P recovery (needs Mooncake)",
     )
+    parser.add_argument("--preset", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b"])
     parser.add_argument("--smoke", action="store_true", help="CPU check of the bench itself")
     args = parser.parse_args()
     args.shapes = Shape.parse(args.configs)
@@ -428,13 +432,13 @@ def main() -> None:
     args.gpus = args.gpus or torch.cuda.device_count()
     if args.gpus < 1:
         raise SystemExit("needs a GPU")
-    setup = Setup(PRESET, Backend.NCCL, [f"cuda:{i}" for i in range(args.gpus)])
-    metas = state_dict_metas(PRESETS[PRESET], "bfloat16")
+    setup = Setup(args.preset, Backend.NCCL, [f"cuda:{i}" for i in range(args.gpus)])
+    metas = state_dict_metas(PRESETS[args.preset], "bfloat16")
     nbytes = sum(m.nbytes for m in metas)
     for line in machine_lines(args.gpus):
         print(line)
     print(
-        f"{len(metas)} tensors, {nbytes / 1e9:.2f} GB bf16; "
+        f"{args.preset}: {len(metas)} tensors, {nbytes / 1e9:.2f} GB bf16; "
         f"1 trainer GPU -> {args.gpus - 1} engines; configurations: {args.configs}",
         flush=True,
     )
@@ -446,7 +450,9 @@ def main() -> None:
 
     sizes = sorted({shape.bucket_mib for shape in args.shapes})
     chunks = [mib << 20 for mib in sizes]
-    raw = spawn_workers(raw_worker, args.gpus, {"reps": args.reps, "chunks": chunks})
+    raw = spawn_workers(
+        raw_worker, args.gpus, {"reps": args.reps, "chunks": chunks, "preset": args.preset}
+    )
     print({k: round(v, 4) for k, v in raw.items()}, flush=True)
     floor = raw["floor"]
     rows = [
@@ -470,7 +476,17 @@ def main() -> None:
     rows += weightsync_rows(
         args, setup, state, nbytes=nbytes, floor=floor, configs=configs, agent_prewarm=agent_prewarm
     )
-    report(args, setup, state, nbytes=nbytes, floor=floor, rows=rows, configs=configs)
+    buffer_floor = min(raw[f"chunked_{c}"] for c in chunks)
+    report(
+        args,
+        setup,
+        state,
+        nbytes=nbytes,
+        floor=floor,
+        rows=rows,
+        configs=configs,
+        buffer_floor=buffer_floor,
+    )
 
 
 def weightsync_rows(
@@ -524,8 +540,13 @@ def report(
     floor: float | None,
     rows: list[Row],
     configs: list[Config],
+    buffer_floor: float | None = None,
 ) -> None:
-    """The Colocated rows (one GPU), then every row and each target's verdict."""
+    """The Colocated rows (one GPU), then every row and each target's verdict.
+
+    Disaggregated rounds are held to both floors: tensor by tensor (what a trainer's own
+    loop of broadcasts costs) and one buffer (the wire alone, the stricter one where
+    tensors are many and small)."""
     colocated: list[Config] = []
     d2d: float | None = None
     if "colocated" not in args.skip:
@@ -555,12 +576,14 @@ def report(
     print()
     for config in configs:
         assert floor is not None
-        ratio = config.median / floor
-        verdict = "met" if ratio <= DISAGGREGATED_TARGET else "missed"
-        print(
-            f"target publish <= {DISAGGREGATED_TARGET}x floor, {config.label}: {ratio:.2f}x",
-            verdict,
-        )
+        assert buffer_floor is not None
+        for name, base in (("tensor-by-tensor", floor), ("one-buffer", buffer_floor)):
+            ratio = config.median / base
+            verdict = "met" if ratio <= DISAGGREGATED_TARGET else "missed"
+            print(
+                f"target publish <= {DISAGGREGATED_TARGET}x {name} floor, {config.label}:"
+                f" {ratio:.2f}x {verdict}"
+            )
     for config in colocated:
         assert d2d is not None
         ratio = config.median / d2d

@@ -20,37 +20,10 @@ import time
 
 import torch
 
+from weightsync.engines.reference.model import PRESETS, state_dict_metas
 from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.layout import TensorMeta
 from weightsync.transfer.shards import Box, RankReport, plan_shards, staging_bound
-
-LAYERS, EXPERTS, HIDDEN, MOE, VOCAB = 48, 128, 2048, 768, 151936
-
-
-def qwen3_30b_a3b() -> list[TensorMeta]:
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for layer in range(LAYERS):
-        p = f"model.layers.{layer}."
-        shapes += [
-            (p + "input_layernorm.weight", (HIDDEN,)),
-            (p + "post_attention_layernorm.weight", (HIDDEN,)),
-            (p + "self_attn.q_proj.weight", (4096, HIDDEN)),
-            (p + "self_attn.k_proj.weight", (512, HIDDEN)),
-            (p + "self_attn.v_proj.weight", (512, HIDDEN)),
-            (p + "self_attn.o_proj.weight", (HIDDEN, 4096)),
-            (p + "self_attn.q_norm.weight", (128,)),
-            (p + "self_attn.k_norm.weight", (128,)),
-            (p + "mlp.gate.weight", (EXPERTS, HIDDEN)),
-        ]
-        for e in range(EXPERTS):
-            q = f"{p}mlp.experts.{e}."
-            shapes += [
-                (q + "gate_proj.weight", (MOE, HIDDEN)),
-                (q + "up_proj.weight", (MOE, HIDDEN)),
-                (q + "down_proj.weight", (HIDDEN, MOE)),
-            ]
-    shapes += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
-    return [TensorMeta(name, shape, "bfloat16") for name, shape in shapes]
 
 
 def dim0_reports(metas: list[TensorMeta], ranks: int) -> list[RankReport]:
@@ -75,7 +48,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--bucket-mib", type=int, default=1024)
     args = parser.parse_args()
-    metas = qwen3_30b_a3b()
+    metas = state_dict_metas(PRESETS["qwen3-30b-a3b"], "bfloat16")
     total = sum(m.nbytes for m in metas)
     print(f"{len(metas)} tensors, {total / 1e9:.1f} GB, {args.ranks} ranks (dim-0 shards)")
     reports = dim0_reports(metas, args.ranks)

@@ -1,7 +1,10 @@
 """A Llama-shaped decoder (RMSNorm, rotary, GQA attention, SwiGLU MLP), built from a config.
 
 Parameter names follow the Hugging Face Llama layout (`model.layers.0.self_attn.q_proj.weight`,
-`lm_head.weight`), so a state dict looks like the ones real engines load. The trainer side
+`lm_head.weight`), so a state dict looks like the ones real engines load. With experts in
+the config the MLP becomes a Qwen3-MoE sparse block (`mlp.gate`, `mlp.experts.N.*`, top-k
+routing) and attention gains Qwen3's per-head q/k norms: a Qwen3-30B-A3B-shaped state dict
+has 18,867 tensors, the many-tensor case the transfer must keep fast. The trainer side
 of tests, the demo and the benchmarks build the same class with `build_model`, so greedy
 outputs of trainer and engine can be compared token for token.
 """
@@ -27,14 +30,21 @@ class ModelConfig:
     intermediate_size: int
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
+    head_size: int | None = None  # None: hidden_size // num_heads (Llama); Qwen3 sets it
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    num_experts: int = 0  # 0: a dense MLP; else a sparse MoE block in every layer
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     def validate(self) -> None:
-        if self.hidden_size % self.num_heads:
+        if self.head_size is None and self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be a multiple of num_heads")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError("experts_per_token must be in 1..num_experts")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
@@ -86,6 +96,36 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=8,
         intermediate_size=14336,
     ),
+    # Qwen3-30B-A3B's shapes: 48 layers of 128 experts, 18,867 tensors, 61.1 GB in bf16.
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        intermediate_size=6144,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        head_size=128,
+        qk_norm=True,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=768,
+    ),
+    # The same structure at test size (routing, q/k norms, expert tensors).
+    "tiny-moe": ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        head_size=32,
+        qk_norm=True,
+        num_experts=4,
+        experts_per_token=2,
+        moe_intermediate_size=48,
+    ),
 }
 
 
@@ -124,6 +164,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv, bias=False)
         self.o_proj = nn.Linear(config.num_heads * head, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -131,6 +174,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -143,15 +188,39 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return down
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's block: softmax router, top-k experts, their weights renormalised."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for expert in torch.unique(chosen).tolist():  # only the experts some token chose
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            mixed = self.experts[expert](flat[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, mixed)
+        return out.view_as(x)
 
 
 class DecoderLayer(nn.Module):
@@ -160,7 +229,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = (
+            SparseMoE(config)
+            if config.num_experts
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), angles)

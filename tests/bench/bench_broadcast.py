@@ -3,10 +3,13 @@
     python -m tests.bench.bench_broadcast [--gpus N] [--configs 512x2,1024x2,512x3]
                                           [--reps 5] [--skip naive|colocated|http]
                                           [--holder] [--preset llama3-8b|qwen3-30b-a3b]
+                                          [--layers N]
 
 `--preset qwen3-30b-a3b` sends a Qwen3-30B-A3B-shaped state dict instead (18,867 tensors,
 61.1 GB): the many-small-tensors case, where the one-buffer broadcast is the floor that
-counts (tensor by tensor, NCCL pays a launch per tensor).
+counts (tensor by tensor, NCCL pays a launch per tensor). `--layers N` keeps the preset's
+first N layers: the same tensor shapes on GPUs too small for the whole model (a reference
+engine stages a second copy of its weights during a round).
 
 One run measures, on the same GPUs:
 * floor:     NCCL broadcast tensor by tensor from a process that holds the tensors, and
@@ -43,6 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,7 +57,7 @@ from tests.support.plans import local_plan
 from weightsync.api.control import Backend, MembershipPlan, TransferOptions
 from weightsync.api.v1alpha1 import SyncMode
 from weightsync.client import Publisher, PublishResult
-from weightsync.engines.reference.model import PRESETS, state_dict_metas
+from weightsync.engines.reference.model import preset, state_dict_metas
 from weightsync.transfer.buffers import torch_dtype
 
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]
@@ -84,6 +88,7 @@ class Setup:
     """Where the benchmark runs: GPUs and NCCL, or CPU and gloo for `--smoke`."""
 
     preset: str
+    layers: int | None  # None: every layer of the preset
     backend: Backend
     devices: list[str]  # rank order: the trainer's first
 
@@ -124,6 +129,15 @@ class Config:
         return statistics.median(r.seconds for r in self.records)
 
 
+def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """What a worker process needs to build the same tensors."""
+    return {"preset": args.preset, "layers": args.layers}
+
+
+def engine_args(setup: Setup) -> list[str]:
+    return ENGINE_ARGS + ([] if setup.layers is None else ["--layers", str(setup.layers)])
+
+
 def machine_lines(gpus: int) -> list[str]:
     """What the numbers were measured on: GPUs, driver, torch, CUDA, NCCL."""
     lines = [f"date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}"]
@@ -159,7 +173,7 @@ def _driver() -> str:
 def trainer_state(setup: Setup) -> dict[str, torch.Tensor]:
     """Llama-shaped bf16 tensors with cheap, non-constant contents on the trainer's device."""
     state = {}
-    for i, meta in enumerate(state_dict_metas(PRESETS[setup.preset], "bfloat16")):
+    for i, meta in enumerate(state_dict_metas(preset(setup.preset, setup.layers), "bfloat16")):
         tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=setup.devices[0])
         tensor.fill_((i % 97) / 97.0)
         state[meta.name] = tensor
@@ -244,8 +258,8 @@ def run_weightsync(
     rounds of each configuration (new slots, new staging arenas in the engines, their
     mappings in the agents) are not timed.
     """
-    engine_args = ENGINE_ARGS + (["--update-socket", "none"] if http else [])
-    st = Stack(Path(tempfile.mkdtemp(prefix="ws-bench-")), engine_args=engine_args)
+    args_ = engine_args(setup) + (["--update-socket", "none"] if http else [])
+    st = Stack(Path(tempfile.mkdtemp(prefix="ws-bench-")), engine_args=args_)
     configs: list[Config] = []
     prewarm: float | None = None
     try:
@@ -331,14 +345,15 @@ def holder_rows(
 
 
 def run_naive(args: argparse.Namespace) -> float:
-    st = Stack(Path(tempfile.mkdtemp(prefix="ws-naive-")), engine_args=ENGINE_ARGS)
+    layers = [] if args.layers is None else ["--layers", str(args.layers)]
+    st = Stack(Path(tempfile.mkdtemp(prefix="ws-naive-")), engine_args=ENGINE_ARGS + layers)
     try:
         engines = [
             st.start_engine(f"naive-engine-{i}", preset=args.preset, seed=0, device=f"cuda:{i}")
             for i in range(1, args.gpus)
         ]
         st.wait_ready([], engines)
-        kwargs = {"version": 1, "engines": [e.url for e in engines], "preset": args.preset}
+        kwargs = {"version": 1, "engines": [e.url for e in engines], **model_kwargs(args)}
         result = spawn_workers(naive_worker, args.gpus, kwargs)
         stale = [e.port for e in engines if e.health()["version"] != 1]
     except BaseException:
@@ -387,7 +402,7 @@ def print_breakdowns(title: str, configs: list[Config]) -> None:
 
 def smoke(args: argparse.Namespace) -> None:
     """The benchmark's machinery on CPU: stacks, rounds, logs, breakdown (no timing claims)."""
-    setup = Setup("small", Backend.GLOO, ["cpu"] * args.gpus)
+    setup = Setup("small", None, Backend.GLOO, ["cpu"] * args.gpus)
     state = trainer_state(setup)
     nbytes = sum(t.nbytes for t in state.values())
     configs, _ = run_weightsync(args, setup, state, colocated=False)
@@ -421,6 +436,7 @@ def main() -> None:
         help="also run with the source agent holding for P2P recovery (needs Mooncake)",
     )
     parser.add_argument("--preset", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b"])
+    parser.add_argument("--layers", type=int, default=None, help="only the first N layers")
     parser.add_argument("--smoke", action="store_true", help="CPU check of the bench itself")
     args = parser.parse_args()
     args.shapes = Shape.parse(args.configs)
@@ -432,13 +448,14 @@ def main() -> None:
     args.gpus = args.gpus or torch.cuda.device_count()
     if args.gpus < 1:
         raise SystemExit("needs a GPU")
-    setup = Setup(args.preset, Backend.NCCL, [f"cuda:{i}" for i in range(args.gpus)])
-    metas = state_dict_metas(PRESETS[args.preset], "bfloat16")
+    setup = Setup(args.preset, args.layers, Backend.NCCL, [f"cuda:{i}" for i in range(args.gpus)])
+    metas = state_dict_metas(preset(args.preset, args.layers), "bfloat16")
     nbytes = sum(m.nbytes for m in metas)
     for line in machine_lines(args.gpus):
         print(line)
     print(
-        f"{args.preset}: {len(metas)} tensors, {nbytes / 1e9:.2f} GB bf16; "
+        f"{args.preset}, {args.layers or 'all'} layers: {len(metas)} tensors, "
+        f"{nbytes / 1e9:.2f} GB bf16; "
         f"1 trainer GPU -> {args.gpus - 1} engines; configurations: {args.configs}",
         flush=True,
     )
@@ -451,7 +468,7 @@ def main() -> None:
     sizes = sorted({shape.bucket_mib for shape in args.shapes})
     chunks = [mib << 20 for mib in sizes]
     raw = spawn_workers(
-        raw_worker, args.gpus, {"reps": args.reps, "chunks": chunks, "preset": args.preset}
+        raw_worker, args.gpus, {"reps": args.reps, "chunks": chunks, **model_kwargs(args)}
     )
     print({k: round(v, 4) for k, v in raw.items()}, flush=True)
     floor = raw["floor"]

@@ -26,16 +26,17 @@ from torch._C._distributed_c10d import (
 
 from tests.integration.stack import free_port
 from weightsync.engines.reference.adapter import ReferenceEngineAdapter
-from weightsync.engines.reference.model import PRESETS, state_dict_metas
+from weightsync.engines.reference.model import preset, state_dict_metas
 from weightsync.transfer.buffers import BucketSlots, torch_dtype
 from weightsync.transfer.layout import TensorSlice, align_up
 
 Worker = Callable[[int, int, TCPStore, dict[str, Any]], dict[str, float]]
 
 
-def _tensors(rank: int, preset: str) -> list[tuple[str, torch.Tensor]]:
+def _tensors(rank: int, kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     out = []
-    for i, meta in enumerate(state_dict_metas(PRESETS[preset], "bfloat16")):
+    config = preset(kwargs["preset"], kwargs.get("layers"))
+    for i, meta in enumerate(state_dict_metas(config, "bfloat16")):
         tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=f"cuda:{rank}")
         if rank == 0:
             tensor.fill_((i % 97) / 97.0)
@@ -68,7 +69,7 @@ def _broadcast_all(pg: ProcessGroupNCCL, tensors: list[torch.Tensor]) -> None:
 
 def raw_worker(rank: int, world: int, store: TCPStore, kwargs: dict[str, Any]) -> dict[str, float]:
     device = torch.device(f"cuda:{rank}")
-    tensors = [t for _, t in _tensors(rank, kwargs["preset"])]
+    tensors = [t for _, t in _tensors(rank, kwargs)]
 
     cold = _pg(store, "cold/", rank, world)
     _store_barrier(store, "cold-start", world)
@@ -128,7 +129,7 @@ def naive_worker(
 ) -> dict[str, float]:
     """One broadcast and one HTTP engine update request per tensor (what weightsync replaces)."""
     device = torch.device(f"cuda:{rank}")
-    named = _tensors(rank, kwargs["preset"])
+    named = _tensors(rank, kwargs)
     pg = _pg(store, "naive/", rank, world)
     _broadcast_all(pg, [torch.zeros(1, device=device)])  # connect outside the timing
     opts = BroadcastOptions()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import replace
 from pathlib import Path
 
@@ -210,3 +211,45 @@ def test_buckets_that_contradict_themselves_are_refused(
     with pytest.raises(EngineError) as error:
         engine.load(1, [replace(first, offset=first.offset + first.nbytes + 256)])
     assert error.value.reason == "tensor_mismatch"
+
+
+def test_a_new_layout_is_staged_beside_the_served_weights_not_beside_old_spares(
+    setup: tuple[ReferenceEngine, BucketLayout, BucketSlots],
+) -> None:
+    engine, small, slots = setup
+    for version in (1, 2):
+        engine.begin(version)
+        stream(engine, small, slots, seed=40 + version)
+        engine.commit(version)
+    small_bytes = engine.held_bytes // 2  # served + the next round's spares
+    large = plan_layout(state_dict_metas(CONFIG, "float32"), 16 << 10)
+    assert len(large.buckets) < len(small.buckets)
+    engine.begin(3)
+    stream(engine, large, slots, seed=43)
+    staging = engine.held_bytes
+    engine.commit(3)
+    large_bytes = engine.held_bytes // 2
+    # An engine that kept the old layout's spares would hold three copies of the model
+    # here: a 61 GB MoE engine ran out of an 80 GB GPU that way.
+    assert staging == small_bytes + large_bytes
+    want = {n: tensor_digest(p) for n, p in build_model(CONFIG, seed=43).named_parameters()}
+    assert digests(engine) == want
+
+
+def test_no_room_to_stage_is_a_refusal_that_names_the_bucket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path))
+    layout = plan_layout(state_dict_metas(CONFIG, "float32"), 8 << 10)
+
+    def full(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("weightsync.engines.reference.engine.BucketSlots", full)
+    engine.begin(1)
+    first = layout.buckets[0].tensors
+    with pytest.raises(EngineError, match=f"the bucket of {first[0].name}") as caught:
+        engine.stage(engine.plan(first))
+    assert caught.value.reason == "out_of_memory"
+    engine.abort(1)
+    assert engine.version is None

@@ -128,6 +128,13 @@ class ReferenceEngine:
         )
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes in staging arenas: served, staged and spare (the update memory it holds)."""
+        with self._update_lock:
+            arenas = [*self._served.values(), *self._staged.values(), *self._spare.values()]
+            return sum(arena.buffer.numel() for arena in arenas)
+
+    @property
     def staged_buckets(self) -> int:
         """Buckets loaded into the open update so far (0 between updates)."""
         return len(self._staged)
@@ -241,6 +248,7 @@ class ReferenceEngine:
                 raise EngineError("tensor_mismatch", f"{item.name} was loaded twice")
         arena = self._staged.get(plan) or self._spare.pop(plan, None)
         if arena is None:
+            self._release_spares()
             arena = self._allocate(plan)
         self._staged[plan] = arena
         for item in plan.tensors:
@@ -267,13 +275,32 @@ class ReferenceEngine:
             self._copy(plan, arena, source)
             self._stats.add(plan.payload_bytes, time.perf_counter() - started)
 
+    def _release_spares(self) -> None:
+        """A plan with no spare arena means a new layout: the spares are an old layout's and
+        this update will not use them. Freed first, staging a new layout needs the served
+        weights plus one copy, not two."""
+        if not self._spare:
+            return
+        for arena in self._spare.values():
+            arena.release()
+        self._spare = {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _allocate(self, plan: BucketPlan) -> Arena:
         shared: BucketSlots | None = None
-        if self.device.type == "cpu" and self._shm_dir is not None:
-            shared = BucketSlots(1, plan.arena_bytes, self.device, self._shm_dir)
-            buffer = shared.slots[0]
-        else:
-            buffer = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=self.device)
+        try:
+            if self.device.type == "cpu" and self._shm_dir is not None:
+                shared = BucketSlots(1, plan.arena_bytes, self.device, self._shm_dir)
+                buffer = shared.slots[0]
+            else:
+                buffer = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=self.device)
+        except (torch.OutOfMemoryError, OSError) as exc:  # a refusal, not a dead connection
+            raise EngineError(
+                "out_of_memory",
+                f"no room on {self.device} to stage {plan.arena_bytes} B (the bucket of "
+                f"{plan.tensors[0].name}, {len(plan.tensors)} tensors): {exc}",
+            ) from exc
         self._stats.allocated_bytes += plan.arena_bytes
         views = {
             item.name: buffer[at : at + item.nbytes].view(torch_dtype(item.dtype)).view(item.shape)

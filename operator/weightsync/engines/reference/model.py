@@ -11,7 +11,7 @@ outputs of trainer and engine can be compared token for token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
@@ -127,6 +127,17 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=48,
     ),
 }
+
+
+def preset(name: str, layers: int | None = None) -> ModelConfig:
+    """A preset, optionally cut to its first `layers` layers: the same tensor shapes in a
+    model that fits a smaller GPU (benchmarks)."""
+    config = PRESETS[name]
+    if layers is None:
+        return config
+    if not 0 < layers <= config.num_layers:
+        raise ValueError(f"layers must be in 1..{config.num_layers} for {name}")
+    return replace(config, num_layers=layers)
 
 
 class RMSNorm(nn.Module):

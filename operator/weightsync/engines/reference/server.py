@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from weightsync.engines.base import EngineError
 from weightsync.engines.reference.channel import UpdateChannelServer
 from weightsync.engines.reference.engine import ReferenceEngine
-from weightsync.engines.reference.model import PRESETS, build_model
+from weightsync.engines.reference.model import PRESETS, build_model, preset
 from weightsync.transfer.buffers import SlotHandles, torch_dtype
 from weightsync.transfer.layout import TensorSlice
 
@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="only the preset's first N layers (benchmarks)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="initial weights (version none)")
     parser.add_argument(
         "--no-init", action="store_true", help="leave weights uninitialised (large benchmarks)"
@@ -220,8 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
+    try:
+        config = preset(args.preset, args.layers)
+    except ValueError as exc:
+        parser.error(str(exc))
     model = build_model(
-        PRESETS[args.preset],
+        config,
         None if args.no_init else args.seed,
         dtype=torch_dtype(args.dtype),
         device=args.device,

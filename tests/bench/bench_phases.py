@@ -126,6 +126,12 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
         f"  {'trainer':<9} {'publish() wall time':<44} {1:>5} {record.seconds * 1000:>9.2f}",
         _row(
             "trainer",
+            "before the round: checks, describe, GPU sync",
+            (1, pub.prepare * 1000, pub.sync * 1000),
+            "max: the GPU sync",
+        ),
+        _row(
+            "trainer",
             "pack: D2D copy into slots (0: the agent packs)",
             (pub.buckets, pub.pack * 1000, pub.longest_pack * 1000),
             "overlaps earlier buckets",

@@ -98,6 +98,10 @@ class PublishTimings:
     pack: float  # copying buckets into the agent's slots, each until its copy completed
     longest_pack: float
     buckets: int
+    # Until the Publish message went out: input checks and the tensor set's description
+    # (Python work per tensor), then `sync`, waiting for the trainer's queued GPU work.
+    prepare: float = 0.0
+    sync: float = 0.0
 
     @property
     def waiting(self) -> float:
@@ -143,9 +147,12 @@ class Publisher:
         self._piece_views = {}
         self._signature: list[object] = []
         self._boxes: Boxes | None = None  # sharded: what this rank holds, as attached
-        # Set when the agent packs from our tensors (GPU): where they lay when shared.
+        # Set when the agent packs from our tensors (GPU): where they lay when shared, and
+        # their devices (the same while the addresses are: a moved tensor has a new one).
         self._shared_at: list[int] | None = None
+        self._devices: set[torch.device] = set()
         self._packed: list[float] = []
+        self._sent_at, self._synced = 0.0, 0.0  # this call's Publish message, its GPU wait
         self.last_timings: PublishTimings | None = None
 
     # ------------------------------------------------------------------ public
@@ -163,6 +170,7 @@ class Publisher:
         """
         started = time.perf_counter()
         self._packed = []
+        self._sent_at, self._synced = started, 0.0
         version = self._checked_version(version)
         tensors = checked_tensors(named_tensors)
         try:
@@ -178,6 +186,8 @@ class Publisher:
                 pack=sum(self._packed),
                 longest_pack=max(self._packed, default=0.0),
                 buckets=len(self._packed),
+                prepare=self._sent_at - started,
+                sync=self._synced,
             )
         if result.ok:
             self.last_published = result.version
@@ -305,6 +315,7 @@ class Publisher:
         if layout.layout_hash != reply.layout_hash:
             raise LayoutChangedError("layout_hash_mismatch", "the agent planned another layout")
         self._shared_at = _addresses(tensors) if reply.agent_packs else None
+        self._devices = {t.device for t in tensors.values()} if reply.agent_packs else set()
         self._slots = [] if reply.agent_packs else open_slots(reply.slots)
         self._views.clear()
         self._piece_views.clear()
@@ -315,8 +326,11 @@ class Publisher:
         if layout is None:
             raise PublisherError("protocol", "publish before attach")
         if self._shared_at is not None:  # the agent reads the tensors: they must be written
-            for device in {t.device for t in tensors.values()}:
+            synced = time.perf_counter()
+            for device in self._devices:
                 torch.cuda.synchronize(device)
+            self._synced = time.perf_counter() - synced
+        self._sent_at = time.perf_counter()
         message = self._exchange(
             Publish(version=version, lineage=self.lineage, layout_hash=layout.layout_hash)
         )

@@ -62,8 +62,11 @@ class OperatorProcess:
         port = free_port()
         self.health_port = free_port()
         self.metrics_port = free_port()
+        # The operator's temp files (its webhook key) stay under the test's directory.
+        (workdir / "tmp").mkdir(parents=True, exist_ok=True)
         self.env = {
             **os.environ,
+            "TMPDIR": str(workdir / "tmp"),
             "KUBECONFIG": str(cluster.kubeconfig),
             "WEIGHTSYNC_OPERATOR_NAMESPACE": namespace,
             "WEIGHTSYNC_OPERATOR_WEBHOOK_URL": f"https://127.0.0.1:{port}",

@@ -10,8 +10,10 @@ kopf's, i.e. the CA of whichever certificates the server was given.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,8 +114,11 @@ def build_server(core: client.CoreV1Api, settings: OperatorSettings) -> Weightsy
         paths = directory / certs.CERT_FILE, directory / certs.KEY_FILE, directory / certs.CA_FILE
     else:
         bundle = managed_bundle(core, settings)
-        # The key lives in the operator's memory-backed temp dir for the process' life.
-        paths = bundle.write(Path(tempfile.mkdtemp(prefix="weightsync-webhook-")))
+        # The key lives in the operator's memory-backed temp dir for the process' life,
+        # and goes with it (an operator run outside a pod leaves no key behind).
+        directory = Path(tempfile.mkdtemp(prefix="weightsync-webhook-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        paths = bundle.write(directory)
     return WeightsyncWebhookServer(
         client_config=client_config(settings),
         addr=settings.webhook_listen_host,

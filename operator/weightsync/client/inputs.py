@@ -7,7 +7,10 @@ step for the next call.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -21,21 +24,86 @@ class PublishInputError(ValueError):
     Raised before anything reaches the agent: the Publisher stays usable."""
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A call's tensors as they passed the checks: the same tensor objects, still at the
+    same addresses with the same shapes and dtypes, pass again without them.
+
+    Compared by `map` over C functions, not a Python loop per tensor: a trainer publishes
+    the same parameters every step, and the loop cost about 2 us a tensor (40 ms a call
+    for a 30B MoE's 18,867 tensors). An object whose `.data` was replaced has a new
+    address, shape or dtype, and is checked again."""
+
+    tensors: dict[str, torch.Tensor]
+    names: list[str]
+    values: list[torch.Tensor]
+    addresses: list[int]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> Accepted:
+        values = list(tensors.values())
+        return cls(
+            tensors,
+            list(tensors),
+            values,
+            list(map(_DATA_PTR, values)),
+            list(map(_SHAPE, values)),
+            list(map(_DTYPE, values)),
+        )
+
+    def matches(self, names: list[str], values: list[torch.Tensor]) -> bool:
+        return (
+            names == self.names
+            and len(values) == len(self.values)
+            and all(map(operator.is_, values, self.values))
+            and list(map(_DATA_PTR, values)) == self.addresses
+            and list(map(_SHAPE, values)) == self.shapes
+            and list(map(_DTYPE, values)) == self.dtypes
+        )
+
+
+def _same_as(named_tensors: Mapping[str, torch.Tensor] | list[Any], accepted: Accepted) -> bool:
+    try:
+        if isinstance(named_tensors, Mapping):
+            return accepted.matches(list(named_tensors.keys()), list(named_tensors.values()))
+        if set(map(type, named_tensors)) != {tuple} or set(map(len, named_tensors)) != {2}:
+            return False  # what the checks refuse: let them say why
+        names = list(map(operator.itemgetter(0), named_tensors))
+        values = list(map(operator.itemgetter(1), named_tensors))
+        return accepted.matches(names, values)
+    except (TypeError, RuntimeError):  # not tensors: the checks say so
+        return False
+
+
 def checked_tensors(
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    last: Accepted | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`named_tensors` as an ordered dict, every name once, every value a tensor we send."""
+    """`named_tensors` as an ordered dict, every name once, every value a tensor we send.
+
+    `last`: the previous call's accepted tensors; the same again returns its dict."""
     if isinstance(named_tensors, torch.Tensor | str | bytes):
         raise PublishInputError(
             "named_tensors: expected a mapping or (name, tensor) pairs, such as"
             f" model.named_parameters(); got {type(named_tensors).__name__}"
         )
+    if last is not None and isinstance(named_tensors, Mapping) and _same_as(named_tensors, last):
+        return last.tensors
     try:
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
     except TypeError as exc:
         raise PublishInputError(
             f"named_tensors: expected a mapping or (name, tensor) pairs: {exc}"
         ) from exc
+    if last is not None and not isinstance(named_tensors, Mapping) and _same_as(pairs, last):
+        return last.tensors
     tensors: dict[str, torch.Tensor] = {}
     for index, pair in enumerate(pairs):
         if not isinstance(pair, tuple) or len(pair) != 2:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from weightsync.api import agent_env
-from weightsync.client.inputs import PublishInputError, checked_tensors
+from weightsync.client.inputs import Accepted, PublishInputError, checked_tensors
 from weightsync.client.shards import ShardError, describe, is_sharded
 from weightsync.transfer.buffers import (
     copy_tensors,
@@ -151,6 +151,9 @@ class Publisher:
         # their devices (the same while the addresses are: a moved tensor has a new one).
         self._shared_at: list[int] | None = None
         self._devices: set[torch.device] = set()
+        # The last call's tensors as they passed the checks, and their description: the
+        # same tensors again skip both (`Accepted`).
+        self._accepted: tuple[Accepted, _Described] | None = None
         self._packed: list[float] = []
         self._sent_at, self._synced = 0.0, 0.0  # this call's Publish message, its GPU wait
         self.last_timings: PublishTimings | None = None
@@ -172,7 +175,12 @@ class Publisher:
         self._packed = []
         self._sent_at, self._synced = started, 0.0
         version = self._checked_version(version)
-        tensors = checked_tensors(named_tensors)
+        accepted = self._accepted
+        tensors = checked_tensors(named_tensors, accepted[0] if accepted else None)
+        if accepted is None or tensors is not accepted[0].tensors:
+            self._accepted = None  # sharded sets are described afresh every call
+            if not is_sharded(tensors.values()):
+                self._accepted = (Accepted.of(tensors), self._described(tensors))
         try:
             result = self._publish(tensors, version)
         except PublisherError:
@@ -230,9 +238,14 @@ class Publisher:
         return _Described([p.meta for p in pieces], boxes, local, signature)
 
     def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
-        described = self._described(tensors)
+        accepted = self._accepted
+        if accepted is not None and accepted[0].tensors is tensors:
+            described, addresses = accepted[1], accepted[0].addresses
+        else:
+            described = self._described(tensors)
+            addresses = _addresses(described.local)
         local = described.local
-        if self._shared_at is not None and self._shared_at != _addresses(local):
+        if self._shared_at is not None and self._shared_at != addresses:
             self._layout = None  # the tensors moved: share them again
         for attempt in range(2):
             if self._layout is None or described.metas is not self._metas:
@@ -386,4 +399,4 @@ class Publisher:
 
 
 def _addresses(tensors: dict[str, torch.Tensor]) -> list[int]:
-    return [t.data_ptr() for t in tensors.values()]
+    return list(map(torch.Tensor.data_ptr, tensors.values()))

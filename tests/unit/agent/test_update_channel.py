@@ -265,3 +265,53 @@ def test_arenas_the_agent_cannot_map_are_filled_by_the_engine(
     finally:
         server.close()
         engine.close()
+
+
+def test_a_new_layout_lets_go_of_the_old_layouts_arenas_before_staging(
+    address: str, tmp_path: Path
+) -> None:
+    metas = state_dict_metas(CONFIG, "float32")
+    small, large = plan_layout(metas, 8 << 10), plan_layout(metas, 16 << 10)
+    bucket_slots = BucketSlots(2, large.capacity_bytes, torch.device("cpu"), str(tmp_path))
+    arenas = tmp_path / "arenas"
+    arenas.mkdir()
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(arenas))
+    server = UpdateChannelServer(engine, address)
+    server.start()
+
+    async def scenario() -> None:
+        async with TestServer(make_app(engine, update_channel=address)) as http:
+            adapter = ReferenceEngineAdapter(str(http.make_url("")))
+            await adapter.attach_buffers(bucket_slots.slots)
+            assert adapter.copies_here
+            # The layouts share their first buckets (a tensor that fills one alone).
+            changed = next(
+                i
+                for i, (a, b) in enumerate(zip(small.buckets, large.buckets, strict=False))
+                if a.tensors != b.tensors
+            )
+            assert 0 < changed < len(large.buckets)
+            plans = [(1, 21, small), (2, 22, small), (3, 23, large), (4, 24, large)]
+            for version, seed, layout in plans:
+                await adapter.begin_update(version)
+                for bucket in layout.buckets:
+                    slot = fill(layout, bucket_slots, seed, bucket.index)
+                    await adapter.load_bucket(slot, bucket.tensors)
+                    if version == 3 and bucket.index == changed:
+                        # From the first new bucket on, the old layout's arenas (served
+                        # and spare) are no longer mapped here and its spares are gone:
+                        # the engine holds the served weights and this round's staging.
+                        assert adapter.mapped_arenas == changed + 1
+                        assert len(list(arenas.iterdir())) == len(small.buckets) + changed + 1
+                await adapter.finish_update(version)
+                assert engine.digests() == (version, expected(seed))
+            # The layout's two arena sets alternate again, each mapped once.
+            assert adapter.mapped_arenas == 2 * len(large.buckets)
+            await adapter.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+        engine.close()
+        bucket_slots.close()

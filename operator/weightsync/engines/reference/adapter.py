@@ -70,6 +70,10 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._arenas: dict[int, torch.Tensor] = {}  # arena id -> its bytes, mapped here
         self._arena_round: dict[int, int] = {}  # arena id -> the last round that used it
         self._rounds = 0
+        # The buckets of the layout being sent (a key each, see `_bucket_key`): a bucket not
+        # among them starts a new layout, whose arenas the engine allocates anew.
+        self._layout_buckets: set[tuple[object, ...]] = set()
+        self._round_buckets: set[tuple[object, ...]] = set()  # those sent this round
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -102,6 +106,12 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._push = False
         self._arenas.clear()
         self._arena_round.clear()
+        self._layout_buckets.clear()
+
+    @property
+    def mapped_arenas(self) -> int:
+        """How many of the engine's staging arenas this process maps now."""
+        return len(self._arenas)
 
     @property
     def copies_here(self) -> bool:
@@ -175,6 +185,7 @@ class ReferenceEngineAdapter(EngineAdapter):
 
     async def begin_update(self, version: int) -> None:
         self._rounds += 1
+        self._round_buckets = set()
         if self._channel is not None:
             reply = await self._over_channel(
                 "begin", lambda c: c.call(BeginRequest(version=version))
@@ -188,6 +199,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         if not 0 <= slot < len(self._slots):
             raise EngineError("bad_slot", f"slot {slot} not attached ({len(self._slots)} slots)")
         if self.copies_here:
+            self._note_bucket(tensors)
             staged = await self._over_channel(f"stage slot {slot}", lambda c: c.stage(tensors))
             if not isinstance(staged, Staged):  # a refusal raised already
                 raise EngineError("bad_reply", "stage answered without an arena")
@@ -241,6 +253,23 @@ class ReferenceEngineAdapter(EngineAdapter):
             self._copier, partial(_copy_spans, source, arena, copies, stream)
         )
 
+    def _note_bucket(self, tensors: Sequence[TensorSlice]) -> None:
+        """Before a bucket of a new layout is staged, let go of every arena this round has
+        not used: they are the old layout's, which the engine frees only once no process
+        maps them (CUDA IPC keeps an exported block alive while it is open). Without this
+        a GPU engine changing bucket size needs three copies of the model at once."""
+        if not tensors:
+            return
+        key = _bucket_key(tensors)
+        self._round_buckets.add(key)
+        if key in self._layout_buckets:
+            return
+        for arena_id, used in list(self._arena_round.items()):
+            if used < self._rounds:
+                del self._arena_round[arena_id]
+                self._arenas.pop(arena_id, None)
+        self._layout_buckets = set(self._round_buckets)
+
     def _forget_unused_arenas(self) -> None:
         """Let go of arenas no round used lately (an old layout's): the engine frees them."""
         for arena_id, used in list(self._arena_round.items()):
@@ -265,6 +294,7 @@ class ReferenceEngineAdapter(EngineAdapter):
             await self._over_channel("abort", lambda c: c.call(request))
         else:
             await self._post("abort", _dumps({"version": version, "reason": reason}))
+        self._forget_unused_arenas()  # rounds that keep failing must not keep old arenas
 
     async def health(self) -> EngineHealth:
         try:
@@ -328,3 +358,10 @@ def _json(text: str) -> dict[str, Any]:
     except ValueError:
         return {"message": text}
     return value if isinstance(value, dict) else {"message": text}
+
+
+def _bucket_key(tensors: Sequence[TensorSlice]) -> tuple[object, ...]:
+    """A bucket's identity for telling layouts apart, in constant time: where it starts
+    and ends in the slot, and with which tensors."""
+    first, last = tensors[0], tensors[-1]
+    return (len(tensors), first.name, first.offset, last.name, last.offset + last.nbytes)

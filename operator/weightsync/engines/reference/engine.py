@@ -287,6 +287,18 @@ class ReferenceEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _cuda_or_cpu_buffer(self, nbytes: int) -> torch.Tensor:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            if self.device.type != "cuda":
+                raise
+            # Arenas released here stay allocated while the agent maps them; those it has
+            # let go of are reclaimed by collecting CUDA IPC's released blocks.
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+            torch.cuda.empty_cache()
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
     def _allocate(self, plan: BucketPlan) -> Arena:
         shared: BucketSlots | None = None
         try:
@@ -294,7 +306,7 @@ class ReferenceEngine:
                 shared = BucketSlots(1, plan.arena_bytes, self.device, self._shm_dir)
                 buffer = shared.slots[0]
             else:
-                buffer = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=self.device)
+                buffer = self._cuda_or_cpu_buffer(plan.arena_bytes)
         except (torch.OutOfMemoryError, OSError) as exc:  # a refusal, not a dead connection
             raise EngineError(
                 "out_of_memory",

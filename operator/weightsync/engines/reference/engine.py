@@ -369,21 +369,26 @@ class ReferenceEngine:
                     for name, view in arena.views.items():
                         self.params[name].data = view
                 self.version = version
-            # The arenas served until now are free: they are the next round's staging for
-            # the plans now served; arenas of other plans (an old layout) are let go.
-            previous, unused, self._served = self._served, self._spare, staged
-            self._spare = {plan: arena for plan, arena in previous.items() if plan in staged}
-            for plan, arena in [*previous.items(), *unused.items()]:
-                if self._spare.get(plan) is not arena:
-                    arena.release()
+            self._spare = self._retire(staged)
+            self._served = staged
             self._staged, self._staged_names = {}, {}
             self._staging_version = None
             fresh = [plan for plan in staged if plan not in self._spare]
+            if fresh and self.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the replaced parameters and arenas held
             for plan in fresh:  # a new layout: its next round allocates nothing
                 self._spare[plan] = self._allocate(plan)
-            if fresh and self.device.type == "cuda":
-                torch.cuda.empty_cache()  # what the replaced parameters held
             self._log_update(version, "committed")
+
+    def _retire(self, staged: dict[BucketPlan, Arena]) -> dict[BucketPlan, Arena]:
+        """The arenas served until now are free: the next round's staging for the plans
+        now served. Arenas of other plans (an old layout) are let go here, and nothing
+        refers to them once this returns, so a new layout's spares can take their room."""
+        spare = {plan: arena for plan, arena in self._served.items() if plan in staged}
+        for plan, arena in [*self._served.items(), *self._spare.items()]:
+            if spare.get(plan) is not arena:
+                arena.release()
+        return spare
 
     def abort(self, version: int) -> None:
         """Drop what was staged; the served weights were never touched."""

@@ -21,7 +21,8 @@ Watched the whole time, and asserted at the end:
 * `ok=True` rounds not bit-exact: after each, every engine reporting that version
   must serve exactly the trainer's bytes (or another lineage's of the same number: an
   engine left out of the round): 0;
-* the largest overrun of a failed round past `transfer.timeoutSeconds`: at most 2 s.
+* the largest overrun of a failed round past `transfer.timeoutSeconds`: at most 2 s;
+* rounds that failed with `internal_error` (an exception no handler names): 0.
 
 The report (printed with `-s`) is what docs/reliability.md records.
 """
@@ -485,5 +486,6 @@ def test_fault_matrix(
     assert report.not_bit_exact == [], report.not_bit_exact
     assert all(report.corruption_caught), summary  # each corruption window failed a round
     assert summary["max_overrun_seconds"] <= OVERRUN_LIMIT_SECONDS, summary
+    assert summary["internal_errors"] == [], summary["internal_errors"]
     assert summary["ok"] > FAULTS, summary
     no_tracebacks(cluster, operator, namespace)

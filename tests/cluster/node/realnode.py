@@ -367,6 +367,11 @@ class RealNode:
             "serializeImagePulls": False,
             "maxPods": 110,
             "syncFrequency": "5s",  # projected Secrets reach running pods within seconds
+            # A container killed again and again (the chaos run kills one agent up to 20
+            # times) comes back within 10 s, not after the default back-off that doubles
+            # to 5 min: the tests time weightsync's recovery, not the kubelet's back-off.
+            "featureGates": {"KubeletCrashLoopBackOffMax": True},
+            "crashLoopBackOff": {"maxContainerRestartPeriod": "10s"},
         }
         path = self.dir / "kubelet.yaml"
         path.write_text(yaml.safe_dump(config))

@@ -13,7 +13,7 @@ from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
 from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
-from weightsync.controller.memory import Memory
+from weightsync.controller.memory import Memory, Unsaved
 from weightsync.controller.plan import (
     Desired,
     Slot,
@@ -55,34 +55,42 @@ class Planner:
         evidence: Mapping[str, AgentStatus],
         token: str,
         memory: Memory,
+        generation: int | None,
     ) -> tuple[list[Slot], int | None, dict[str, str]]:
         """Plan a new generation if the group must change: (slots, generation, refusals).
-        `stored`: the status as read, the slots of the generation it records, and the
-        Colocated engine that generation feeds. `statuses`: every agent's latest answer;
+        `stored`: the status as read, the slots of the planned generation, and the
+        Colocated engine that generation feeds; `generation`: the planned one (the
+        status's, or newer, `Memory.planned`). `statuses`: every agent's latest answer;
         `evidence`: those given since the planned generation was delivered, the only
         ones that can show it broken (`plan.needs_new_generation`)."""
         old, planned, planned_engine = stored
         # Prewarmed is written only by passes that planned (or kept) a group, so its
         # observedGeneration is the spec generation the current group was planned from.
         prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)
-        generation = int(raw["metadata"].get("generation") or 0)
-        older_spec = prewarmed is not None and prewarmed.observed_generation != generation
+        planned_from = prewarmed.observed_generation if prewarmed is not None else None
+        unsaved = memory.unsaved
+        if unsaved is not None and unsaved.generation == generation:
+            planned_from = unsaved.spec_generation  # the status has not caught up yet
+        spec_generation = int(raw["metadata"].get("generation") or 0)
+        older_spec = planned_from is not None and planned_from != spec_generation
         if not needs_new_generation(
             desired,
             planned,
-            old.group_generation,
+            generation,
             evidence,
             planned_from_older_spec=older_spec,
             planned_engine=planned_engine,
-            abandoned=memory.abandoned is not None and memory.abandoned == old.group_generation,
+            abandoned=memory.abandoned is not None and memory.abandoned == generation,
         ):
-            return planned, old.group_generation, {}
-        number = next_generation(old.group_generation, statuses)
+            return planned, generation, {}
+        number = next_generation(generation, statuses)
         errors = await self._deliver(
             raw, sync, generation=number, desired=desired, token=token, memory=memory
         )
         memory.planned_at = {number: time.monotonic()}  # older ones no longer matter
-        return list(slots(desired.members)), number, errors
+        members = list(slots(desired.members))
+        memory.unsaved = Unsaved(number, members, spec_generation)
+        return members, number, errors
 
     async def _deliver(
         self,

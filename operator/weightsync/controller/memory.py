@@ -9,7 +9,17 @@ from typing import Any
 from weightsync.controller.agents import AgentAddress
 from weightsync.controller.agentview import AgentView
 from weightsync.controller.gatesync import GateSync
+from weightsync.controller.plan import Slot
 from weightsync.controller.recovery import Tracker
+
+
+@dataclass(frozen=True)
+class Unsaved:
+    """A generation planned and delivered here that no status read back records yet."""
+
+    generation: int
+    members: list[Slot]
+    spec_generation: int  # the WeightSync's metadata.generation it was planned from
 
 
 @dataclass
@@ -23,6 +33,9 @@ class Memory:
     # out once (not again on every pass), and the next formable group is a new generation.
     abandoned: int | None = None
     formed: int | None = None  # the last planned generation seen warm on every member
+    # The last generation this process planned and delivered, with its members, until a
+    # status read back records it (`planned`).
+    unsaved: Unsaved | None = None
     recoveries: dict[str, Tracker] = field(default_factory=dict)  # by pod uid
     poll_soon: bool = False  # the last pass left a recovery in flight
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass
@@ -37,3 +50,15 @@ class Memory:
     # version it was made on, the object it returned). See `Reconciler._read`.
     seen_version: str | None = None
     written: tuple[str, dict[str, Any]] | None = None
+
+    def planned(self, stored: int | None, members: list[Slot]) -> tuple[int | None, list[Slot]]:
+        """The planned generation and its members: the stored status's, or a newer one
+        planned here whose status write has not been read back yet. With the API server
+        away, the status keeps naming an older generation while the agents already hold
+        the new one; planning from the status would then give them another generation on
+        every pass (one a second), and none would ever form."""
+        if self.unsaved is not None:
+            if self.unsaved.generation > (stored or 0):
+                return self.unsaved.generation, self.unsaved.members
+            self.unsaved = None  # the status has caught up
+        return stored, members

@@ -299,15 +299,17 @@ class Reconciler:
             raw, sync, pods, seen, token=token, memory=memory, sources=sources
         )
         excluded |= recovering.held_out
-        previous = [Slot(m.rank, m.pod, m.role) for m in old.members]
+        generation, previous = memory.planned(
+            old.group_generation, [Slot(m.rank, m.pod, m.role) for m in old.members]
+        )
         # Answers to requests sent since the planned generation was delivered: the only
         # evidence about it (all of them after a restart: it was delivered before).
-        evidence = view.since(memory.planned_at.get(old.group_generation or 0))
+        evidence = view.since(memory.planned_at.get(generation or 0))
         # Members whose polls time out keep their places while nothing shows the group
         # broken; once it is, a new generation without them is due anyway.
         unknown = (
             view.unknown(now, float(spec.prewarm.timeout_seconds))
-            if intact(previous, old.group_generation, evidence)
+            if intact(previous, generation, evidence)
             else frozenset()
         )
         # Colocated: the engine pod the planned group feeds, as its source agent says.
@@ -320,7 +322,7 @@ class Reconciler:
         )  # fmt: skip
         planned = await self.planner.plan(
             raw, sync, (old, previous, planned_engine), desired, statuses,
-            evidence=evidence, token=token, memory=memory,
+            evidence=evidence, token=token, memory=memory, generation=generation,
         )  # fmt: skip
         evidence = view.since(memory.planned_at.get(planned[1] or 0))
         timed_out = self.planner.prewarm_timed_out(sync, planned[:2], evidence, pods, memory)

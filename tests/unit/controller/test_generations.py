@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
-from weightsync.api.control import GenerationState
-from weightsync.api.v1alpha1 import Role
+from weightsync.api.control import AgentStatus, GenerationState
+from weightsync.api.v1alpha1 import Role, WeightSyncStatus
 from weightsync.controller.generations import Planner
 from weightsync.controller.memory import Memory
-from weightsync.controller.plan import desired_members, needs_new_generation, slots
+from weightsync.controller.plan import Slot, desired_members, needs_new_generation, slots
+from weightsync.controller.settings import OperatorSettings
 
-B, A = GenerationState.BROKEN, GenerationState.ACTIVE
+B, A, F = GenerationState.BROKEN, GenerationState.ACTIVE, GenerationState.FORMING
 TIMEOUT = 60
 
 
@@ -86,3 +89,48 @@ def test_a_generation_that_pre_warmed_and_broke_later_benches_nobody() -> None:
     }
     assert not Planner.prewarm_timed_out(parsed, (planned, 17), broken, pods, memory)
     assert memory.cooldown == {}
+
+
+def test_a_generation_the_status_does_not_record_yet_is_not_planned_again() -> None:
+    """With the API server away a pass delivers its plan but cannot write the status;
+    planning from the status, every later pass saw the agents on a generation the status
+    did not name and planned another: the chaos run delivered generations 17 to 29, one
+    a second, while the API server restarted, and none could form."""
+    parsed = sync()
+    raw = {"metadata": {"namespace": "ns", "name": "sync", "generation": 1}}
+    pods = [source_view(), sink_view("e-1")]
+    desired = desired_members(parsed.spec, pods, {p.name for p in pods}, [])
+    delivered: list[int] = []
+
+    class Agents:
+        async def deliver(self, deliveries: dict[str, Any], token: str) -> dict[str, str]:
+            delivered.append(next(iter(deliveries.values()))[1].generation)
+            return {}
+
+    settings = OperatorSettings(webhook_url="https://127.0.0.1:8443")
+    planner = Planner(Agents(), settings, lambda *_: None)  # type: ignore[arg-type]
+    memory = Memory()
+    stale = WeightSyncStatus()  # what every read returns while the API server is away
+
+    def plan(statuses: dict[str, AgentStatus]) -> tuple[list[Slot], int | None]:
+        generation, previous = memory.planned(stale.group_generation, [])
+        planned, number, _ = asyncio.run(
+            planner.plan(
+                raw, parsed, (stale, previous, None), desired, statuses,
+                evidence=statuses, token="t", memory=memory, generation=generation,
+            )
+        )  # fmt: skip
+        return planned, number
+
+    first, number = plan({})
+    assert (number, delivered) == (1, [1])
+    forming = {
+        "trainer-0": agent("trainer-0", Role.SOURCE, generations={1: (F, 0)}),
+        "e-1": agent("e-1", generations={1: (F, 1)}),
+    }
+    for _ in range(3):  # later passes, the status still naming no generation
+        assert plan(forming) == (first, 1)
+    assert delivered == [1]
+    # A status read back with generation 1 in it: the memory lets go of its copy.
+    assert memory.planned(1, first) == (1, first)
+    assert memory.unsaved is None

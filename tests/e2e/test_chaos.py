@@ -447,7 +447,9 @@ def test_fault_matrix(
                    message="synced before the first fault")  # fmt: skip
         for number, kind in enumerate(schedule(rng, FAULTS), start=1):
             started, stepped, seen = time.monotonic(), publisher.uid, len(report.rounds)
+            at = time.strftime("%H:%M:%S")
             inject(kind, cluster, namespace, operator, rng, token=token)
+            injected = time.monotonic() - started
             report.faults[kind] += 1
             if kind == "bucket_corrupt":
                 window = report.rounds[seen:]
@@ -471,7 +473,8 @@ def test_fault_matrix(
                 raise
             report.converge[kind].append(time.monotonic() - started)
             print(f"[chaos] {number}/{FAULTS} {kind}: converged in"
-                  f" {report.converge[kind][-1]:.1f} s", flush=True)  # fmt: skip
+                  f" {report.converge[kind][-1]:.1f} s (from {at}; the fault itself"
+                  f" took {injected:.1f} s of it)", flush=True)  # fmt: skip
             assert publisher.error is None, publisher.error
             time.sleep(rng.uniform(0.0, 3.0))
     finally:

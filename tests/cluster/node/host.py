@@ -119,14 +119,22 @@ def unmount_under(directory: Path) -> None:
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)
 
 
+def log_links_into(directory: Path) -> list[Path]:
+    """The kubelet's `/var/log/containers/*.log` links into `directory` (a node's)."""
+    if not CONTAINER_LOG_LINKS.exists():
+        return []
+    prefix = str(directory.resolve())
+    return [
+        link
+        for link in CONTAINER_LOG_LINKS.iterdir()
+        if link.is_symlink() and os.readlink(link).startswith(prefix)
+    ]
+
+
 def remove_log_links(directory: Path) -> None:
     """The kubelet's `/var/log/containers/*.log` links into this node's pod logs."""
-    if not CONTAINER_LOG_LINKS.exists():
-        return
-    prefix = str(directory.resolve())
-    for link in CONTAINER_LOG_LINKS.iterdir():
-        if link.is_symlink() and os.readlink(link).startswith(prefix):
-            link.unlink()
+    for link in log_links_into(directory):
+        link.unlink(missing_ok=True)
 
 
 def processes_with(marker: str) -> list[int]:

@@ -134,8 +134,8 @@ def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"preset": args.preset, "layers": args.layers}
 
 
-def engine_args(setup: Setup) -> list[str]:
-    return ENGINE_ARGS + ([] if setup.layers is None else ["--layers", str(setup.layers)])
+def engine_args(layers: int | None) -> list[str]:
+    return ENGINE_ARGS + ([] if layers is None else ["--layers", str(layers)])
 
 
 def machine_lines(gpus: int) -> list[str]:
@@ -258,8 +258,8 @@ def run_weightsync(
     rounds of each configuration (new slots, new staging arenas in the engines, their
     mappings in the agents) are not timed.
     """
-    args_ = engine_args(setup) + (["--update-socket", "none"] if http else [])
-    st = Stack(Path(tempfile.mkdtemp(prefix="ws-bench-")), engine_args=args_)
+    flags = engine_args(setup.layers) + (["--update-socket", "none"] if http else [])
+    st = Stack(Path(tempfile.mkdtemp(prefix="ws-bench-")), engine_args=flags)
     configs: list[Config] = []
     prewarm: float | None = None
     try:
@@ -345,8 +345,7 @@ def holder_rows(
 
 
 def run_naive(args: argparse.Namespace) -> float:
-    layers = [] if args.layers is None else ["--layers", str(args.layers)]
-    st = Stack(Path(tempfile.mkdtemp(prefix="ws-naive-")), engine_args=ENGINE_ARGS + layers)
+    st = Stack(Path(tempfile.mkdtemp(prefix="ws-naive-")), engine_args=engine_args(args.layers))
     try:
         engines = [
             st.start_engine(f"naive-engine-{i}", preset=args.preset, seed=0, device=f"cuda:{i}")

@@ -91,6 +91,15 @@ class _Described:
 
 
 @dataclass(frozen=True, slots=True)
+class _Kept:
+    """The last tensors accepted and how they were described: the same again skip both."""
+
+    accepted: Accepted
+    metas: list[TensorMeta]
+    signature: list[object]
+
+
+@dataclass(frozen=True, slots=True)
 class PublishTimings:
     """Where the last `publish()` spent its time in the trainer's process, in seconds."""
 
@@ -151,9 +160,7 @@ class Publisher:
         # their devices (the same while the addresses are: a moved tensor has a new one).
         self._shared_at: list[int] | None = None
         self._devices: set[torch.device] = set()
-        # The last call's tensors as they passed the checks, and their description: the
-        # same tensors again skip both (`Accepted`).
-        self._accepted: tuple[Accepted, _Described] | None = None
+        self._kept: _Kept | None = None  # not for sharded sets: described every call
         self._packed: list[float] = []
         self._sent_at, self._synced = 0.0, 0.0  # this call's Publish message, its GPU wait
         self.last_timings: PublishTimings | None = None
@@ -175,12 +182,10 @@ class Publisher:
         self._packed = []
         self._sent_at, self._synced = started, 0.0
         version = self._checked_version(version)
-        accepted = self._accepted
-        tensors = checked_tensors(named_tensors, accepted[0] if accepted else None)
-        if accepted is None or tensors is not accepted[0].tensors:
-            self._accepted = None  # sharded sets are described afresh every call
-            if not is_sharded(tensors.values()):
-                self._accepted = (Accepted.of(tensors), self._described(tensors))
+        kept = self._kept
+        tensors, again = checked_tensors(named_tensors, kept.accepted if kept else None)
+        if not again:
+            self._kept = None
         try:
             result = self._publish(tensors, version)
         except PublisherError:
@@ -238,12 +243,15 @@ class Publisher:
         return _Described([p.meta for p in pieces], boxes, local, signature)
 
     def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
-        accepted = self._accepted
-        if accepted is not None and accepted[0].tensors is tensors:
-            described, addresses = accepted[1], accepted[0].addresses
+        kept = self._kept
+        if kept is not None:  # the tensors accepted last time, unchanged
+            described = _Described(kept.metas, None, tensors, kept.signature)
+            addresses = kept.accepted.addresses
         else:
             described = self._described(tensors)
             addresses = _addresses(described.local)
+            if described.boxes is None:
+                self._kept = _Kept(Accepted.of(tensors), described.metas, described.signature)
         local = described.local
         if self._shared_at is not None and self._shared_at != addresses:
             self._layout = None  # the tensors moved: share them again

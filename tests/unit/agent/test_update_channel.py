@@ -57,6 +57,21 @@ def fill(layout: BucketLayout, slots: BucketSlots, seed: int, index: int) -> int
     return slot
 
 
+async def send_round(
+    adapter: ReferenceEngineAdapter,
+    layout: BucketLayout,
+    slots: BucketSlots,
+    version: int,
+    seed: int,
+) -> None:
+    """One update through the adapter: begin, every bucket of `layout`, finish."""
+    await adapter.begin_update(version)
+    for bucket in layout.buckets:
+        slot = fill(layout, slots, seed, bucket.index)
+        await adapter.load_bucket(slot, bucket.tensors)
+    await adapter.finish_update(version)
+
+
 def test_a_round_over_the_channel_names_each_bucket_once(
     slots: tuple[BucketLayout, BucketSlots], address: str
 ) -> None:
@@ -166,11 +181,7 @@ def test_the_adapter_copies_into_shared_arenas_or_lets_the_engine_copy(
             assert adapter.channel_address == (address if use_channel else None)
             assert adapter.copies_here == (use_channel and shared_arenas)
             for version, seed in [(1, 9), (2, 10), (3, 11)]:  # arenas alternate each round
-                await adapter.begin_update(version)
-                for bucket in layout.buckets:
-                    slot = fill(layout, bucket_slots, seed, bucket.index)
-                    await adapter.load_bucket(slot, bucket.tensors)
-                await adapter.finish_update(version)
+                await send_round(adapter, layout, bucket_slots, version, seed)
                 assert engine.digests() == (version, expected(seed))
             health = await adapter.health()
             assert (health.healthy, health.version) == (True, 3)
@@ -250,11 +261,7 @@ def test_arenas_the_agent_cannot_map_are_filled_by_the_engine(
             await adapter.attach_buffers(bucket_slots.slots)
             for version, seed in [(1, 13), (2, 14)]:
                 assert adapter.copies_here
-                await adapter.begin_update(version)
-                for bucket in layout.buckets:
-                    slot = fill(layout, bucket_slots, seed, bucket.index)
-                    await adapter.load_bucket(slot, bucket.tensors)
-                await adapter.finish_update(version)
+                await send_round(adapter, layout, bucket_slots, version, seed)
                 assert engine.digests() == (version, expected(seed))
                 unlink_arenas()  # round 2 stages into spares this process never mapped
             assert not adapter.copies_here
@@ -291,20 +298,24 @@ def test_a_new_layout_lets_go_of_the_old_layouts_arenas_before_staging(
                 if a.tensors != b.tensors
             )
             assert 0 < changed < len(large.buckets)
-            plans = [(1, 21, small), (2, 22, small), (3, 23, large), (4, 24, large)]
-            for version, seed, layout in plans:
-                await adapter.begin_update(version)
-                for bucket in layout.buckets:
-                    slot = fill(layout, bucket_slots, seed, bucket.index)
-                    await adapter.load_bucket(slot, bucket.tensors)
-                    if version == 3 and bucket.index == changed:
-                        # From the first new bucket on, the old layout's arenas (served
-                        # and spare) are no longer mapped here and its spares are gone:
-                        # the engine holds the served weights and this round's staging.
-                        assert adapter.mapped_arenas == changed + 1
-                        assert len(list(arenas.iterdir())) == len(small.buckets) + changed + 1
-                await adapter.finish_update(version)
-                assert engine.digests() == (version, expected(seed))
+            for version, seed in [(1, 21), (2, 22)]:
+                await send_round(adapter, small, bucket_slots, version, seed)
+            await adapter.begin_update(3)
+            for bucket in large.buckets[: changed + 1]:
+                slot = fill(large, bucket_slots, 23, bucket.index)
+                await adapter.load_bucket(slot, bucket.tensors)
+            # From the first new bucket on, the old layout's arenas (served and spare) are
+            # no longer mapped here and its spares are gone: the engine holds the served
+            # weights and this round's staging.
+            assert adapter.mapped_arenas == changed + 1
+            assert len(list(arenas.iterdir())) == len(small.buckets) + changed + 1
+            for bucket in large.buckets[changed + 1 :]:
+                slot = fill(large, bucket_slots, 23, bucket.index)
+                await adapter.load_bucket(slot, bucket.tensors)
+            await adapter.finish_update(3)
+            assert engine.digests() == (3, expected(23))
+            await send_round(adapter, large, bucket_slots, 4, 24)
+            assert engine.digests() == (4, expected(24))
             # The layout's two arena sets alternate again, each mapped once.
             assert adapter.mapped_arenas == 2 * len(large.buckets)
             await adapter.close()

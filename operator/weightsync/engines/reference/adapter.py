@@ -262,18 +262,17 @@ class ReferenceEngineAdapter(EngineAdapter):
             return
         key = _bucket_key(tensors)
         self._round_buckets.add(key)
-        if key in self._layout_buckets:
-            return
-        for arena_id, used in list(self._arena_round.items()):
-            if used < self._rounds:
-                del self._arena_round[arena_id]
-                self._arenas.pop(arena_id, None)
-        self._layout_buckets = set(self._round_buckets)
+        if key not in self._layout_buckets:
+            self._forget_arenas(used_before=self._rounds)
+            self._layout_buckets = set(self._round_buckets)
 
     def _forget_unused_arenas(self) -> None:
         """Let go of arenas no round used lately (an old layout's): the engine frees them."""
+        self._forget_arenas(used_before=self._rounds - 1)
+
+    def _forget_arenas(self, *, used_before: int) -> None:
         for arena_id, used in list(self._arena_round.items()):
-            if used < self._rounds - 1:
+            if used < used_before:
                 del self._arena_round[arena_id]
                 self._arenas.pop(arena_id, None)
 

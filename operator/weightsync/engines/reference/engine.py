@@ -287,7 +287,7 @@ class ReferenceEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _cuda_or_cpu_buffer(self, nbytes: int) -> torch.Tensor:
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError:
@@ -306,7 +306,7 @@ class ReferenceEngine:
                 shared = BucketSlots(1, plan.arena_bytes, self.device, self._shm_dir)
                 buffer = shared.slots[0]
             else:
-                buffer = self._cuda_or_cpu_buffer(plan.arena_bytes)
+                buffer = self._device_buffer(plan.arena_bytes)
         except (torch.OutOfMemoryError, OSError) as exc:  # a refusal, not a dead connection
             raise EngineError(
                 "out_of_memory",

@@ -102,7 +102,7 @@ def test_a_generation_the_status_does_not_record_yet_is_not_planned_again() -> N
     desired = desired_members(parsed.spec, pods, {p.name for p in pods}, [])
     delivered: list[int] = []
 
-    class Agents:
+    class Agents:  # a test double: records the plans it would deliver to agents
         async def deliver(self, deliveries: dict[str, Any], token: str) -> dict[str, str]:
             delivered.append(next(iter(deliveries.values()))[1].generation)
             return {}

@@ -1,7 +1,11 @@
 """KWOK's configuration: which fake-kubelet transitions pods and nodes go through.
 
-Upstream's node and pod stages are read from the KWOK release the build copied. Pods
-that must really run go to the cluster's real node instead (`node/realnode.py`).
+Upstream's node and pod stages are read from the KWOK release the build copied, with
+one change: upstream's `pod-ready` also sets every readiness-gate condition True, which
+no kubelet does (the gate's controller owns it; a missing condition reads False). With it,
+every new pod was Ready before the operator had decided anything, and the operator had
+to close a gate it never opened: a thousand extra writes at `make scale`. Pods that must
+really run go to the cluster's real node instead (`node/realnode.py`).
 
 Failure injection: upstream's `pod-container-running-failed` (label
 `FAIL_LABEL=true`, the pod goes Failed) and our `pod-crash-loop` (label
@@ -10,6 +14,7 @@ Failure injection: upstream's `pod-container-running-failed` (label
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +68,21 @@ def _stage(name: str, selector: list[dict[str, Any]], template: str) -> dict[str
     }
 
 
+# The readiness-gate conditions of upstream's pod-ready template (see the docstring).
+_READINESS_GATES = re.compile(
+    r"\n[ \t]*\{\{ range \.spec\.readinessGates \}\}.*?\{\{ end \}\}", re.S
+)
+
+
+def _without_readiness_gates(stage: dict[str, Any]) -> dict[str, Any]:
+    template = stage["spec"]["next"]["statusTemplate"]
+    kept, found = _READINESS_GATES.subn("", template)
+    if found != 1:  # an upstream change: look at it rather than run with either behaviour
+        raise ValueError(f"{stage['metadata']['name']}: readiness gates not found once in it")
+    stage["spec"]["next"]["statusTemplate"] = kept
+    return stage
+
+
 def _not_deleted() -> dict[str, Any]:
     return {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"}
 
@@ -74,6 +94,8 @@ def stages(upstream_dir: Path) -> list[dict[str, Any]]:
         stage = yaml.safe_load((upstream_dir / relative).read_text())
         if stage["metadata"]["name"] == "pod-container-running-failed":
             stage["spec"]["delay"] = {"durationMilliseconds": 0}  # fail at once when asked
+        if stage["metadata"]["name"] == "pod-ready":
+            stage = _without_readiness_gates(stage)
         result.append(stage)
     result.append(
         _stage(

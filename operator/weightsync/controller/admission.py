@@ -99,8 +99,9 @@ def pod_patch(
     indexes: Indexes | None = None,
 ) -> JsonPatch:
     """The injection patch for a labelled pod being created (empty: leave it alone).
-    WeightSyncs come from the watch (`indexes`), listed only before it is bound."""
-    workload = workload_of(pod, lambda rs: kube.replicaset_owner(namespace, rs))
+    WeightSyncs and ReplicaSet owners come from the watches (`indexes`), read from the
+    API server only before they are bound (or for a ReplicaSet newer than its watch)."""
+    workload = workload_of(pod, lambda rs: kube.replicaset_owner(namespace, rs, indexes))
     if workload is None:
         return []
     target = select_target(workload, pod, parse_all(kube.weightsyncs(namespace, indexes)))

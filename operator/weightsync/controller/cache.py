@@ -13,7 +13,9 @@ namespace.
 * WeightSyncs by namespace, spec and identity only (a status with 1,000 members is
   large and no claim check reads it);
 * the trainer StatefulSets and inference Deployments by name, their ReplicaSets by
-  owning Deployment: a pass reads no workload from the API server either;
+  owning Deployment: a pass reads no workload from the API server either; and each
+  ReplicaSet's controlling Deployment by the ReplicaSet's name, for the pod webhook
+  (a GET per admitted pod cost the API server and the webhook's latency at scale-up);
 * each WeightSync whole, by name: a pass reads its own from here while the watch holds
   the newest version the pass knows of (`reconcile.Reconciler._read`).
 
@@ -36,10 +38,11 @@ WEIGHTSYNCS_INDEX = "weightsyncs_by_namespace"
 STATEFULSETS_INDEX = "statefulsets_by_name"
 DEPLOYMENTS_INDEX = "deployments_by_name"
 REPLICASETS_INDEX = "replicasets_by_owner"
+REPLICASET_OWNERS_INDEX = "replicaset_owners"
 BODIES_INDEX = "weightsync_bodies"
 _INDEXES = (
     PODS_INDEX, WEIGHTSYNCS_INDEX, STATEFULSETS_INDEX, DEPLOYMENTS_INDEX, REPLICASETS_INDEX,
-    BODIES_INDEX,
+    REPLICASET_OWNERS_INDEX, BODIES_INDEX,
 )  # fmt: skip
 
 _POD_LABELS = (names.INJECT_LABEL, names.SYNC_LABEL, names.STATEFULSET_POD_INDEX_LABEL)
@@ -110,6 +113,13 @@ def _gpus(container: Mapping[str, Any]) -> dict[str, Any]:
 def pod_key(namespace: str, pod: Mapping[str, Any]) -> tuple[str, str] | None:
     owner = controller_ref(pod)
     return (namespace, str(owner["uid"])) if owner and owner.get("uid") else None
+
+
+def replicaset_owner(replicaset: Mapping[str, Any]) -> dict[str, Any]:
+    """What the pod webhook needs of a ReplicaSet: its controlling Deployment's name."""
+    owner = controller_ref(replicaset)
+    kind = owner.get("kind") if owner else None
+    return {"deployment": str(owner["name"]) if owner and kind == "Deployment" else None}
 
 
 def slim_weightsync(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -183,6 +193,13 @@ class Indexes:
         """(the WeightSync as last watched, or None); None: unbound."""
         found = self._get(BODIES_INDEX, (namespace, name))
         return None if found is None else (found[0] if found else None,)
+
+    def replicaset_owner(self, namespace: str, name: str) -> tuple[str | None] | None:
+        """(the Deployment controlling ReplicaSet `name`, or None if it has none); None:
+        unbound, or a ReplicaSet the watch has not brought yet (its pods can be admitted
+        before that)."""
+        found = self._get(REPLICASET_OWNERS_INDEX, (namespace, name))
+        return (found[0].get("deployment"),) if found else None
 
     def replicasets_of(
         self, namespace: str, deployment_uid: str

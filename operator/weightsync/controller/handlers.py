@@ -30,11 +30,13 @@ from weightsync.controller.cache import (
     BODIES_INDEX,
     DEPLOYMENTS_INDEX,
     PODS_INDEX,
+    REPLICASET_OWNERS_INDEX,
     REPLICASETS_INDEX,
     STATEFULSETS_INDEX,
     WEIGHTSYNCS_INDEX,
     Indexes,
     pod_key,
+    replicaset_owner,
     slim_pod,
     slim_weightsync,
     slim_workload,
@@ -186,6 +188,12 @@ def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
     ) -> dict[tuple[str, str], dict[str, Any]] | None:
         key = pod_key(_namespaced(namespace), body)  # (namespace, controller uid)
         return {key: slim_workload(body)} if key is not None else None
+
+    @kopf.index("apps", "v1", "replicasets", registry=registry, id=REPLICASET_OWNERS_INDEX)
+    async def replicaset_owners(
+        namespace: str | None, name: str, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(_namespaced(namespace), name): replicaset_owner(body)}
 
 
 def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:

@@ -212,8 +212,14 @@ class Kube:
         selector = selector_string(owner["spec"].get("selector"))
         return self._list("pods", self.core.list_namespaced_pod, namespace, label_selector=selector)
 
-    def replicaset_owner(self, namespace: str, name: str) -> str | None:
-        """The Deployment that controls ReplicaSet `name`, if any (for the webhook)."""
+    def replicaset_owner(
+        self, namespace: str, name: str, indexes: Indexes | None = None
+    ) -> str | None:
+        """The Deployment that controls ReplicaSet `name`, if any (for the webhook): from
+        the watch, else (unbound, or the ReplicaSet is newer than the watch) one GET."""
+        watched = indexes.replicaset_owner(namespace, name) if indexes is not None else None
+        if watched is not None:
+            return watched[0]
         rs = self._get("replicasets", self.apps.read_namespaced_replica_set, name, namespace)
         for ref in (rs or {}).get("metadata", {}).get("ownerReferences") or []:
             if ref.get("controller") and ref.get("kind") == "Deployment":

@@ -10,6 +10,7 @@ from kubernetes import client
 
 from tests.unit.controller.builders import pod
 from weightsync.controller.admission import apply_patch, inject
+from weightsync.controller.cache import REPLICASET_OWNERS_INDEX, Indexes, replicaset_owner
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
 
@@ -29,6 +30,20 @@ def test_an_api_failure_admits_the_pod_unchanged(caplog: pytest.LogCaptureFixtur
     assert "admitting it unchanged" in caplog.text  # the ReplicaSet lookup did fail
     assert not patch
     assert patch.as_json_patch() == []
+
+
+def test_the_replicaset_owner_comes_from_the_watch_and_a_miss_from_the_api() -> None:
+    replicaset = pod("engine-a-7d9").owned_by("Deployment", "engine-a").build()
+    indexes = Indexes()
+    indexes.bind(
+        {REPLICASET_OWNERS_INDEX: {("ns", "engine-a-7d9"): [replicaset_owner(replicaset)]}}
+    )
+    kube = unreachable_api()
+    assert kube.replicaset_owner("ns", "engine-a-7d9", indexes) == "engine-a"  # no request
+    with pytest.raises(Exception, match=r"127\.0\.0\.1"):  # newer than the watch: one GET
+        kube.replicaset_owner("ns", "engine-a-8e1", indexes)
+    orphan = pod("lonely-1").build()
+    assert replicaset_owner(orphan) == {"deployment": None}
 
 
 def test_pods_without_a_controller_are_left_alone_without_asking_the_api(

@@ -14,7 +14,9 @@ earlier pass's word. It opens again only on the agent's word after the restart.
 A pod that serves the current version but that the trainer's next round would not
 reach (a recovered pod whose generation is not warm yet on the source: the next round
 runs in the older one) stays False too: it would be behind the moment that round ends,
-for as long as the next pass takes to notice (`rounds_reach`).
+for as long as the next pass takes to notice (`rounds_reach`). Once the source reports
+that generation warm, every member holding it is reached, whatever its own last answer
+said (it may predate the pre-warm that the source's word proves done).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from weightsync.api import reasons
-from weightsync.api.control import AgentStatus
+from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.controller.plan import WARM_STATES
 from weightsync.controller.workloads import PodView
 
@@ -92,10 +94,19 @@ def rounds_reach(
     needed = {max(warm)}
     if source.round_in_progress and source.generation is not None:
         needed.add(source.generation)
+    # The source warms a generation only once its pre-warm collective has run on every
+    # member: a member still reporting it forming answered before that (polls are not
+    # simultaneous). Counting only its own word closed every gate at each new generation
+    # until the next sweep (a thousand closes, then a thousand opens, at a scale-up).
     return frozenset(
         pod
         for pod, status in statuses.items()
-        if needed <= {g.generation for g in status.generations if g.state in WARM_STATES}
+        if needed
+        <= {
+            g.generation
+            for g in status.generations
+            if g.state in WARM_STATES or g.state is GenerationState.FORMING
+        }
     )
 
 

@@ -109,9 +109,14 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     kept = decide(sink_view("e-1"), member, None, Current(6), reached)
     assert (kept.status, kept.reason) == (True, reasons.SERVES_CURRENT_VERSION)
 
-    # Generation 3 warm on the source: its next round reaches the recovered pod.
+    # Generation 3 warm on the source: its next round reaches the recovered pod, and a
+    # member whose last answer (older than the source's) still said forming: the source
+    # warms only after the pre-warm ran on every member. One that does not hold 3 is missed.
     source = agent("trainer-0", Role.SOURCE, generations={2: (A, 0), 3: (W, 0)}, version=6)
-    assert rounds_reach(source, statuses | {"trainer-0": source}) == {"trainer-0", "e-1", "e-new"}
+    late = agent("e-2", generations={2: (A, 2), 3: (F, 3)}, engine_version=6)
+    left = agent("e-3", generations={2: (A, 3), 3: (GenerationState.BROKEN, 4)}, engine_version=6)
+    everyone = statuses | {"trainer-0": source, "e-2": late, "e-3": left}
+    assert rounds_reach(source, everyone) == {"trainer-0", "e-1", "e-new", "e-2"}
     # ...unless a round is still running in generation 2: it misses the pod.
     busy = agent(
         "trainer-0", Role.SOURCE, generations={2: (A, 0), 3: (W, 0)}, version=6,

@@ -11,6 +11,14 @@ written with the newest decision for it, never an older one after a newer:
   to the last write while the pod still shows what it showed before that write (the
   watch has not brought the write back yet): the passes that run meanwhile add nothing.
 
+A decision that only changes the reason of a gate that stays False (a pod with no
+gate condition yet counts as False: the kubelet reads a missing condition as False) is
+written once it has held for `REASON_SETTLE_SECONDS`: no pod's readiness depends on it,
+and a newcomer's reasons change every second or two on its way in (containers not
+ready, behind, not yet in rounds): four writes a pod at a scale-up, each a few ms of the
+API server's CPU and a watch event to every pod watcher, for one that matters (True).
+Any change of the gate's status is written at once.
+
 A failed write is logged and forgotten: the next pass sees the pod's gate unchanged
 and decides again (level-based; kopf's timer guarantees a next pass).
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 from weightsync.api.base import format_timestamp, utc_now
@@ -30,6 +39,8 @@ from weightsync.controller.status import listing
 from weightsync.controller.workloads import PodView
 
 log = logging.getLogger(__name__)
+
+REASON_SETTLE_SECONDS = 5.0  # the drift timer's default period: a pass comes by then
 
 
 class GateSync:
@@ -44,15 +55,20 @@ class GateSync:
         # pod -> (the gate written, what the pod showed before): until the watch shows it
         self._written: dict[str, tuple[tuple[bool, str], tuple[str | None, str | None]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # pod -> (status, reason) of a reason-only change, and when it was first decided
+        self._settling: dict[str, tuple[tuple[bool, str], float]] = {}
         self.failures = 0
 
-    def submit(self, pods: Sequence[PodView], changes: Sequence[GateDecision]) -> None:
-        """Write `changes` (`readiness.gate_changes`) without waiting for them."""
-        now = format_timestamp(utc_now())
+    def submit(
+        self, pods: Sequence[PodView], changes: Sequence[GateDecision], now: float | None = None
+    ) -> None:
+        """Write `changes` (`readiness.gate_changes`) without waiting for them; `now`: a
+        monotonic time (tests), for reason-only changes (`REASON_SETTLE_SECONDS`)."""
+        stamp = format_timestamp(utc_now())
         by_name = {p.name: p for p in pods}
         self._settle(by_name)
         queued = []
-        for decision in changes:
+        for decision in self._settled(by_name, changes, time.monotonic() if now is None else now):
             pod = decision.pod
             written = self._written.get(pod)
             shown = (by_name[pod].gate_status, by_name[pod].gate_reason)
@@ -68,7 +84,7 @@ class GateSync:
             view = by_name[pod]
             # lastTransitionTime moves only when the status flips, as for any condition.
             kept = view.gate_since if view.gate_status == decision.status_text else None
-            self._wanted[pod] = (decision, kept or now, shown)
+            self._wanted[pod] = (decision, kept or stamp, shown)
             if pod not in self._writing:
                 task = asyncio.get_running_loop().create_task(self._write(pod))
                 self._tasks.add(task)
@@ -80,6 +96,40 @@ class GateSync:
                 self._namespace, opened, len(queued) - opened,
                 listing([f"{d.pod}: {d.status_text} ({d.reason})" for d in queued], shown=3),
             )  # fmt: skip
+
+    def _settled(
+        self, pods: dict[str, PodView], changes: Sequence[GateDecision], now: float
+    ) -> list[GateDecision]:
+        """`changes` less the reason-only ones that have not held long enough yet."""
+        result = []
+        settling = {}
+        for decision in changes:
+            if decision.status != self._gate(pods[decision.pod]):
+                result.append(decision)  # the gate moves: now
+                continue
+            key = (decision.status, decision.reason)
+            seen = self._settling.get(decision.pod)
+            since = seen[1] if seen is not None and seen[0] == key else now
+            if now - since >= REASON_SETTLE_SECONDS:
+                result.append(decision)
+            else:
+                settling[decision.pod] = (key, since)
+        self._settling = settling  # a pod whose decision moved on starts over
+        return result
+
+    def _gate(self, view: PodView) -> bool:
+        """The gate's status as the pod will show it: the newest decision on its way there
+        (waiting, being written, or written while the watch still shows the pod as it was
+        before), else what it shows."""
+        pod = view.name
+        if pod in self._wanted:
+            return self._wanted[pod][0].status
+        if pod in self._writing:
+            return self._writing[pod].status
+        written = self._written.get(pod)
+        if written is not None and written[1] == (view.gate_status, view.gate_reason):
+            return written[0][0]  # the pod shows what it showed before that write
+        return view.gate_status == "True"
 
     def _settle(self, pods: dict[str, PodView]) -> None:
         """Forget the writes the watch has brought back, and those of pods that left."""

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from tests.unit.controller.builders import sink_view
-from weightsync.controller.gatesync import GateSync
+from weightsync.controller.gatesync import REASON_SETTLE_SECONDS, GateSync
 from weightsync.controller.readiness import GateDecision
 
 
@@ -22,8 +22,8 @@ class SlowWriter:
         self.written.append((pod, condition["status"], condition["reason"]))
 
 
-def decision(pod: str, status: bool) -> GateDecision:
-    return GateDecision(pod, status, "Yes" if status else "No", "")
+def decision(pod: str, status: bool, reason: str | None = None) -> GateDecision:
+    return GateDecision(pod, status, reason or ("Yes" if status else "No"), "")
 
 
 def test_the_newest_decision_is_written_last_and_duplicates_are_dropped() -> None:
@@ -69,5 +69,30 @@ def test_a_written_gate_is_not_written_again_while_the_watch_catches_up() -> Non
         gates.submit(changed, [decision("a", True)])
         await gates.drain()
         assert len(writer.written) == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_reason_alone_is_written_once_it_has_held_and_a_move_at_once() -> None:
+    async def scenario() -> None:
+        writer = SlowWriter()
+        writer.go.set()
+        gates = GateSync(writer, "ns")  # type: ignore[arg-type]
+        new = [sink_view("a")]  # no gate condition yet: the kubelet reads it as False
+        gates.submit(new, [decision("a", False, "Behind")], now=100.0)
+        gates.submit(new, [decision("a", False, "NotInRounds")], now=103.0)  # moved on
+        gates.submit(new, [decision("a", False, "NotInRounds")], now=103.0 + 4.9)
+        await gates.drain()
+        assert writer.written == []  # nothing a pod's readiness depends on, yet
+        gates.submit(new, [decision("a", False, "NotInRounds")], now=103.0 + REASON_SETTLE_SECONDS)
+        await gates.drain()
+        assert writer.written == [("a", "False", "NotInRounds")]
+        # The gate opening is written at once, and so is its closing.
+        shown = [sink_view("a", gate_status="False", gate_reason="NotInRounds")]
+        gates.submit(shown, [decision("a", True)], now=200.0)
+        await gates.drain()
+        gates.submit(shown, [decision("a", False, "Behind")], now=200.0)  # watch still stale
+        await gates.drain()
+        assert writer.written[1:] == [("a", "True", "Yes"), ("a", "False", "Behind")]
 
     asyncio.run(scenario())

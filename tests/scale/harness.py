@@ -160,7 +160,11 @@ class Scenario:
         stack.callback(self.operator.stop)
         assert self.operator.popen is not None
         api = config.new_client_from_config(str(self.cluster.kubeconfig))
-        self.engines = PodWatch(api, NAMESPACE, "engine")
+        # KWOK gives some pods a second address under load (see `loadgen.moved`).
+        self.engines = PodWatch(
+            api, NAMESPACE, "engine",
+            moved=lambda old, new: self.loadgen.post("/moved", {"from": old, "to": new}),
+        )  # fmt: skip
         self.trainers = PodWatch(api, NAMESPACE, "trainer")
         self.sync = SyncWatch(api, NAMESPACE, "sync")
         self.sampler = OperatorSampler(
@@ -339,6 +343,7 @@ class Scenario:
         figures.plan_bytes = {int(k): v for k, v in stats["plan_bytes"].items()}
         figures.plans = {int(k): v for k, v in stats["plans"].items()}
         figures.operator_log_tracebacks = self.operator.output().count("Traceback")
+        figures.moved_pods = self.engines.moves
         return figures
 
 

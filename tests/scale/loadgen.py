@@ -17,7 +17,8 @@ What the stand-ins do, as the operator sees it:
   through a small admin API on another port (127.0.0.1 only):
   `POST /source {"ip"}`, `POST /publish {"version", "sinks"}`,
   `POST /load {"version"}` (every engine), `POST /slow {"seconds", "delay"}`,
-  `GET /stats` (plan bytes per generation, requests by route).
+  `POST /moved {"from", "to"}` (a pod's address changed: the same stand-in answers
+  at the new one), `GET /stats` (plan bytes per generation, requests by route).
 
     python -m tests.scale.loadgen --port 8470 --admin-port 8471
 """
@@ -106,6 +107,7 @@ class Stats:
     plans: Counter[int] = field(default_factory=Counter)  # by generation
     requests: Counter[str] = field(default_factory=Counter)  # by route
     slowed: int = 0  # requests answered late on purpose
+    moved: int = 0  # pods KWOK gave a second address
 
 
 class LoadGenerator:
@@ -223,6 +225,15 @@ class LoadGenerator:
             lineage=LINEAGE,
         )
 
+    def moved(self, old: str, new: str) -> None:
+        """KWOK gave a pod a second address (its pod-ready stage retried under load, and
+        re-ran the IP allocation); a real pod keeps one for life, so its agent (this
+        stand-in) is the one that answers at the new address too."""
+        found = self.stand_ins.get(old)
+        if found is not None:
+            self.stand_ins[new] = found
+            self.stats.moved += 1
+
     def load(self, version: int) -> None:
         for agent in self.stand_ins.values():
             if agent.role is Role.SINK:
@@ -309,6 +320,11 @@ def admin_app(gen: LoadGenerator) -> web.Application:
         gen.slow_until = time.monotonic() + float(body["seconds"])
         return web.json_response({})
 
+    async def moved(request: web.Request) -> web.Response:
+        body = await request.json()
+        gen.moved(str(body["from"]), str(body["to"]))
+        return web.json_response({})
+
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -316,6 +332,7 @@ def admin_app(gen: LoadGenerator) -> web.Application:
                 "plans": {str(k): v for k, v in gen.stats.plans.items()},
                 "requests": dict(gen.stats.requests),
                 "slowed": gen.stats.slowed,
+                "moved": gen.stats.moved,
                 "stand_ins": len(gen.stand_ins),
             }
         )
@@ -325,6 +342,7 @@ def admin_app(gen: LoadGenerator) -> web.Application:
     app.router.add_post("/publish", publish)
     app.router.add_post("/load", load)
     app.router.add_post("/slow", slow)
+    app.router.add_post("/moved", moved)
     app.router.add_get("/stats", stats)
     return app
 

@@ -79,9 +79,17 @@ def _stream(list_fn: Any, sink: Any) -> None:
 class PodWatch(Watched):
     """The namespace's pods with app=`app`: their state now, and when each gate moved."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, app: str) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        namespace: str,
+        app: str,
+        moved: Callable[[str, str], None] | None = None,
+    ) -> None:
         super().__init__()
         self.pods: dict[str, PodState] = {}
+        self.moved = moved  # called with (old, new) when a pod's address changes
+        self.moves = 0
         self.gate_changes: list[tuple[float, str, str | None]] = []  # (at, pod, status)
         core = client.CoreV1Api(api)
 
@@ -100,6 +108,7 @@ class PodWatch(Watched):
 
     def _event(self, kind: str, pod: dict[str, Any], at: float) -> None:
         name = pod["metadata"]["name"]
+        move = None
         with self.changed:
             before = self.pods.get(name)
             if kind == "DELETED":
@@ -107,9 +116,14 @@ class PodWatch(Watched):
             else:
                 state = _pod_state(pod)
                 self.pods[name] = state
+                if before is not None and before.ip and state.ip and before.ip != state.ip:
+                    self.moves += 1
+                    move = (before.ip, state.ip)
                 if before is not None and before.gate != state.gate:
                     self.gate_changes.append((at, name, state.gate))
             self.changed.notify_all()
+        if move is not None and self.moved is not None:
+            self.moved(*move)  # outside the lock: an HTTP request
 
     def running(self) -> int:
         return sum(1 for p in self.pods.values() if p.running)

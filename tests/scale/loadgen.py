@@ -107,7 +107,6 @@ class Stats:
     plans: Counter[int] = field(default_factory=Counter)  # by generation
     requests: Counter[str] = field(default_factory=Counter)  # by route
     slowed: int = 0  # requests answered late on purpose
-    moved: int = 0  # pods KWOK gave a second address
 
 
 class LoadGenerator:
@@ -232,7 +231,6 @@ class LoadGenerator:
         found = self.stand_ins.get(old)
         if found is not None:
             self.stand_ins[new] = found
-            self.stats.moved += 1
 
     def load(self, version: int) -> None:
         for agent in self.stand_ins.values():
@@ -332,7 +330,6 @@ def admin_app(gen: LoadGenerator) -> web.Application:
                 "plans": {str(k): v for k, v in gen.stats.plans.items()},
                 "requests": dict(gen.stats.requests),
                 "slowed": gen.stats.slowed,
-                "moved": gen.stats.moved,
                 "stand_ins": len(gen.stand_ins),
             }
         )

@@ -115,11 +115,15 @@ def pod_key(namespace: str, pod: Mapping[str, Any]) -> tuple[str, str] | None:
     return (namespace, str(owner["uid"])) if owner and owner.get("uid") else None
 
 
+def deployment_of(replicaset: Mapping[str, Any]) -> str | None:
+    """The name of the Deployment controlling `replicaset`, if any."""
+    owner = controller_ref(replicaset)
+    return str(owner["name"]) if owner and owner.get("kind") == "Deployment" else None
+
+
 def replicaset_owner(replicaset: Mapping[str, Any]) -> dict[str, Any]:
     """What the pod webhook needs of a ReplicaSet: its controlling Deployment's name."""
-    owner = controller_ref(replicaset)
-    kind = owner.get("kind") if owner else None
-    return {"deployment": str(owner["name"]) if owner and kind == "Deployment" else None}
+    return {"deployment": deployment_of(replicaset)}
 
 
 def slim_weightsync(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import metrics, names
-from weightsync.controller.cache import Indexes
+from weightsync.controller.cache import Indexes, deployment_of
 from weightsync.controller.gatewriter import GateWriter
 from weightsync.controller.workloads import World, template_labelled
 
@@ -221,10 +221,7 @@ class Kube:
         if watched is not None:
             return watched[0]
         rs = self._get("replicasets", self.apps.read_namespaced_replica_set, name, namespace)
-        for ref in (rs or {}).get("metadata", {}).get("ownerReferences") or []:
-            if ref.get("controller") and ref.get("kind") == "Deployment":
-                return str(ref["name"])
-        return None
+        return deployment_of(rs) if rs else None
 
     # -- the agents' token ---------------------------------------------------------
 

@@ -16,7 +16,7 @@ reach (a recovered pod whose generation is not warm yet on the source: the next 
 runs in the older one) stays False too: it would be behind the moment that round ends,
 for as long as the next pass takes to notice (`rounds_reach`). Once the source reports
 that generation warm, every member holding it is reached, whatever its own last answer
-said (it may predate the pre-warm that the source's word proves done).
+said (it may predate the pre-warm, or the plan, that the source's word proves done).
 """
 
 from __future__ import annotations
@@ -79,8 +79,20 @@ def serves(status: AgentStatus | None, current: Current) -> bool:
     return current.lineage is None or lineage is None or lineage == current.lineage
 
 
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """The generation this operator last planned, its members, and those of them whose
+    latest answer predates its delivery (`unheard`: their own word cannot list it yet)."""
+
+    generation: int | None
+    members: frozenset[str]
+    unheard: frozenset[str]
+
+
 def rounds_reach(
-    source: AgentStatus | None, statuses: Mapping[str, AgentStatus]
+    source: AgentStatus | None,
+    statuses: Mapping[str, AgentStatus],
+    planned: Planned | None = None,
 ) -> frozenset[str] | None:
     """The pods the source's next round reaches: warm at the generation it would run in
     (its newest warm one) and, while a round is in flight, at that round's generation too.
@@ -94,20 +106,24 @@ def rounds_reach(
     needed = {max(warm)}
     if source.round_in_progress and source.generation is not None:
         needed.add(source.generation)
+
     # The source warms a generation only once its pre-warm collective has run on every
     # member: a member still reporting it forming answered before that (polls are not
-    # simultaneous). Counting only its own word closed every gate at each new generation
-    # until the next sweep (a thousand closes, then a thousand opens, at a scale-up).
-    return frozenset(
-        pod
-        for pod, status in statuses.items()
-        if needed
-        <= {
+    # simultaneous), and a planned member whose last answer predates the plan holds it
+    # too. Counting only its own word closed every gate at each new generation until
+    # the next sweep (a thousand closes, then a thousand opens, at a scale-up). An answer
+    # given after the plan that does not list it (refused, or the agent restarted) does.
+    def held(pod: str, status: AgentStatus) -> set[int]:
+        own = {
             g.generation
             for g in status.generations
             if g.state in WARM_STATES or g.state is GenerationState.FORMING
         }
-    )
+        if planned is not None and planned.generation is not None and pod in planned.unheard:
+            own.add(planned.generation)  # `unheard` holds members only
+        return own
+
+    return frozenset(pod for pod, status in statuses.items() if needed <= held(pod, status))
 
 
 def decide(  # noqa: PLR0911 - one return per reason, in the order they are checked
@@ -170,10 +186,15 @@ def gate_changes(
     current: Current,
     reached: frozenset[str] | None = None,
 ) -> list[GateDecision]:
-    """Decisions for gated, live pods whose condition differs from what they carry."""
+    """Decisions for gated, live pods whose condition differs from what they carry. A pod
+    that has not run yet and carries no condition is left alone: a missing gate condition
+    already counts False, and writing one to a thousand pending pods at a scale-up only
+    adds API load (and, on KWOK, re-runs its stages)."""
     changes = []
     for pod in pods:
         if not pod.has_gate or pod.terminating:
+            continue
+        if not pod.running and pod.gate_status is None:
             continue
         status = statuses.get(pod.name)
         decision = decide(pod, status, errors.get(pod.name), current, reached)

@@ -42,7 +42,13 @@ from weightsync.controller.memory import Memory
 from weightsync.controller.plan import Desired, Slot, desired_members, intact
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
-from weightsync.controller.readiness import Current, current_version, gate_changes, rounds_reach
+from weightsync.controller.readiness import (
+    Current,
+    Planned,
+    current_version,
+    gate_changes,
+    rounds_reach,
+)
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.scheduling import PassScheduler
 from weightsync.controller.settings import OperatorSettings
@@ -82,6 +88,14 @@ def log_pass_failure(what: str, error: Exception) -> None:
         log.warning("%s: stuck, cancelled; the next pass retries", what)
     else:
         log.error("%s failed", what, exc_info=error)
+
+
+def _planned(members: list[Slot], generation: int | None, memory: Memory) -> Planned:
+    """The planned generation for `rounds_reach`: its members, and those not heard from
+    since it was delivered (none after a restart: `planned_at` is empty, every answer counts)."""
+    names = frozenset(slot.pod for slot in members)
+    heard = memory.agents.since(memory.planned_at.get(generation or 0))
+    return Planned(generation, names, names - heard.keys())
 
 
 class Reconciler:
@@ -227,7 +241,11 @@ class Reconciler:
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
         current = current_version(source, Current(old.current_version, old.lineage))
         # Colocated engines are no members: the source loads them whatever the generation.
-        reached = None if spec.mode is SyncMode.COLOCATED else rounds_reach(source, statuses)
+        reached = (
+            None
+            if spec.mode is SyncMode.COLOCATED
+            else rounds_reach(source, statuses, _planned(planned, planned_generation, memory))
+        )
         gates = gate_changes(pods, statuses, errors, current, reached)
         observation = Observation(
             spec=spec,

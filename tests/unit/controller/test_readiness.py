@@ -10,6 +10,7 @@ from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller.readiness import (
     Current,
+    Planned,
     current_version,
     decide,
     gate_changes,
@@ -73,8 +74,10 @@ def test_a_new_lineage_is_current_even_at_a_lower_version_and_the_old_one_is_beh
 
 def test_only_gated_live_pods_whose_condition_differs_are_changed() -> None:
     def view(name: str, *, gate: bool = True, condition: tuple[str, str] | None = None,
-             terminating: bool = False) -> object:  # fmt: skip
-        builder = pod(name).owned_by("ReplicaSet", "rs").running().injected(gate=gate)
+             terminating: bool = False, running: bool = True) -> object:  # fmt: skip
+        builder = pod(name).owned_by("ReplicaSet", "rs").injected(gate=gate)
+        if running:
+            builder.running()
         if condition:
             builder.gate(*condition)
         if terminating:
@@ -87,12 +90,20 @@ def test_only_gated_live_pods_whose_condition_differs_are_changed() -> None:
         view("new"),
         view("ungated", gate=False),
         view("leaving", terminating=True),
+        # Not started, no condition: a missing gate already counts False, nothing to write.
+        view("pending", running=False),
+        # Not running but carrying True (stopped, or its node lost): closed.
+        view("stopped", running=False, condition=("True", reasons.SERVES_CURRENT_VERSION)),
     ]
     statuses = {p: agent(p, engine_version=5) for p in ("current", "ungated", "leaving")}
     statuses["behind"] = agent("behind", engine_version=4)
     statuses["new"] = agent("new", engine_version=None)
     changes = gate_changes(pods, statuses, {}, Current(5))  # type: ignore[arg-type]
-    assert [(c.pod, c.status) for c in changes] == [("behind", False), ("new", False)]
+    assert [(c.pod, c.status) for c in changes] == [
+        ("behind", False),
+        ("new", False),
+        ("stopped", False),
+    ]
 
 
 def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() -> None:
@@ -117,6 +128,17 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     left = agent("e-3", generations={2: (A, 3), 3: (GenerationState.BROKEN, 4)}, engine_version=6)
     everyone = statuses | {"trainer-0": source, "e-2": late, "e-3": left}
     assert rounds_reach(source, everyone) == {"trainer-0", "e-1", "e-new", "e-2"}
+    # A planned member whose last answer predates the plan holds generation 3 too (the
+    # source warmed it with every member); one that answered since without it does not
+    # (it refused the plan, or its agent restarted), nor does a pod the plan left out.
+    unheard = agent("e-4", generations={2: (A, 4)}, engine_version=6)
+    refused = agent("e-5", generations={2: (A, 5)}, engine_version=6)
+    outside = agent("e-6", generations={2: (A, 6)}, engine_version=6)
+    members = frozenset({"trainer-0", "e-1", "e-new", "e-2", "e-4", "e-5"})
+    plan = Planned(3, members, unheard=frozenset({"e-4"}))  # e-6: not planned, so not unheard
+    later = everyone | {"e-4": unheard, "e-5": refused, "e-6": outside}
+    assert rounds_reach(source, later, plan) == {"trainer-0", "e-1", "e-new", "e-2", "e-4"}
+    assert "e-4" not in (rounds_reach(source, later) or ())
     # ...unless a round is still running in generation 2: it misses the pod.
     busy = agent(
         "trainer-0", Role.SOURCE, generations={2: (A, 0), 3: (W, 0)}, version=6,

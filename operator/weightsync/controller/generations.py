@@ -88,6 +88,7 @@ class Planner:
             raw, sync, generation=number, desired=desired, token=token, memory=memory
         )
         memory.planned_at = {number: time.monotonic()}  # older ones no longer matter
+        memory.delivered = number
         members = list(slots(desired.members))
         memory.unsaved = Unsaved(number, members, spec_generation)
         return members, number, errors

@@ -27,7 +27,10 @@ class Memory:
     """Soft per-WeightSync state; losing it (a restart) costs at most a slower timeout
     and one poll of every agent."""
 
+    # When the pre-warm timeout of a generation started: its delivery, if planned here
+    # (`delivered`), else the first pass that saw it (planned before a restart).
     planned_at: dict[int, float] = field(default_factory=dict)
+    delivered: int | None = None  # the last generation this process delivered
     cooldown: dict[str, float] = field(default_factory=dict)  # pod uid -> monotonic deadline
     # The planned generation given up on at its pre-warm timeout: its cold members sat
     # out once (not again on every pass), and the next formable group is a new generation.

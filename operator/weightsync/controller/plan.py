@@ -196,11 +196,35 @@ def needs_new_generation(
 
 
 def forming(planned: Sequence[Slot], generation: int, statuses: Mapping[str, AgentStatus]) -> bool:
-    """Whether a member that answered (`statuses`) still forms `generation`."""
+    """Whether a member that answered (`statuses`) still forms `generation`, and no source
+    reports it warm: a source warms only once the pre-warm barrier has passed on every
+    member, so the others' own answers (polled before that) are older news."""
+    if any(
+        slot.role is Role.SOURCE and warm_at(statuses.get(slot.pod), generation, slot.rank)
+        for slot in planned
+    ):
+        return False
     return any(
         rank_state(statuses[slot.pod], generation, slot.rank) is GenerationState.FORMING
         for slot in planned
         if slot.pod in statuses
+    )
+
+
+def prewarming_sources(
+    planned: Sequence[Slot], generation: int | None, statuses: Mapping[str, AgentStatus]
+) -> frozenset[str]:
+    """The planned sources whose latest answer does not show `generation` warm or broken
+    yet: a follow-up pass asks them soon, so that newcomers waiting for it to form
+    (`needs_new_generation`) wait for the pre-warm, not for the next sweep."""
+    if generation is None:
+        return frozenset()
+    settled = WARM_STATES | {GenerationState.BROKEN}
+    return frozenset(
+        slot.pod
+        for slot in planned
+        if slot.role is Role.SOURCE
+        and rank_state(statuses.get(slot.pod), generation, slot.rank) not in settled
     )
 
 

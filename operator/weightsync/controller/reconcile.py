@@ -39,7 +39,13 @@ from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
 from weightsync.controller.kube import Kube, api_unavailable
 from weightsync.controller.memory import Memory
-from weightsync.controller.plan import Desired, Slot, desired_members, intact
+from weightsync.controller.plan import (
+    Desired,
+    Slot,
+    desired_members,
+    intact,
+    prewarming_sources,
+)
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
 from weightsync.controller.readiness import (
@@ -92,9 +98,12 @@ def log_pass_failure(what: str, error: Exception) -> None:
 
 def _planned(members: list[Slot], generation: int | None, memory: Memory) -> Planned:
     """The planned generation for `rounds_reach`: its members, and those not heard from
-    since it was delivered (none after a restart: `planned_at` is empty, every answer counts)."""
+    since this process delivered it (none if it was delivered before a restart: when is
+    not known, so every answer counts)."""
     names = frozenset(slot.pod for slot in members)
-    heard = memory.agents.since(memory.planned_at.get(generation or 0))
+    if generation is None or generation != memory.delivered:
+        return Planned(generation, names, frozenset())
+    heard = memory.agents.since(memory.planned_at.get(generation))
     return Planned(generation, names, names - heard.keys())
 
 
@@ -238,6 +247,7 @@ class Reconciler:
             raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources
         )
 
+        self._follow_prewarm(sync, planned, planned_generation, statuses, memory)
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
         current = current_version(source, Current(old.current_version, old.lineage))
         # Colocated engines are no members: the source loads them whatever the generation.
@@ -380,6 +390,26 @@ class Reconciler:
         memory.poll_soon = recovering.in_flight
         memory.watched = recovering.watched
         return recovering
+
+    @staticmethod
+    def _follow_prewarm(
+        sync: WeightSync,
+        planned: list[Slot],
+        generation: int | None,
+        statuses: Mapping[str, AgentStatus],
+        memory: Memory,
+    ) -> None:
+        """While a generation planned here pre-warms (within its timeout), follow-up
+        passes ask its sources: the next generation (newcomers) waits on this one."""
+        since = memory.planned_at.get(generation or 0)
+        if generation != memory.delivered or since is None:
+            return  # delivered before a restart: the sweeps follow it
+        if time.monotonic() - since > sync.spec.prewarm.timeout_seconds:
+            return
+        waiting = prewarming_sources(planned, generation, statuses)
+        if waiting:
+            memory.poll_soon = True
+            memory.watched = memory.watched | waiting
 
     def _addresses(self, pods: list[PodView]) -> list[AgentAddress]:
         return [

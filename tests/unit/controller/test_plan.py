@@ -18,6 +18,7 @@ from weightsync.controller.plan import (
     intact,
     needs_new_generation,
     next_generation,
+    prewarming_sources,
     slots,
 )
 from weightsync.controller.workloads import PodView
@@ -362,9 +363,30 @@ def test_newcomers_wait_while_the_planned_generation_still_forms() -> None:
     pods = [source_view(), sink_view("e-1"), sink_view("e-2"), sink_view("e-3")]
     grown = desired_members(sync().spec, pods, {p.name for p in pods}, planned)
     assert names_of(grown.members) == ["trainer-0", "e-1", "e-2", "e-3"]
-    forming = {**statuses, "e-1": agent("e-1", generations={4: (F, 1)})}
+    source_forming = agent("trainer-0", Role.SOURCE, generations={4: (F, 0)})
+    forming = {
+        **statuses,
+        "trainer-0": source_forming,
+        "e-1": agent("e-1", generations={4: (F, 1)}),
+    }
     assert not needs_new_generation(grown, planned, 4, forming)  # e-3 joins the next one
     assert needs_new_generation(grown, planned, 4, statuses)  # warm everywhere: now
+    # The source warm is the pre-warm passed on every member: a member's own answer
+    # still saying forming was given before that.
+    late = {**statuses, "e-1": agent("e-1", generations={4: (F, 1)})}
+    assert needs_new_generation(grown, planned, 4, late)
     # A member lost is no reason to wait.
     shrunk = desired_members(sync().spec, pods[:2], {"trainer-0", "e-1"}, planned)
     assert needs_new_generation(shrunk, planned, 4, forming)
+
+
+def test_the_sources_are_followed_until_the_planned_generation_is_warm_or_broken() -> None:
+    _, planned, statuses = group_of_three()
+    assert prewarming_sources(planned, 4, statuses) == frozenset()  # active on the source
+    for state in (F, None):  # forming, or its answer predates the plan
+        generations = {3: (A, 0)} | ({4: (state, 0)} if state else {})
+        source = agent("trainer-0", Role.SOURCE, generations=generations)
+        assert prewarming_sources(planned, 4, {**statuses, "trainer-0": source}) == {"trainer-0"}
+    broken = agent("trainer-0", Role.SOURCE, generations={4: (B, 0)})
+    assert prewarming_sources(planned, 4, {**statuses, "trainer-0": broken}) == frozenset()
+    assert prewarming_sources(planned, None, statuses) == frozenset()

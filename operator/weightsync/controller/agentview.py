@@ -60,6 +60,12 @@ class AgentView:
             else:
                 self.silent_since.pop(pod, None)
 
+    def snapshot(self) -> AgentView:
+        """A copy: a pass decides on one set of answers, whatever a sweep records meanwhile."""
+        return AgentView(
+            dict(self.statuses), dict(self.errors), dict(self.heard_at), dict(self.silent_since)
+        )
+
     def retain(self, pods: Collection[str]) -> None:
         """Forget the pods that are gone."""
         for table in (self.statuses, self.errors, self.heard_at, self.silent_since):

@@ -34,6 +34,7 @@ from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics, tokens
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.agentview import AgentView
 from weightsync.controller.cache import Indexes, newest
 from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
@@ -96,14 +97,16 @@ def log_pass_failure(what: str, error: Exception) -> None:
         log.error("%s failed", what, exc_info=error)
 
 
-def _planned(members: list[Slot], generation: int | None, memory: Memory) -> Planned:
-    """The planned generation for `rounds_reach`: its members, and those not heard from
-    since this process delivered it (none if it was delivered before a restart: when is
-    not known, so every answer counts)."""
+def _planned(
+    members: list[Slot], generation: int | None, memory: Memory, seen: AgentView
+) -> Planned:
+    """The planned generation for `rounds_reach`: its members, and those whose answer in
+    `seen` (the pass's answers) predates its delivery by this process (none if it was
+    delivered before a restart: when is not known, so every answer counts)."""
     names = frozenset(slot.pod for slot in members)
     if generation is None or generation != memory.delivered:
         return Planned(generation, names, frozenset())
-    heard = memory.agents.since(memory.planned_at.get(generation))
+    heard = seen.since(memory.planned_at.get(generation))
     return Planned(generation, names, names - heard.keys())
 
 
@@ -241,7 +244,8 @@ class Reconciler:
         await pod_actions.recreate_uninjected(
             self.kube, self.post_event, raw, pods, self.webhook_settling
         )
-        statuses, errors = await self._answers(pods, token, memory)
+        seen = await self._answers(pods, token, memory)
+        statuses, errors = seen.statuses, seen.errors
         sources = planned_sources(sync, world, pods)
         desired, (planned, planned_generation, plan_errors), timed_out = await self._group(
             raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources
@@ -254,7 +258,7 @@ class Reconciler:
         reached = (
             None
             if spec.mode is SyncMode.COLOCATED
-            else rounds_reach(source, statuses, _planned(planned, planned_generation, memory))
+            else rounds_reach(source, statuses, _planned(planned, planned_generation, memory, seen))
         )
         gates = gate_changes(pods, statuses, errors, current, reached)
         observation = Observation(
@@ -292,18 +296,16 @@ class Reconciler:
         memory.seen_version = found["metadata"].get("resourceVersion") if found else None
         return found
 
-    async def _answers(
-        self, pods: list[PodView], token: str, memory: Memory
-    ) -> tuple[dict[str, AgentStatus], dict[str, str]]:
+    async def _answers(self, pods: list[PodView], token: str, memory: Memory) -> AgentView:
         """The agents' latest answers (`agentview`), new pods' asked now; one set for the
-        whole pass, whatever a sweep records meanwhile."""
+        whole pass (a snapshot), whatever a sweep records meanwhile."""
         addresses = self._addresses(pods)
         view = memory.agents
         view.retain({a.pod for a in addresses})
         memory.addresses, memory.token = addresses, token
         newcomers = set(view.unpolled(a.pod for a in addresses))
         await self.agents.poll(view, [a for a in addresses if a.pod in newcomers], token)
-        return dict(view.statuses), dict(view.errors)
+        return view.snapshot()
 
     async def _group(
         self,

@@ -45,3 +45,16 @@ def test_a_silent_agent_is_unknown_for_a_while_a_refusal_is_no_silence() -> None
 def test_messages_name_a_few_and_count_the_rest() -> None:
     assert listing(["a", "b"]) == "a, b"
     assert listing([f"p{i}" for i in range(1000)]) == "p0, p1, p2, p3, p4 and 995 more"
+
+
+def test_a_snapshot_keeps_the_answers_it_was_taken_with() -> None:
+    view = AgentView()
+    view.record({"e-1": agent("e-1", engine_version=1)}, {}, asked_at=1.0)
+    seen = view.snapshot()
+    view.record({"e-1": agent("e-1", engine_version=2)}, {"e-2": "TimeoutError"}, asked_at=2.0)
+    engine = seen.statuses["e-1"].engine
+    assert engine is not None
+    assert engine.version == 1
+    assert seen.heard_at == {"e-1": 1.0}
+    assert not seen.errors
+    assert not seen.silent_since

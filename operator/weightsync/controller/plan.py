@@ -211,23 +211,6 @@ def forming(planned: Sequence[Slot], generation: int, statuses: Mapping[str, Age
     )
 
 
-def prewarming_sources(
-    planned: Sequence[Slot], generation: int | None, statuses: Mapping[str, AgentStatus]
-) -> frozenset[str]:
-    """The planned sources whose latest answer does not show `generation` warm or broken
-    yet: a follow-up pass asks them soon, so that newcomers waiting for it to form
-    (`needs_new_generation`) wait for the pre-warm, not for the next sweep."""
-    if generation is None:
-        return frozenset()
-    settled = WARM_STATES | {GenerationState.BROKEN}
-    return frozenset(
-        slot.pod
-        for slot in planned
-        if slot.role is Role.SOURCE
-        and rank_state(statuses.get(slot.pod), generation, slot.rank) not in settled
-    )
-
-
 def intact(
     planned: Sequence[Slot], generation: int | None, statuses: Mapping[str, AgentStatus]
 ) -> bool:

@@ -45,7 +45,6 @@ from weightsync.controller.plan import (
     Slot,
     desired_members,
     intact,
-    prewarming_sources,
 )
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
@@ -251,7 +250,6 @@ class Reconciler:
             raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources
         )
 
-        self._follow_prewarm(sync, planned, planned_generation, statuses, memory)
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
         current = current_version(source, Current(old.current_version, old.lineage))
         # Colocated engines are no members: the source loads them whatever the generation.
@@ -392,26 +390,6 @@ class Reconciler:
         memory.poll_soon = recovering.in_flight
         memory.watched = recovering.watched
         return recovering
-
-    @staticmethod
-    def _follow_prewarm(
-        sync: WeightSync,
-        planned: list[Slot],
-        generation: int | None,
-        statuses: Mapping[str, AgentStatus],
-        memory: Memory,
-    ) -> None:
-        """While a generation planned here pre-warms (within its timeout), follow-up
-        passes ask its sources: the next generation (newcomers) waits on this one."""
-        since = memory.planned_at.get(generation or 0)
-        if generation != memory.delivered or since is None:
-            return  # delivered before a restart: the sweeps follow it
-        if time.monotonic() - since > sync.spec.prewarm.timeout_seconds:
-            return
-        waiting = prewarming_sources(planned, generation, statuses)
-        if waiting:
-            memory.poll_soon = True
-            memory.watched = memory.watched | waiting
 
     def _addresses(self, pods: list[PodView]) -> list[AgentAddress]:
         return [

@@ -18,7 +18,6 @@ from weightsync.controller.plan import (
     intact,
     needs_new_generation,
     next_generation,
-    prewarming_sources,
     slots,
 )
 from weightsync.controller.workloads import PodView
@@ -378,15 +377,3 @@ def test_newcomers_wait_while_the_planned_generation_still_forms() -> None:
     # A member lost is no reason to wait.
     shrunk = desired_members(sync().spec, pods[:2], {"trainer-0", "e-1"}, planned)
     assert needs_new_generation(shrunk, planned, 4, forming)
-
-
-def test_the_sources_are_followed_until_the_planned_generation_is_warm_or_broken() -> None:
-    _, planned, statuses = group_of_three()
-    assert prewarming_sources(planned, 4, statuses) == frozenset()  # active on the source
-    for state in (F, None):  # forming, or its answer predates the plan
-        generations = {3: (A, 0)} | ({4: (state, 0)} if state else {})
-        source = agent("trainer-0", Role.SOURCE, generations=generations)
-        assert prewarming_sources(planned, 4, {**statuses, "trainer-0": source}) == {"trainer-0"}
-    broken = agent("trainer-0", Role.SOURCE, generations={4: (B, 0)})
-    assert prewarming_sources(planned, 4, {**statuses, "trainer-0": broken}) == frozenset()
-    assert prewarming_sources(planned, None, statuses) == frozenset()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jsonpatch
 import kopf
 import pytest
 from kubernetes import client
 
 from tests.unit.controller.builders import pod
-from weightsync.controller.admission import apply_patch, inject
+from weightsync.controller.admission import apply_patch, inject, set_patch
 from weightsync.controller.cache import REPLICASET_OWNERS_INDEX, Indexes, replicaset_owner
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
@@ -75,3 +76,19 @@ def test_kopf_turns_the_applied_patch_back_into_the_same_change() -> None:
         "value": "sink",
     } in rederived
     assert len(rederived) == 2
+
+
+def test_the_patch_sent_is_the_ops_and_does_what_kopfs_derived_one_does() -> None:
+    """kopf's own derivation (apply, then diff the pod) is skipped: the ops are sent as
+    they are, and they change the pod as the derived patch would."""
+    body = pod("p").owned_by("ReplicaSet", "rs").build()
+    ops: list[dict[str, Any]] = [
+        {"op": "add", "path": "/spec/initContainers", "value": [{"name": "weightsync-agent"}]},
+        {"op": "add", "path": "/metadata/labels/weightsync.io~1role", "value": "sink"},
+    ]
+    patch = kopf.Patch(body=kopf.Body(body))
+    set_patch(patch, ops)
+    assert patch
+    assert patch.as_json_patch() == ops
+    derived = kopf.Patch.as_json_patch(patch)  # the class's: kopf's own derivation
+    assert jsonpatch.apply_patch(body, ops) == jsonpatch.apply_patch(body, derived)

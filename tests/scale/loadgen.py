@@ -9,8 +9,11 @@ change to those models changes this too). KWOK pods get loopback addresses
 them: the address a request arrived at says which pod's agent it is for.
 
 What the stand-ins do, as the operator sees it:
-* a plan's generation is `forming` for `--warm-seconds`, then warm; the newest warm
-  one is `active` and older ones retire (one generation per plan, like the agents);
+* a plan's generation is `forming` for `--warm-seconds`, then warm; a round (the
+  harness's `publish`) runs in the source's newest warm one, which turns `active` on
+  every stand-in holding it while older ones retire, as the agents' switch notice
+  does (one generation per plan, like the agents; until the next round a warm
+  generation stays warm beside the active one);
 * a recovery is `running` for `--recover-seconds`, then `done`, the engine serving the
   version asked for;
 * the source's version, the engines' versions and slow answers are set by the harness
@@ -54,7 +57,7 @@ from weightsync.api.v1alpha1 import Role
 log = logging.getLogger("weightsync.loadgen")
 
 LINEAGE = "loadgen"
-KEEP_GENERATIONS = 4  # as the agents keep a few retired ones for their status
+KEEP_GENERATIONS = 4  # retired ones kept for the status, as the agents do
 
 
 @dataclass
@@ -77,18 +80,20 @@ class StandIn:
     recovery: RecoveryStatus | None = None
     recovery_done_at: float = 0.0
 
-    def generation_states(self, now: float) -> list[GenerationStatus]:
-        warm = sorted(n for n, g in self.generations.items() if now >= g.warm_at)
-        newest_warm = warm[-1] if warm else None
+    def newest_warm(self, now: float) -> int | None:
+        return max((n for n, g in self.generations.items() if now >= g.warm_at), default=None)
+
+    def generation_states(self, now: float, active: int | None) -> list[GenerationStatus]:
+        """`active`: the generation the last round ran in (older ones were switched away)."""
         states = []
         for number in sorted(self.generations):
             planned = self.generations[number]
-            if newest_warm is None or number > newest_warm:
-                state = GenerationState.FORMING if now < planned.warm_at else GenerationState.WARM
-            elif number == newest_warm:
+            if active is not None and number < active:
+                state = GenerationState.RETIRED
+            elif number == active:
                 state = GenerationState.ACTIVE
             else:
-                state = GenerationState.RETIRED
+                state = GenerationState.FORMING if now < planned.warm_at else GenerationState.WARM
             states.append(
                 GenerationStatus(
                     generation=number,
@@ -118,6 +123,7 @@ class LoadGenerator:
         self.stand_ins: dict[str, StandIn] = {}
         self.source_ip: str | None = None
         self.version: int | None = None  # the source's last committed version
+        self.round_generation: int | None = None  # the generation the last round ran in
         self.last_round: RoundReport | None = None
         self.slow_until = 0.0
         self.slow_delay = 0.0
@@ -141,8 +147,12 @@ class LoadGenerator:
     def status(self, agent: StandIn) -> AgentStatus:
         now = time.monotonic()
         self._settle_recovery(agent, now)
-        generations = agent.generation_states(now)
-        active = next((g for g in generations if g.state is GenerationState.ACTIVE), None)
+        generations = agent.generation_states(now, self.round_generation)
+        # As the agents answer: the active generation, else the newest warm one.
+        usable = (GenerationState.ACTIVE, GenerationState.WARM)
+        active = next((g for g in generations if g.state is GenerationState.ACTIVE), None) or next(
+            (g for g in reversed(generations) if g.state in usable), None
+        )
         source = agent.role is Role.SOURCE
         engine = None
         if not source:
@@ -177,7 +187,8 @@ class LoadGenerator:
         agent.generations[plan.generation] = PlannedGeneration(
             plan.generation, plan.rank, plan.world_size, time.monotonic() + self.warm_seconds
         )
-        for number in sorted(agent.generations)[:-KEEP_GENERATIONS]:
+        retired = [n for n in sorted(agent.generations) if n < (self.round_generation or 0)]
+        for number in retired[:-KEEP_GENERATIONS]:
             del agent.generations[number]
         return PlanAccepted(generation=plan.generation, rank=plan.rank, world_size=plan.world_size)
 
@@ -212,10 +223,13 @@ class LoadGenerator:
         """The trainer's round committed `version` (on every engine too when `sinks`)."""
         if sinks:
             self.load(version)
+        source = self.stand_ins.get(self.source_ip or "")
+        if source is not None:
+            self.round_generation = source.newest_warm(time.monotonic())
         self.version = version
         self.last_round = RoundReport(
             version=version,
-            generation=None,
+            generation=self.round_generation,
             ok=True,
             duration_millis=50,
             bytes=1 << 30,

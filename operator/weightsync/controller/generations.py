@@ -87,9 +87,10 @@ class Planner:
         errors = await self._deliver(
             raw, sync, generation=number, desired=desired, token=token, memory=memory
         )
-        memory.planned_at = {number: time.monotonic()}  # older ones no longer matter
-        memory.delivered = number
+        now = time.monotonic()
+        memory.planned_at = {number: now}  # older ones no longer matter
         members = list(slots(desired.members))
+        memory.delivered(number, members, now)
         memory.unsaved = Unsaved(number, members, spec_generation)
         return members, number, errors
 

@@ -22,15 +22,28 @@ class Unsaved:
     spec_generation: int  # the WeightSync's metadata.generation it was planned from
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """A generation's plans as delivered by this process: to whom, and when (monotonic,
+    once every plan was sent)."""
+
+    members: frozenset[str]
+    at: float
+
+
+KEEP_DELIVERIES = 4  # the source runs in its newest warm one: at most a few back
+
+
 @dataclass
 class Memory:
     """Soft per-WeightSync state; losing it (a restart) costs at most a slower timeout
     and one poll of every agent."""
 
-    # When the pre-warm timeout of a generation started: its delivery, if planned here
-    # (`delivered`), else the first pass that saw it (planned before a restart).
+    # When the pre-warm timeout of a generation started: its delivery, if planned here,
+    # else the first pass that saw it (planned before a restart).
     planned_at: dict[int, float] = field(default_factory=dict)
-    delivered: int | None = None  # the last generation this process delivered
+    # The last few generations this process delivered (`readiness.rounds_reach`).
+    deliveries: dict[int, Delivery] = field(default_factory=dict)
     cooldown: dict[str, float] = field(default_factory=dict)  # pod uid -> monotonic deadline
     # The planned generation given up on at its pre-warm timeout: its cold members sat
     # out once (not again on every pass), and the next formable group is a new generation.
@@ -53,6 +66,22 @@ class Memory:
     # version it was made on, the object it returned). See `Reconciler._read`.
     seen_version: str | None = None
     written: tuple[str, dict[str, Any]] | None = None
+
+    def delivered(self, generation: int, members: list[Slot], at: float) -> None:
+        self.deliveries[generation] = Delivery(frozenset(s.pod for s in members), at)
+        for number in sorted(self.deliveries)[:-KEEP_DELIVERIES]:
+            del self.deliveries[number]
+
+    def unheard(self, seen: AgentView) -> dict[int, frozenset[str]]:
+        """For `readiness.rounds_reach`: by generation this process delivered, the members
+        whose answer in `seen` (a pass's answers) was asked before the delivery.
+        Generations delivered before a restart are not known: every answer counts."""
+        return {
+            generation: frozenset(
+                pod for pod in sent.members if seen.heard_at.get(pod, sent.at) < sent.at
+            )
+            for generation, sent in self.deliveries.items()
+        }
 
     def planned(self, stored: int | None, members: list[Slot]) -> tuple[int | None, list[Slot]]:
         """The planned generation and its members: the stored status's, or a newer one

@@ -79,25 +79,17 @@ def serves(status: AgentStatus | None, current: Current) -> bool:
     return current.lineage is None or lineage is None or lineage == current.lineage
 
 
-@dataclass(frozen=True, slots=True)
-class Planned:
-    """The generation this operator last planned, its members, and those of them whose
-    latest answer predates its delivery (`unheard`: their own word cannot list it yet)."""
-
-    generation: int | None
-    members: frozenset[str]
-    unheard: frozenset[str]
-
-
 def rounds_reach(
     source: AgentStatus | None,
     statuses: Mapping[str, AgentStatus],
-    planned: Planned | None = None,
+    unheard: Mapping[int, frozenset[str]] | None = None,
 ) -> frozenset[str] | None:
     """The pods the source's next round reaches: warm at the generation it would run in
     (its newest warm one) and, while a round is in flight, at that round's generation too.
     None when no round can be reached or known (no word from the source, or no warm
-    generation on it: no round runs before one forms): the served version alone decides."""
+    generation on it: no round runs before one forms): the served version alone decides.
+    `unheard`: by generation this process delivered, its members whose answer here
+    predates the delivery."""
     if source is None:
         return None
     warm = [g.generation for g in source.generations if g.state in WARM_STATES]
@@ -119,9 +111,7 @@ def rounds_reach(
             for g in status.generations
             if g.state in WARM_STATES or g.state is GenerationState.FORMING
         }
-        if planned is not None and planned.generation is not None and pod in planned.unheard:
-            own.add(planned.generation)  # `unheard` holds members only
-        return own
+        return own | {g for g, pods in (unheard or {}).items() if pod in pods}
 
     return frozenset(pod for pod, status in statuses.items() if needed <= held(pod, status))
 

@@ -50,7 +50,6 @@ from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
 from weightsync.controller.readiness import (
     Current,
-    Planned,
     current_version,
     gate_changes,
     rounds_reach,
@@ -94,19 +93,6 @@ def log_pass_failure(what: str, error: Exception) -> None:
         log.warning("%s: stuck, cancelled; the next pass retries", what)
     else:
         log.error("%s failed", what, exc_info=error)
-
-
-def _planned(
-    members: list[Slot], generation: int | None, memory: Memory, seen: AgentView
-) -> Planned:
-    """The planned generation for `rounds_reach`: its members, and those whose answer in
-    `seen` (the pass's answers) predates its delivery by this process (none if it was
-    delivered before a restart: when is not known, so every answer counts)."""
-    names = frozenset(slot.pod for slot in members)
-    if generation is None or generation != memory.delivered:
-        return Planned(generation, names, frozenset())
-    heard = seen.since(memory.planned_at.get(generation))
-    return Planned(generation, names, names - heard.keys())
 
 
 class Reconciler:
@@ -256,7 +242,7 @@ class Reconciler:
         reached = (
             None
             if spec.mode is SyncMode.COLOCATED
-            else rounds_reach(source, statuses, _planned(planned, planned_generation, memory, seen))
+            else rounds_reach(source, statuses, memory.unheard(seen))
         )
         gates = gate_changes(pods, statuses, errors, current, reached)
         observation = Observation(

@@ -10,7 +10,6 @@ from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller.readiness import (
     Current,
-    Planned,
     current_version,
     decide,
     gate_changes,
@@ -128,16 +127,17 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     left = agent("e-3", generations={2: (A, 3), 3: (GenerationState.BROKEN, 4)}, engine_version=6)
     everyone = statuses | {"trainer-0": source, "e-2": late, "e-3": left}
     assert rounds_reach(source, everyone) == {"trainer-0", "e-1", "e-new", "e-2"}
-    # A planned member whose last answer predates the plan holds generation 3 too (the
+    # A member of generation 3 whose last answer predates its delivery holds it too (the
     # source warmed it with every member); one that answered since without it does not
     # (it refused the plan, or its agent restarted), nor does a pod the plan left out.
+    # Generation 4, planned since, is no reason to miss e-4 in a round in generation 3.
     unheard = agent("e-4", generations={2: (A, 4)}, engine_version=6)
     refused = agent("e-5", generations={2: (A, 5)}, engine_version=6)
     outside = agent("e-6", generations={2: (A, 6)}, engine_version=6)
-    members = frozenset({"trainer-0", "e-1", "e-new", "e-2", "e-4", "e-5"})
-    plan = Planned(3, members, unheard=frozenset({"e-4"}))  # e-6: not planned, so not unheard
     later = everyone | {"e-4": unheard, "e-5": refused, "e-6": outside}
-    assert rounds_reach(source, later, plan) == {"trainer-0", "e-1", "e-new", "e-2", "e-4"}
+    delivered = {3: frozenset({"e-4"}), 4: frozenset({"e-4", "e-6"})}
+    reached = rounds_reach(source, later, delivered)
+    assert reached == {"trainer-0", "e-1", "e-new", "e-2", "e-4"}
     assert "e-4" not in (rounds_reach(source, later) or ())
     # ...unless a round is still running in generation 2: it misses the pod.
     busy = agent(

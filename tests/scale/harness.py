@@ -221,6 +221,8 @@ class Scenario:
     def scale_up(self) -> None:
         pods = self.args.pods
         began = time.monotonic()
+        opened = {name for name, pod in self.engines.pods.items() if pod.gate == "True"}
+        marker = len(self.engines.gate_changes)
         self.cluster.kubectl("scale", "deployment", "engine", "-n", NAMESPACE, f"--replicas={pods}")
         self.engines.wait_for(lambda: self.engines.running() >= pods, SCALE_UP, f"{pods} Running")
         running = time.monotonic()
@@ -229,6 +231,7 @@ class Scenario:
         self.figures.running_seconds = running - began
         self.figures.members_after_running = members - running
         self.figures.gates_after_running = gates - running
+        self.figures.reclosed_gates = reclosed(self.engines.gate_changes[marker:], opened)
         self.figures.steady_from = members
 
     def steady(self) -> None:
@@ -366,3 +369,16 @@ def run(args: Any) -> Figures:
                 for log in (scenario.operator.log, scenario.loadgen.log):
                     target = args.output.with_name(f"{args.output.stem}.{log.name}")
                     target.write_bytes(log.read_bytes() if log.exists() else b"")
+
+
+def reclosed(changes: list[tuple[float, str, str | None]], opened: set[str]) -> int:
+    """Gates that closed after having opened (`opened`: those open at the start), in the
+    order `changes` (at, pod, gate status) saw them: a pod's first condition is no flap."""
+    count = 0
+    for _, pod, status in changes:
+        if status == "True":
+            opened.add(pod)
+        elif pod in opened:
+            opened.discard(pod)
+            count += 1
+    return count

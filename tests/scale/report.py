@@ -32,6 +32,7 @@ class Figures:
     plans: dict[int, int] = field(default_factory=dict)  # plans delivered, by generation
     operator_log_tracebacks: int = 0
     moved_pods: int = 0  # pods KWOK gave a second address (the stand-in followed them)
+    reclosed_gates: int = 0  # in the scale-up: gates closed again after they had opened
     floor: dict[str, float] = field(default_factory=dict)  # the API server's own pace
 
     def as_dict(self) -> dict[str, Any]:
@@ -60,6 +61,7 @@ def rows(f: Figures) -> list[tuple[str, str, str]]:
         ("status shows every member, after the last pod is Running",
          _seconds(f.members_after_running), "<= 5 s"),
         ("every gate True, after the last pod is Running", _seconds(f.gates_after_running), ""),
+        ("gates closed again after they opened, in the scale-up", str(f.reclosed_gates), "0"),
         (f"reconcile pass p50 / max ({len(f.passes)} passes, {f.shared_passes} shared)",
          f"{p50:.3f} / {worst:.3f} s", "<= 0.2 / 2 s"),
         ("version flip: operator noticed -> last gate (close / open; x the floor below)",

@@ -228,6 +228,9 @@ class Scenario:
         running = time.monotonic()
         members = self.status_when(lambda s: s.members >= pods + 1, SCALE_UP, "every member")
         gates = self.gates_all("True", pods, SCALE_UP)
+        # Wall-clock times, to read beside the operator's log.
+        for what, at in (("every pod Running", running), ("every member", members)):
+            print(f"[scale] {what} at {_wall(at)}", flush=True)
         self.figures.running_seconds = running - began
         self.figures.members_after_running = members - running
         self.figures.gates_after_running = gates - running
@@ -382,3 +385,9 @@ def reclosed(changes: list[tuple[float, str, str | None]], opened: set[str]) -> 
             opened.discard(pod)
             count += 1
     return count
+
+
+def _wall(monotonic: float) -> str:
+    """A `time.monotonic()` instant as the operator's log writes times."""
+    at = time.time() - (time.monotonic() - monotonic)
+    return time.strftime("%H:%M:%S", time.localtime(at)) + f",{int(at % 1 * 1000):03d}"

@@ -56,13 +56,15 @@ class Planner:
         token: str,
         memory: Memory,
         generation: int | None,
+        batching: bool = False,
     ) -> tuple[list[Slot], int | None, dict[str, str]]:
         """Plan a new generation if the group must change: (slots, generation, refusals).
         `stored`: the status as read, the slots of the planned generation, and the
         Colocated engine that generation feeds; `generation`: the planned one (the
         status's, or newer, `Memory.planned`). `statuses`: every agent's latest answer;
         `evidence`: those given since the planned generation was delivered, the only
-        ones that can show it broken (`plan.needs_new_generation`)."""
+        ones that can show it broken (`plan.needs_new_generation`); `batching`:
+        newcomers wait for more pods on their way (`plan.newcomers_wait`)."""
         old, planned, planned_engine = stored
         # Prewarmed is written only by passes that planned (or kept) a group, so its
         # observedGeneration is the spec generation the current group was planned from.
@@ -81,6 +83,7 @@ class Planner:
             planned_from_older_spec=older_spec,
             planned_engine=planned_engine,
             abandoned=memory.abandoned is not None and memory.abandoned == generation,
+            batching=batching,
         ):
             return planned, generation, {}
         number = next_generation(generation, statuses)

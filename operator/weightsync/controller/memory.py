@@ -49,6 +49,7 @@ class Memory:
     # out once (not again on every pass), and the next formable group is a new generation.
     abandoned: int | None = None
     formed: int | None = None  # the last planned generation seen warm on every member
+    newcomers_since: float | None = None  # monotonic: since when joinable pods wait to join
     # The last generation this process planned and delivered, with its members, until a
     # status read back records it (`planned`).
     unsaved: Unsaved | None = None

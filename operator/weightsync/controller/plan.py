@@ -43,6 +43,12 @@ from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSyncSpec
 from weightsync.controller.workloads import PodView
 
+# Newcomers wait this long at most for other inference pods still on their way (starting,
+# recovering) before a generation is planned for them: a scale-up of hundreds of pods,
+# ready over a minute, forms a few generations (each a new communicator for every
+# member), not one per sweep. Bounded: a pod that never starts holds nobody for long.
+JOIN_BATCH_SECONDS = 10.0
+
 HOLDING_STATES = frozenset({GenerationState.FORMING, GenerationState.WARM, GenerationState.ACTIVE})
 WARM_STATES = frozenset({GenerationState.WARM, GenerationState.ACTIVE})
 
@@ -165,6 +171,7 @@ def needs_new_generation(
     planned_from_older_spec: bool = False,
     planned_engine: str | None = None,
     abandoned: bool = False,
+    batching: bool = False,
 ) -> bool:
     """Whether the planned generation no longer describes the group the operator wants.
 
@@ -176,6 +183,8 @@ def needs_new_generation(
     generation hands off to. `abandoned`: the planned generation passed its pre-warm
     timeout with cold members; once a group is formable again (their sit-out over), it
     is planned anew, even with the same members: a retry, not a wait on a dead one.
+    `batching`: more inference pods are on their way and the newcomers have waited
+    less than `JOIN_BATCH_SECONDS` (`newcomers_wait`): newcomers alone wait for them.
     """
     if not desired.formable:
         return False
@@ -192,7 +201,29 @@ def needs_new_generation(
     # scale-up forms a few generations, not one per pass (each is a new communicator
     # for every member). They join the next one, planned once this one is warm.
     only_newcomers = wanted[: len(planned)] == tuple(planned)
-    return not (only_newcomers and forming(planned, planned_generation, statuses))
+    return not (only_newcomers and (batching or forming(planned, planned_generation, statuses)))
+
+
+def newcomers_wait(
+    pods: Sequence[PodView],
+    desired: Desired,
+    planned: Sequence[Slot],
+    *,
+    cooling: Collection[str],
+    waiting_for: float,
+    replicas: int,
+) -> bool:
+    """Whether newcomers should wait for more: an inference pod outside the planned group
+    and the desired one is on its way (live, not sitting out: `cooling`), or not even
+    created yet (the Deployments ask for `replicas`, more than the live ones), and the
+    newcomers have waited `waiting_for` seconds, less than `JOIN_BATCH_SECONDS`."""
+    if waiting_for >= JOIN_BATCH_SECONDS:
+        return False
+    live = [p for p in pods if p.role is Role.SINK and p.live]
+    if len(live) < replicas:
+        return True
+    known = {slot.pod for slot in planned} | {m.name for m in desired.members}
+    return any(p.name not in known and p.name not in cooling for p in live)
 
 
 def forming(planned: Sequence[Slot], generation: int, statuses: Mapping[str, AgentStatus]) -> bool:

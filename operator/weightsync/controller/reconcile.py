@@ -45,6 +45,7 @@ from weightsync.controller.plan import (
     Slot,
     desired_members,
     intact,
+    newcomers_wait,
 )
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
@@ -233,8 +234,9 @@ class Reconciler:
         statuses, errors = seen.statuses, seen.errors
         sources = planned_sources(sync, world, pods)
         desired, (planned, planned_generation, plan_errors), timed_out = await self._group(
-            raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources
-        )
+            raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources,
+            replicas=world.inference_replicas,
+        )  # fmt: skip
 
         source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
         current = current_version(source, Current(old.current_version, old.lineage))
@@ -301,18 +303,19 @@ class Reconciler:
         token: str,
         memory: Memory,
         sources: list[int],
+        replicas: int,
     ) -> tuple[Desired, tuple[list[Slot], int | None, dict[str, str]], bool]:
         """Recoveries, then the members wanted (`sources`: the trainer ranks), the
         generation planned (a new one if the group must change), and whether it is past
-        its pre-warm timeout."""
+        its pre-warm timeout. `replicas`: the inference pods the Deployments ask for."""
         statuses, old = seen
         spec, view, now = sync.spec, memory.agents, time.monotonic()
         memory.cooldown = {uid: t for uid, t in memory.cooldown.items() if t > now}
-        excluded = {p.name for p in pods if p.uid in memory.cooldown}
+        cooling = {p.name for p in pods if p.uid in memory.cooldown}
         recovering = await self._recover(
             raw, sync, pods, seen, token=token, memory=memory, sources=sources
         )
-        excluded |= recovering.held_out
+        excluded = cooling | recovering.held_out
         generation, previous = memory.planned(
             old.group_generation, [Slot(m.rank, m.pod, m.role) for m in old.members]
         )
@@ -334,10 +337,23 @@ class Reconciler:
             spec, pods, statuses.keys(), previous, sources=sources,
             excluded=excluded, previous_engine=planned_engine, unknown=unknown,
         )  # fmt: skip
+        # Newcomers, since when: they may wait a while for more pods (`newcomers_wait`).
+        names = {slot.pod for slot in previous}
+        if all(m.name in names for m in desired.members):
+            memory.newcomers_since = None
+        elif memory.newcomers_since is None:
+            memory.newcomers_since = now
+        batching = memory.newcomers_since is not None and newcomers_wait(
+            pods, desired, previous, cooling=cooling,
+            waiting_for=now - memory.newcomers_since, replicas=replicas,
+        )  # fmt: skip
         planned = await self.planner.plan(
             raw, sync, (old, previous, planned_engine), desired, statuses,
             evidence=evidence, token=token, memory=memory, generation=generation,
+            batching=batching,
         )  # fmt: skip
+        if planned[1] != generation:  # a new generation took the newcomers in
+            memory.newcomers_since = None
         evidence = view.since(memory.planned_at.get(planned[1] or 0))
         timed_out = self.planner.prewarm_timed_out(sync, planned[:2], evidence, pods, memory)
         return desired, planned, timed_out

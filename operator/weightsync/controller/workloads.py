@@ -314,6 +314,16 @@ class World:
     replicasets: Sequence[Obj]
     pods: Sequence[Obj]
 
+    @property
+    def inference_replicas(self) -> int:
+        """The inference pods the Deployments ask for (`spec.replicas`: the API server
+        defaults it, so it is always set on a stored Deployment)."""
+        return sum(
+            int((obj.get("spec") or {}).get("replicas") or 0)
+            for obj in self.deployments.values()
+            if obj is not None
+        )
+
 
 def sync_pods(sync: WeightSync, world: World) -> list[PodView]:
     """Every live pod of the WeightSync's trainer source ranks (one view per rank) and

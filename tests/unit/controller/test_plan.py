@@ -10,6 +10,7 @@ from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api.control import AgentStatus, Backend, GenerationState
 from weightsync.api.v1alpha1 import Role, SyncMode
 from weightsync.controller.plan import (
+    JOIN_BATCH_SECONDS,
     Desired,
     Slot,
     build_plans,
@@ -17,6 +18,7 @@ from weightsync.controller.plan import (
     desired_members,
     intact,
     needs_new_generation,
+    newcomers_wait,
     next_generation,
     slots,
 )
@@ -377,3 +379,30 @@ def test_newcomers_wait_while_the_planned_generation_still_forms() -> None:
     # A member lost is no reason to wait.
     shrunk = desired_members(sync().spec, pods[:2], {"trainer-0", "e-1"}, planned)
     assert needs_new_generation(shrunk, planned, 4, forming)
+
+
+def test_newcomers_wait_a_while_for_more_pods_on_their_way() -> None:
+    """A scale-up forms a few generations: a ready newcomer waits (at most
+    JOIN_BATCH_SECONDS) while another inference pod is still starting or recovering."""
+    _, planned, statuses = group_of_three()
+    starting = sink_view("e-4", running=False)
+    pods = [source_view(), sink_view("e-1"), sink_view("e-2"), sink_view("e-3"), starting]
+    grown = desired_members(sync().spec, pods, {p.name for p in pods}, planned)
+    assert names_of(grown.members) == ["trainer-0", "e-1", "e-2", "e-3"]
+    assert newcomers_wait(pods, grown, planned, cooling=(), waiting_for=1.0, replicas=4)
+    assert not needs_new_generation(grown, planned, 4, statuses, batching=True)
+    assert needs_new_generation(grown, planned, 4, statuses, batching=False)
+    # Not past the bound, not for a pod sitting out, not for one leaving (scaled in).
+    assert not newcomers_wait(
+        pods, grown, planned, cooling=(), waiting_for=JOIN_BATCH_SECONDS, replicas=4
+    )
+    assert not newcomers_wait(pods, grown, planned, cooling={"e-4"}, waiting_for=1.0, replicas=4)
+    leaving = [*pods[:-1], replace(starting, terminating=True)]
+    assert not newcomers_wait(leaving, grown, planned, cooling=(), waiting_for=1.0, replicas=3)
+    # Pods the Deployments ask for that do not exist yet are on their way too.
+    ready = pods[:-1]
+    assert not newcomers_wait(ready, grown, planned, cooling=(), waiting_for=1.0, replicas=3)
+    assert newcomers_wait(ready, grown, planned, cooling=(), waiting_for=1.0, replicas=4)
+    # A member lost is no reason to wait, whatever is on its way.
+    shrunk = desired_members(sync().spec, pods[:2], {"trainer-0", "e-1"}, planned)
+    assert needs_new_generation(shrunk, planned, 4, statuses, batching=True)

@@ -185,3 +185,15 @@ def test_label_selectors_as_query_strings() -> None:
         "app=engine,tier=gpu,zone in (a,b),!canary,team,stage notin (dev)"
     )
     assert selector_string(None) == ""
+
+
+def test_the_inference_replicas_are_what_the_found_deployments_ask_for() -> None:
+    wanted = {**owned("Deployment", "engine-a", "dep-a"), "spec": {"replicas": 3}}
+    scaled_to_zero = {**owned("Deployment", "engine-b", "dep-b"), "spec": {"replicas": 0}}
+    world = World(
+        statefulset=None,
+        deployments={"engine-a": wanted, "engine-b": scaled_to_zero, "engine-c": None},
+        replicasets=[],
+        pods=[],
+    )
+    assert world.inference_replicas == 3

@@ -75,12 +75,10 @@ class Memory:
 
     def unheard(self, seen: AgentView) -> dict[int, frozenset[str]]:
         """For `readiness.rounds_reach`: by generation this process delivered, the members
-        whose answer in `seen` (a pass's answers) was asked before the delivery.
+        with no answer in `seen` (a pass's answers) asked since the delivery.
         Generations delivered before a restart are not known: every answer counts."""
         return {
-            generation: frozenset(
-                pod for pod in sent.members if seen.heard_at.get(pod, sent.at) < sent.at
-            )
+            generation: sent.members - seen.since(sent.at).keys()
             for generation, sent in self.deliveries.items()
         }
 

@@ -40,21 +40,10 @@ from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
 from weightsync.controller.kube import Kube, api_unavailable
 from weightsync.controller.memory import Memory
-from weightsync.controller.plan import (
-    Desired,
-    Slot,
-    desired_members,
-    intact,
-    newcomers_wait,
-)
+from weightsync.controller.plan import Desired, Slot, desired_members, intact, newcomers_wait
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
-from weightsync.controller.readiness import (
-    Current,
-    current_version,
-    gate_changes,
-    rounds_reach,
-)
+from weightsync.controller.readiness import Current, current_version, gate_changes, rounds_reach
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.scheduling import PassScheduler
 from weightsync.controller.settings import OperatorSettings

@@ -4,22 +4,21 @@ A version flip changes the gate of every inference pod, and there is no batch wr
 in the Kubernetes API: a thousand pods are a thousand `PATCH .../pods/<name>/status`.
 Through the official client each costs milliseconds of Python and a thread; a thread
 pool that size spends its time fighting over the GIL with the event loop. This client
-sends the same requests with aiohttp from the event loop, `WRITERS` in flight, with the
-credentials and TLS settings the official client was configured with (its token
-refresh hook included, called per request).
+sends the same requests with aiohttp from the event loop, `WRITERS` in flight
+(`apihttp`: the official client's credentials and TLS settings).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import ssl
 from typing import Any
 
 import aiohttp
 from kubernetes import client
 
 from weightsync.controller import metrics
+from weightsync.controller.apihttp import auth_headers, ssl_context
 
 # The request this module sends past the official client, for the chart's RBAC check
 # (tests/unit/chart: every API call the controller makes is granted).
@@ -40,36 +39,20 @@ class GateWriter:
         self._configuration = api.configuration
         self._state: tuple[aiohttp.ClientSession, asyncio.Semaphore] | None = None
 
-    def _ssl(self) -> ssl.SSLContext | bool:
-        conf = self._configuration
-        if not conf.host.startswith("https"):
-            return False
-        context = ssl.create_default_context(cafile=conf.ssl_ca_cert)
-        if not conf.verify_ssl:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        if conf.cert_file:
-            context.load_cert_chain(conf.cert_file, conf.key_file)
-        return context
-
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         """The session and the in-flight bound, made in the loop that uses them."""
         if self._state is None or self._state[0].closed:
-            connector = aiohttp.TCPConnector(limit=WRITERS, ssl=self._ssl())
+            connector = aiohttp.TCPConnector(limit=WRITERS, ssl=ssl_context(self._configuration))
             timeout = aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)
             session = aiohttp.ClientSession(connector=connector, timeout=timeout)
             self._state = (session, asyncio.Semaphore(WRITERS))
         return self._state
 
     def _headers(self) -> dict[str, str]:
-        """The official client's own header auth (`auth_settings`): in a pod the token is
-        kept as `BearerToken`, from a kubeconfig as `authorization` (a lookup of the
-        latter alone sent in-cluster requests anonymous: 403 on every gate)."""
-        headers = {"Content-Type": "application/strategic-merge-patch+json"}
-        for setting in self._configuration.auth_settings().values():
-            if setting.get("in") == "header" and setting.get("value"):
-                headers[str(setting["key"]).title()] = str(setting["value"])
-        return headers
+        return {
+            "Content-Type": "application/strategic-merge-patch+json",
+            **auth_headers(self._configuration),
+        }
 
     async def set_condition(self, namespace: str, pod: str, condition: dict[str, Any]) -> None:
         """Set one pod condition (keyed by type, the others stay); a pod that is gone

@@ -15,9 +15,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -29,7 +30,6 @@ from weightsync.controller.agents import AgentClient
 from weightsync.controller.cache import (
     BODIES_INDEX,
     DEPLOYMENTS_INDEX,
-    PODS_INDEX,
     REPLICASET_OWNERS_INDEX,
     REPLICASETS_INDEX,
     STATEFULSETS_INDEX,
@@ -37,12 +37,13 @@ from weightsync.controller.cache import (
     Indexes,
     pod_key,
     replicaset_owner,
-    slim_pod,
     slim_weightsync,
     slim_workload,
 )
+from weightsync.controller.events import EventPoster
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
+from weightsync.controller.podwatch import DELETED, PodWatch
 from weightsync.controller.reconcile import Outcome, Reconciler, Result, log_pass_failure
 from weightsync.controller.settings import OperatorSettings
 
@@ -57,14 +58,49 @@ class Runtime:
     kube: Kube
     agents: AgentClient
     reconciler: Reconciler
+    events: EventPoster  # the passes' (`reconciler` posts through it)
     template: AgentTemplate
     indexes: Indexes
     namespaces: tuple[str, ...] = ()  # served namespaces; empty: the whole cluster
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def serves(self, namespace: str | None) -> bool:
         """kopf registers webhooks cluster-wide (no namespaceSelector); an operator that
         serves some namespaces leaves admission in the others alone."""
         return not self.namespaces or namespace in self.namespaces
+
+    def pod_changed(self, change: str, namespace: str, pod: Mapping[str, Any]) -> None:
+        """A labelled pod changed (`podwatch`): a pass for its WeightSync, after its gate
+        is closed if it is restarting behind an open one."""
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        label = labels.get(names.SYNC_LABEL)
+        index = self.indexes.weightsyncs(namespace) or []
+        known = sorted({str(s["metadata"]["name"]) for s in index})
+        # The label is the WeightSync's name or, for a long name, a hash of it.
+        targets = [n for n in known if names.sync_label(n) == label] or known
+        if label and change != DELETED and pod_actions.restarting_behind_open_gate(pod):
+            self._spawn(self._close_gate(namespace, str(pod["metadata"]["name"]), targets))
+            return
+        for target in targets:
+            self.reconciler.request(namespace, target)
+
+    async def _close_gate(self, namespace: str, pod: str, targets: list[str]) -> None:
+        try:
+            await pod_actions.close_gate_at_once(self.kube, namespace, pod)
+        finally:
+            for target in targets:
+                self.reconciler.request(namespace, target)
+
+    def _spawn(self, work: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, Exception):
+            log_pass_failure("closing a gate at once", error)
 
 
 def _raise_for(result: Result, retry_seconds: float) -> None:
@@ -82,7 +118,7 @@ def _namespaced(namespace: str | None) -> str:
     return namespace
 
 
-def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
+def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWatch) -> None:
     """Register every handler on `registry` (no module-level registration)."""
     settings = runtime.settings
     reconciler = runtime.reconciler
@@ -110,16 +146,6 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
     ) -> dict[tuple[str, str], dict[str, Any]]:
         return {(_namespaced(namespace), name): dict(body)}
 
-    @kopf.index(
-        "v1", "pods", registry=registry, id=PODS_INDEX,
-        labels={names.INJECT_LABEL: names.INJECT_VALUE},
-    )  # fmt: skip
-    async def pods_by_owner(
-        namespace: str | None, body: kopf.Body, **_: Any
-    ) -> dict[tuple[str, str], dict[str, Any]] | None:
-        key = pod_key(_namespaced(namespace), body)
-        return {key: slim_pod(body)} if key is not None else None
-
     _register_workload_indexes(registry)
 
     @kopf.on.create(*resource, registry=registry, id="reconcile")
@@ -139,19 +165,6 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
         except Exception as error:
             log_pass_failure(f"resync of {namespace}/{name}", error)
 
-    @kopf.on.event("v1", "pods", registry=registry, labels={names.INJECT_LABEL: names.INJECT_VALUE})
-    async def pod_changed(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
-        bind(kwargs)
-        namespace = _namespaced(namespace)
-        label = (body.metadata.labels or {}).get(names.SYNC_LABEL)
-        if label:
-            await pod_actions.close_gate_if_restarting(runtime.kube, namespace, body)
-        index: Mapping[str, Collection[Mapping[str, Any]]] = kwargs.get(WEIGHTSYNCS_INDEX) or {}
-        known = sorted({str(s["metadata"]["name"]) for s in index.get(namespace, [])})
-        # The label is the WeightSync's name or, for a long name, a hash of it.
-        for target in [n for n in known if names.sync_label(n) == label] or known:
-            reconciler.request(namespace, target)
-
     @kopf.on.delete(*resource, registry=registry, id="release")
     async def release(namespace: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:
         bind(kwargs)
@@ -161,8 +174,17 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
 
     _register_admission(registry, runtime)
 
+    watching: list[asyncio.Task[None]] = []
+
+    @kopf.on.startup(registry=registry)
+    async def watch_pods(**_: Any) -> None:
+        watching.append(asyncio.get_running_loop().create_task(pod_watch.run()))
+
     @kopf.on.cleanup(registry=registry)
     async def close_clients(**_: Any) -> None:
+        for task in watching:
+            task.cancel()
+        await runtime.events.drain()
         await runtime.agents.close()
         await runtime.kube.gates.close()
 

@@ -223,6 +223,9 @@ class Kube:
         rs = self._get("replicasets", self.apps.read_namespaced_replica_set, name, namespace)
         return deployment_of(rs) if rs else None
 
+    def create_event(self, namespace: str, body: dict[str, Any]) -> None:
+        self._call("create", "events", self.core.create_namespaced_event, namespace, body)
+
     # -- the agents' token ---------------------------------------------------------
 
     FIELD_MANAGER = "weightsync-operator"

@@ -18,14 +18,15 @@ from typing import Any
 import kopf
 
 from weightsync.api import GROUP
-from weightsync.controller import handlers, metrics, names, taskdump, tokens
+from weightsync.controller import events, handlers, metrics, names, taskdump, tokens
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.cache import Indexes
+from weightsync.controller.events import EventPoster
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube, load_config
+from weightsync.controller.podwatch import PodStore, PodWatch
 from weightsync.controller.reconcile import Reconciler
 from weightsync.controller.settings import OperatorSettings, SettingsError
-from weightsync.controller.status import EventSpec
 from weightsync.controller.webhook import build_server
 
 log = logging.getLogger("weightsync.operator")
@@ -51,9 +52,9 @@ class OwnKindsDiffBase(kopf.AnnotationsDiffBaseStorage):
 
     kopf builds a "last handled" essence (a deep copy of the object without its
     status) on every event of every watched object, though only kinds with change
-    handlers use it. Ours are WeightSyncs; pods and workloads are watched for indexes
-    and events alone, and copying each pod's spec on each of a thousand events was a
-    sixth of the operator's time while a WeightSync scaled to 1,000 pods.
+    handlers use it. Ours are WeightSyncs; workloads are watched for indexes alone, and
+    copying each pod's spec on each of a thousand events (when kopf watched pods too)
+    was a sixth of the operator's time while a WeightSync scaled to 1,000 pods.
     """
 
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
@@ -61,10 +62,6 @@ class OwnKindsDiffBase(kopf.AnnotationsDiffBaseStorage):
             return kopf.BodyEssence()
         essence: kopf.BodyEssence = super().build(body=body, extra_fields=extra_fields)
         return essence
-
-
-def post_event(obj: Any, event: EventSpec) -> None:
-    kopf.event(obj, type=event.type, reason=event.reason, message=event.message)
 
 
 def configure_kopf(
@@ -81,14 +78,10 @@ def configure_kopf(
     # and errors from handler logs into Events, so routine logs do not spam `describe`.
     kopf_settings.posting.enabled = True
     kopf_settings.posting.level = logging.WARNING
-    kopf_settings.posting.reporting_component = "weightsync-operator"
-    kopf_settings.posting.event_name_prefix = "weightsync-"
+    kopf_settings.posting.reporting_component = events.COMPONENT
+    kopf_settings.posting.event_name_prefix = events.NAME_PREFIX
     # One replica with a Recreate strategy: no peering objects to coordinate replicas.
     kopf_settings.peering.standalone = True
-    # Only labelled pods are watched; the API server filters, so unrelated pods cost nothing.
-    kopf_settings.watching.label_selectors["v1", "pods"] = (
-        f"{names.INJECT_LABEL}={names.INJECT_VALUE}"
-    )
     # A watch is ended by the server after 5 min and re-listed; the client gives it 30 s
     # more before it calls the connection dead; connecting takes 10 s at most.
     kopf_settings.watching.server_timeout = 300
@@ -129,18 +122,23 @@ def main(argv: list[str] | None = None) -> None:
     token_key = tokens.load_key(kube.core, settings.namespace, settings.token_key_secret)
     agents = AgentClient(settings.agent_timeout_seconds)
     namespaces = args.namespace or list(settings.watch_namespaces)
-    indexes = Indexes()
+    post_events = EventPoster(kube)
+    pods = PodStore()
+    indexes = Indexes(pods)
     runtime = handlers.Runtime(
         settings=settings,
         kube=kube,
         agents=agents,
-        reconciler=Reconciler(kube, agents, settings, post_event, token_key, indexes=indexes),
+        reconciler=Reconciler(kube, agents, settings, post_events, token_key, indexes=indexes),
+        events=post_events,
         template=agent_template(settings),
         indexes=indexes,
         namespaces=tuple(namespaces),
     )
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, runtime)
+    selector = f"{names.INJECT_LABEL}={names.INJECT_VALUE}"
+    pod_watch = PodWatch(kube.api, selector, namespaces, pods, runtime.pod_changed)
+    handlers.register(registry, runtime, pod_watch)
     server = build_server(kube.core, settings)
 
     @kopf.on.startup(registry=registry)

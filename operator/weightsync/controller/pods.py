@@ -94,21 +94,23 @@ async def set_gates(
         raise failed[0]
 
 
-async def close_gate_if_restarting(kube: Kube, namespace: str, pod: Mapping[str, Any]) -> bool:
-    """Close an open gate at once when a container of the pod is not ready (restarting in
-    place): before the pass's agent polls, so the restarted engine cannot turn the pod
-    Ready on the open gate. The pass then decides from the agent's word."""
+def restarting_behind_open_gate(pod: Mapping[str, Any]) -> bool:
+    """A container of the pod is not ready (restarting in place) while its gate is open:
+    the gate must close at once (`close_gate_at_once`), before the pass's agent polls,
+    so the restarted engine cannot turn the pod Ready on the open gate."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     if meta.get("deletionTimestamp"):
         return False
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     gate = conditions.get(names.WEIGHTS_CURRENT) or {}
     ready = conditions.get("ContainersReady") or {}
-    if gate.get("status") != "True" or ready.get("status") != "False":
-        return False
-    log.info(
-        "gate of %s/%s: False (%s), at once", namespace, meta["name"], reasons.CONTAINERS_NOT_READY
-    )
+    return gate.get("status") == "True" and ready.get("status") == "False"
+
+
+async def close_gate_at_once(kube: Kube, namespace: str, pod: str) -> None:
+    """Close the gate of a pod `restarting_behind_open_gate`; the pass then decides from
+    the agent's word."""
+    log.info("gate of %s/%s: False (%s), at once", namespace, pod, reasons.CONTAINERS_NOT_READY)
     condition = pod_condition(
         kind=names.WEIGHTS_CURRENT,
         status="False",
@@ -116,8 +118,7 @@ async def close_gate_if_restarting(kube: Kube, namespace: str, pod: Mapping[str,
         message=reasons.CONTAINERS_NOT_READY_MESSAGE,
         since=format_timestamp(utc_now()),
     )
-    await kube.gates.set_condition(namespace, meta["name"], condition)
-    return True
+    await kube.gates.set_condition(namespace, pod, condition)
 
 
 async def release(kube: Kube, namespace: str, raw: Mapping[str, Any], indexes: Indexes) -> None:

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -234,7 +235,10 @@ class Scenario:
         self.figures.running_seconds = running - began
         self.figures.members_after_running = members - running
         self.figures.gates_after_running = gates - running
-        self.figures.reclosed_gates = reclosed(self.engines.gate_changes[marker:], opened)
+        closed = reclosed(self.engines.gate_changes[marker:], opened)
+        self.figures.reclosed_gates = closed.total()
+        if closed:
+            print(f"[scale] gates closed again, by reason: {dict(closed)}", flush=True)
         self.figures.steady_from = members
 
     def steady(self) -> None:
@@ -270,7 +274,7 @@ class Scenario:
     def _flip_figures(
         self, flipped: float, status: float, last_gate: float, marker: int
     ) -> dict[str, float]:
-        changes = [at for at, _, _ in self.engines.gate_changes[marker:]]
+        changes = [at for at, *_ in self.engines.gate_changes[marker:]]
         noticed = min([status, *changes[:1]])
         return {
             "noticed": noticed - flipped,  # the flip to the operator's first write about it
@@ -374,17 +378,20 @@ def run(args: Any) -> Figures:
                     target.write_bytes(log.read_bytes() if log.exists() else b"")
 
 
-def reclosed(changes: list[tuple[float, str, str | None]], opened: set[str]) -> int:
-    """Gates that closed after having opened (`opened`: those open at the start), in the
-    order `changes` (at, pod, gate status) saw them: a pod's first condition is no flap."""
-    count = 0
-    for _, pod, status in changes:
+def reclosed(
+    changes: list[tuple[float, str, str | None, str | None]], opened: set[str]
+) -> Counter[str]:
+    """Gates that closed after having opened (`opened`: those open at the start), by the
+    reason they closed with, in the order `changes` (at, pod, gate status, reason) saw
+    them: a pod's first condition is no flap."""
+    closed: Counter[str] = Counter()
+    for _, pod, status, reason in changes:
         if status == "True":
             opened.add(pod)
         elif pod in opened:
             opened.discard(pod)
-            count += 1
-    return count
+            closed[reason or "none"] += 1
+    return closed
 
 
 def _wall(monotonic: float) -> str:

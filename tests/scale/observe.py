@@ -90,7 +90,8 @@ class PodWatch(Watched):
         self.pods: dict[str, PodState] = {}
         self.moved = moved  # called with (old, new) when a pod's address changes
         self.moves = 0
-        self.gate_changes: list[tuple[float, str, str | None]] = []  # (at, pod, status)
+        # (at, pod, gate status, its reason)
+        self.gate_changes: list[tuple[float, str, str | None, str | None]] = []
         core = client.CoreV1Api(api)
 
         def list_fn(**kwargs: Any) -> Any:
@@ -120,7 +121,7 @@ class PodWatch(Watched):
                     self.moves += 1
                     move = (before.ip, state.ip)
                 if before is not None and before.gate != state.gate:
-                    self.gate_changes.append((at, name, state.gate))
+                    self.gate_changes.append((at, name, state.gate, state.gate_reason))
             self.changed.notify_all()
         if move is not None and self.moved is not None:
             self.moved(*move)  # outside the lock: an HTTP request

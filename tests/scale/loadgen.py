@@ -18,7 +18,9 @@ What the stand-ins do, as the operator sees it:
   version asked for;
 * the source's version, the engines' versions and slow answers are set by the harness
   through a small admin API on another port (127.0.0.1 only):
-  `POST /source {"ip"}`, `POST /publish {"version", "sinks"}`,
+  `POST /source {"ip"}`, `POST /publish {"version", "sinks"}` (without sinks: a
+  version no engine got, as after a round no sink took part in, so its report names
+  no generation; an ok round in theirs would vouch that they committed it),
   `POST /load {"version"}` (every engine), `POST /slow {"seconds", "delay"}`,
   `POST /moved {"from", "to"}` (a pod's address changed: the same stand-in answers
   at the new one), `GET /stats` (plan bytes per generation, requests by route).
@@ -229,7 +231,7 @@ class LoadGenerator:
         self.version = version
         self.last_round = RoundReport(
             version=version,
-            generation=self.round_generation,
+            generation=self.round_generation if sinks else None,
             ok=True,
             duration_millis=50,
             bytes=1 << 30,

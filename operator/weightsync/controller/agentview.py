@@ -42,6 +42,9 @@ class AgentView:
     errors: dict[str, str] = field(default_factory=dict)
     heard_at: dict[str, float] = field(default_factory=dict)  # monotonic, of the last answer
     silent_since: dict[str, float] = field(default_factory=dict)  # first of the timeouts in a row
+    # (version, lineage) each agent reports, and when it was first asked for with that
+    # answer (`readiness.round_vouches`: sinks asked no later than that may predate it).
+    version_since: dict[str, tuple[int | None, str | None, float]] = field(default_factory=dict)
 
     def record(
         self, answers: Mapping[str, AgentStatus], errors: Mapping[str, str], asked_at: float
@@ -49,6 +52,10 @@ class AgentView:
         """One poll's results; `asked_at`: when its requests were sent."""
         for pod, status in answers.items():
             self.statuses[pod] = status
+            said = (status.version, status.lineage)
+            known = self.version_since.get(pod)
+            if known is None or known[:2] != said:
+                self.version_since[pod] = (*said, asked_at)
             self.errors.pop(pod, None)
             self.heard_at[pod] = asked_at
             self.silent_since.pop(pod, None)
@@ -63,12 +70,17 @@ class AgentView:
     def snapshot(self) -> AgentView:
         """A copy: a pass decides on one set of answers, whatever a sweep records meanwhile."""
         return AgentView(
-            dict(self.statuses), dict(self.errors), dict(self.heard_at), dict(self.silent_since)
+            dict(self.statuses),
+            dict(self.errors),
+            dict(self.heard_at),
+            dict(self.silent_since),
+            dict(self.version_since),
         )
 
     def retain(self, pods: Collection[str]) -> None:
         """Forget the pods that are gone."""
-        for table in (self.statuses, self.errors, self.heard_at, self.silent_since):
+        tables = (self.statuses, self.errors, self.heard_at, self.silent_since, self.version_since)
+        for table in tables:
             for pod in [p for p in table if p not in pods]:
                 del table[pod]
 
@@ -81,6 +93,13 @@ class AgentView:
         if asked_after is None:
             return dict(self.statuses)
         return {p: s for p, s in self.statuses.items() if self.heard_at.get(p, 0) >= asked_after}
+
+    def first_said(self, pod: str, status: AgentStatus) -> float | None:
+        """When `pod` was first asked and answered with `status`'s version and lineage
+        (None: its last answer here says otherwise)."""
+        known = self.version_since.get(pod)
+        said = (status.version, status.lineage)
+        return known[2] if known is not None and known[:2] == said else None
 
     def unknown(self, now: float, keep_seconds: float) -> frozenset[str]:
         """Pods whose polls have only timed out, for less than `keep_seconds`."""

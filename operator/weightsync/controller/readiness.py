@@ -17,6 +17,14 @@ runs in the older one) stays False too: it would be behind the moment that round
 for as long as the next pass takes to notice (`rounds_reach`). Once the source reports
 that generation warm, every member holding it is reached, whatever its own last answer
 said (it may predate the pre-warm, or the plan, that the source's word proves done).
+
+Polls are not simultaneous either: a sweep that straddles a round asks some sinks
+before it commits and the source after, and took the older answers for sinks left
+behind (656 of 1,000 gates closed at one steady round, open again at the next sweep).
+An open gate stays open while the sink's last answer may predate the source's first
+word of the current version, if it was a member of the generation that round ran in
+(a round is ok only when every member committed): the sink's next answer decides
+(`round_vouches`). Nothing opens a gate but the agent's own word.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 
 from weightsync.api import reasons
 from weightsync.api.control import AgentStatus, GenerationState
+from weightsync.api.v1alpha1 import Role
 from weightsync.controller.plan import WARM_STATES
 from weightsync.controller.workloads import PodView
 
@@ -116,12 +125,50 @@ def rounds_reach(
     return frozenset(pod for pod, status in statuses.items() if needed <= held(pod, status))
 
 
+def round_vouches(
+    source: AgentStatus | None,
+    current: Current,
+    statuses: Mapping[str, AgentStatus],
+    asked: Mapping[str, float],
+    source_since: float | None,
+) -> frozenset[str]:
+    """The sinks the source's last round vouches for, whatever their own last answer: it
+    ran in a generation they are members of, committed `current` (ok: on every member),
+    and their answer was asked no later than the source's first answer naming `current`
+    (`source_since`; the answers of one poll share the time they were asked), so it may
+    predate the round. Their engine must still be the one their agent loaded (a version,
+    not torn): a restarted engine is behind whatever the round said."""
+    report = source.last_round if source is not None else None
+    if (
+        report is None
+        or not report.ok
+        or report.generation is None
+        or source_since is None
+        or current.version is None
+        or report.version != current.version
+        or bool(report.lineage and current.lineage and report.lineage != current.lineage)
+    ):
+        return frozenset()
+    return frozenset(
+        pod
+        for pod, status in statuses.items()
+        if status.role is Role.SINK
+        and asked.get(pod, float("inf")) <= source_since
+        and served_version(status) is not None
+        and any(
+            g.generation == report.generation and g.state in WARM_STATES for g in status.generations
+        )
+    )
+
+
 def decide(  # noqa: PLR0911 - one return per reason, in the order they are checked
     pod: PodView,
     status: AgentStatus | None,
     error: str | None,
     current: Current,
+    *,
     reached: frozenset[str] | None = None,
+    vouched: frozenset[str] = frozenset(),
 ) -> GateDecision:
     if not pod.containers_ready:
         return GateDecision(
@@ -140,7 +187,9 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
     if version is None:
         return GateDecision(pod.name, False, reasons.NO_VERSION_YET, reasons.NO_VERSION_YET_MESSAGE)
     served = served_version(status)
-    if serves(status, current):
+    # An open gate of a sink the last round vouches for stays open (`round_vouches`).
+    kept = pod.gate_status == "True" and pod.name in vouched
+    if kept or serves(status, current):
         if reached is not None and pod.name not in reached:
             return GateDecision(
                 pod.name, False, reasons.NOT_IN_ROUNDS, reasons.NOT_IN_ROUNDS_MESSAGE
@@ -174,7 +223,9 @@ def gate_changes(
     statuses: Mapping[str, AgentStatus],
     errors: Mapping[str, str],
     current: Current,
+    *,
     reached: frozenset[str] | None = None,
+    vouched: frozenset[str] = frozenset(),
 ) -> list[GateDecision]:
     """Decisions for gated, live pods whose condition differs from what they carry. A pod
     that has not run yet and carries no condition is left alone: a missing gate condition
@@ -187,7 +238,9 @@ def gate_changes(
         if not pod.running and pod.gate_status is None:
             continue
         status = statuses.get(pod.name)
-        decision = decide(pod, status, errors.get(pod.name), current, reached)
+        decision = decide(
+            pod, status, errors.get(pod.name), current, reached=reached, vouched=vouched
+        )
         if (pod.gate_status, pod.gate_reason) != (decision.status_text, decision.reason):
             changes.append(decision)
     return changes

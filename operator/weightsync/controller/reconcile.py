@@ -43,7 +43,13 @@ from weightsync.controller.memory import Memory
 from weightsync.controller.plan import Desired, Slot, desired_members, intact, newcomers_wait
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
-from weightsync.controller.readiness import Current, current_version, gate_changes, rounds_reach
+from weightsync.controller.readiness import (
+    Current,
+    current_version,
+    gate_changes,
+    round_vouches,
+    rounds_reach,
+)
 from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.scheduling import PassScheduler
 from weightsync.controller.settings import OperatorSettings
@@ -227,15 +233,16 @@ class Reconciler:
             replicas=world.inference_replicas,
         )  # fmt: skip
 
-        source = next((statuses.get(s.pod) for s in planned if s.role is Role.SOURCE), None)
+        source_pod = next((s.pod for s in planned if s.role is Role.SOURCE), None)
+        source = statuses.get(source_pod) if source_pod is not None else None
         current = current_version(source, Current(old.current_version, old.lineage))
         # Colocated engines are no members: the source loads them whatever the generation.
-        reached = (
-            None
-            if spec.mode is SyncMode.COLOCATED
-            else rounds_reach(source, statuses, memory.unheard(seen))
-        )
-        gates = gate_changes(pods, statuses, errors, current, reached)
+        reached, vouched = None, frozenset[str]()
+        if spec.mode is not SyncMode.COLOCATED:
+            reached = rounds_reach(source, statuses, memory.unheard(seen))
+            since = seen.first_said(source_pod, source) if source_pod and source else None
+            vouched = round_vouches(source, current, statuses, seen.heard_at, since)
+        gates = gate_changes(pods, statuses, errors, current, reached=reached, vouched=vouched)
         observation = Observation(
             spec=spec,
             metadata_generation=generation,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tests.unit.controller.builders import agent
+from weightsync.api.v1alpha1 import Role
 from weightsync.controller.agentview import AgentView, silent
 from weightsync.controller.status import listing
 
@@ -58,3 +59,20 @@ def test_a_snapshot_keeps_the_answers_it_was_taken_with() -> None:
     assert seen.heard_at == {"e-1": 1.0}
     assert not seen.errors
     assert not seen.silent_since
+
+
+def test_when_an_agent_first_said_its_version_is_kept_until_it_says_another() -> None:
+    view = AgentView()
+    source = agent("trainer-0", Role.SOURCE, version=5)
+    view.record({"trainer-0": source}, {}, asked_at=1.0)
+    newer = agent("trainer-0", Role.SOURCE, version=6)
+    view.record({"trainer-0": newer}, {}, asked_at=2.0)
+    view.record({"trainer-0": newer}, {}, asked_at=3.0)  # says it again: still since 2.0
+    assert view.first_said("trainer-0", newer) == 2.0
+    assert view.snapshot().first_said("trainer-0", newer) == 2.0
+    assert view.first_said("trainer-0", source) is None  # not what it says now
+    relineaged = agent("trainer-0", Role.SOURCE, version=6, lineage="L2")
+    view.record({"trainer-0": relineaged}, {}, asked_at=4.0)
+    assert view.first_said("trainer-0", relineaged) == 4.0
+    view.retain([])
+    assert view.first_said("trainer-0", relineaged) is None

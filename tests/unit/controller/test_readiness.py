@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.controller.builders import agent, pod, sink_view
+from tests.unit.controller.builders import agent, pod, round_report, sink_view
 from weightsync.api import reasons
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
@@ -13,6 +13,7 @@ from weightsync.controller.readiness import (
     current_version,
     decide,
     gate_changes,
+    round_vouches,
     rounds_reach,
 )
 from weightsync.controller.workloads import pod_view
@@ -114,9 +115,9 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     statuses = {"trainer-0": source, "e-1": member, "e-new": recovered}
     reached = rounds_reach(source, statuses)
     assert reached == {"trainer-0", "e-1"}
-    held = decide(sink_view("e-new"), recovered, None, Current(6), reached)
+    held = decide(sink_view("e-new"), recovered, None, Current(6), reached=reached)
     assert (held.status, held.reason) == (False, reasons.NOT_IN_ROUNDS)
-    kept = decide(sink_view("e-1"), member, None, Current(6), reached)
+    kept = decide(sink_view("e-1"), member, None, Current(6), reached=reached)
     assert (kept.status, kept.reason) == (True, reasons.SERVES_CURRENT_VERSION)
 
     # Generation 3 warm on the source: its next round reaches the recovered pod, and a
@@ -150,4 +151,44 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     assert rounds_reach(None, statuses) is None
     broken = agent("trainer-0", Role.SOURCE, generations={2: (GenerationState.BROKEN, 0)})
     assert rounds_reach(broken, statuses) is None
-    assert decide(sink_view("e-new"), recovered, None, Current(6), None).status
+    assert decide(sink_view("e-new"), recovered, None, Current(6), reached=None).status
+
+
+def test_a_sweep_straddling_a_round_closes_no_gate_of_the_rounds_members() -> None:
+    """The sweep asked e-1 and e-2 before the source's round in generation 2 committed
+    version 6 and the source after it (one poll: one asked time). An ok round committed on
+    every member, so their older answers (version 5) close no open gate; their next answer,
+    asked after the source's first word of 6, decides."""
+    report = round_report(6).model_copy(update={"generation": 2})
+    source = agent("trainer-0", Role.SOURCE, generations={2: (A, 0)}, version=6, last_round=report)
+    member = agent("e-1", generations={2: (A, 1)}, engine_version=5)
+    closed = agent("e-2", generations={2: (A, 2)}, engine_version=5)
+    outside = agent("e-3", generations={1: (A, 1)}, engine_version=5)  # not in generation 2
+    restarted = agent("e-4", generations={2: (A, 3)}, engine_version=None)  # engine restarted
+    statuses = {"trainer-0": source, "e-1": member, "e-2": closed, "e-3": outside, "e-4": restarted}
+    same_sweep = dict.fromkeys(statuses, 10.0)
+    vouched = round_vouches(source, Current(6), statuses, same_sweep, source_since=10.0)
+    assert vouched == {"e-1", "e-2"}
+    pods = [
+        sink_view("e-1", gate_status="True", gate_reason=reasons.SERVES_CURRENT_VERSION),
+        sink_view("e-2"),  # closed already: nothing but its own word opens it
+        sink_view("e-3", gate_status="True", gate_reason=reasons.SERVES_CURRENT_VERSION),
+        sink_view("e-4", gate_status="True", gate_reason=reasons.SERVES_CURRENT_VERSION),
+    ]
+    changes = gate_changes(pods, statuses, {}, Current(6), vouched=vouched)
+    assert [(c.pod, c.status, c.reason) for c in changes] == [
+        ("e-2", False, reasons.BEHIND_CURRENT_VERSION),
+        ("e-3", False, reasons.BEHIND_CURRENT_VERSION),
+        ("e-4", False, reasons.BEHIND_CURRENT_VERSION),
+    ]
+    # Asked after the source's first word of 6 and still on 5: behind, gate closed.
+    later = {**same_sweep, "e-1": 15.0}
+    assert round_vouches(source, Current(6), statuses, later, source_since=10.0) == {"e-2"}
+    # No vouching for a failed round, a round of another version or lineage, or none.
+    failed = source.model_copy(update={"last_round": report.model_copy(update={"ok": False})})
+    older = source.model_copy(update={"last_round": report.model_copy(update={"version": 5})})
+    other = source.model_copy(update={"last_round": report.model_copy(update={"lineage": "L2"})})
+    for word in (failed, older, None):
+        assert round_vouches(word, Current(6), statuses, same_sweep, source_since=10.0) == set()
+    assert round_vouches(other, Current(6, "L1"), statuses, same_sweep, 10.0) == set()
+    assert round_vouches(source, Current(6), statuses, same_sweep, source_since=None) == set()

@@ -30,7 +30,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -235,7 +235,7 @@ class Scenario:
         self.figures.running_seconds = running - began
         self.figures.members_after_running = members - running
         self.figures.gates_after_running = gates - running
-        closed = reclosed(self.engines.gate_changes[marker:], opened)
+        closed = reclosed(self.engines.gate_changes[marker:], opened, self.engines.moved_pods)
         self.figures.reclosed_gates = closed.total()
         if closed:
             print(f"[scale] gates closed again, by reason: {dict(closed)}", flush=True)
@@ -379,18 +379,21 @@ def run(args: Any) -> Figures:
 
 
 def reclosed(
-    changes: list[tuple[float, str, str | None, str | None]], opened: set[str]
+    changes: list[tuple[float, str, str | None, str | None]],
+    opened: set[str],
+    moved: Collection[str] = (),
 ) -> Counter[str]:
     """Gates that closed after having opened (`opened`: those open at the start), by the
     reason they closed with, in the order `changes` (at, pod, gate status, reason) saw
-    them: a pod's first condition is no flap."""
+    them: a pod's first condition is no flap. Pods in `moved` (KWOK gave them a second
+    address, which no real pod gets) are counted apart, their reason marked "moved"."""
     closed: Counter[str] = Counter()
     for _, pod, status, reason in changes:
         if status == "True":
             opened.add(pod)
         elif pod in opened:
             opened.discard(pod)
-            closed[reason or "none"] += 1
+            closed[f"{reason or 'none'}{', moved' if pod in moved else ''}"] += 1
     return closed
 
 

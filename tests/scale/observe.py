@@ -90,6 +90,7 @@ class PodWatch(Watched):
         self.pods: dict[str, PodState] = {}
         self.moved = moved  # called with (old, new) when a pod's address changes
         self.moves = 0
+        self.moved_pods: set[str] = set()  # the pods KWOK gave a second address
         # (at, pod, gate status, its reason)
         self.gate_changes: list[tuple[float, str, str | None, str | None]] = []
         core = client.CoreV1Api(api)
@@ -119,6 +120,7 @@ class PodWatch(Watched):
                 self.pods[name] = state
                 if before is not None and before.ip and state.ip and before.ip != state.ip:
                     self.moves += 1
+                    self.moved_pods.add(name)
                     move = (before.ip, state.ip)
                 if before is not None and before.gate != state.gate:
                     self.gate_changes.append((at, name, state.gate, state.gate_reason))

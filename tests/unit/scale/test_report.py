@@ -15,3 +15,5 @@ def test_a_gate_closed_after_it_opened_counts_a_first_condition_does_not() -> No
         (6.0, "new", "True", "ServesCurrentVersion"),
     ]
     assert reclosed(changes, {"old"}) == {"ContainersNotReady": 1, "NotInRounds": 1}
+    moved = reclosed(changes, {"old"}, moved={"new"})
+    assert moved == {"ContainersNotReady": 1, "NotInRounds, moved": 1}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ SERVER_TIMEOUT_SECONDS = 300  # the server ends each watch after this; it resume
 READ_TIMEOUT_SECONDS = SERVER_TIMEOUT_SECONDS + 30  # then the connection is dead
 CONNECT_TIMEOUT_SECONDS = 10
 MAX_BACKOFF_SECONDS = 30
+MIN_WATCH_SECONDS = 1.0  # between the starts of two watches that ended normally
 GONE = 410
 
 # (event type, namespace, the pod as the API server sent it; its slim copy for a
@@ -160,8 +162,12 @@ class PodWatch:
             try:
                 if version is None:
                     version = await self._list(session, scope)
+                began = time.monotonic()
                 version = await self._watch(session, scope, version)
                 failures = 0
+                # A watch the server (or a proxy) ends at once must not become a loop of
+                # requests: the next one waits out the rest of a second.
+                await asyncio.sleep(max(0.0, began + MIN_WATCH_SECONDS - time.monotonic()))
             except ExpiredError as error:
                 log.info("pod watch of %s: %s; listing again", _named(scope), error)
                 version = None

@@ -35,9 +35,9 @@ test-cluster: setup
 test-e2e: setup
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
-chaos: setup  ## the seeded fault matrix on the real node: 100 faults (CI runs 12), report printed
-	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} \
-	$(PY) -m pytest -m e2e tests/e2e/test_chaos.py -s $(PYTEST_ARGS)
+chaos: setup  ## the fault matrix (100 faults; CI runs 10) and the recovery scenarios (10 kills each; CI 4)
+	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} RECOVERY_KILLS=$${RECOVERY_KILLS:-10} \
+	$(PY) -m pytest -m e2e tests/e2e/test_chaos.py tests/e2e/test_recovery.py -s $(PYTEST_ARGS)
 
 test-engine-pods: setup  ## real vLLM and SGLang engine pods on the real node: synced, killed, recovered
 	$(PY) -m pytest tests/e2e/test_real_engines.py $(PYTEST_ARGS)

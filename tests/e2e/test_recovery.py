@@ -9,6 +9,7 @@ new one, which starts from nothing.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -48,9 +49,10 @@ from tests.support.recovery import (
 )
 from weightsync.controller import names
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-KILLS = 10
+# Engine pods replaced per scenario: 4 in CI (seeded: with seed 16 each mid-round kill
+# lands within 0.7 s of the round reaching the victim), 10 with `make chaos`.
+KILLS = int(os.environ.get("RECOVERY_KILLS", "4"))
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300 + 60 * KILLS)]
 RESTARTS = 4
 ROUND_UP = 120.0
 SLOW_BUCKET_BYTES = 4 << 20  # the small preset in 27 buckets

@@ -161,12 +161,14 @@ class Scenario:
         stack.callback(self.operator.stop)
         assert self.operator.popen is not None
         api = config.new_client_from_config(str(self.cluster.kubeconfig))
-        # KWOK gives some pods a second address under load (see `loadgen.moved`).
-        self.engines = PodWatch(
-            api, NAMESPACE, "engine",
-            moved=lambda old, new: self.loadgen.post("/moved", {"from": old, "to": new}),
-        )  # fmt: skip
-        self.trainers = PodWatch(api, NAMESPACE, "trainer")
+
+        # The load generator answers each address for the pod that holds it now: KWOK gives
+        # some pods a second address under load, and hands a freed one to another pod.
+        def addressed(ip: str, pod: str) -> None:
+            self.loadgen.post("/address", {"ip": ip, "pod": pod})
+
+        self.engines = PodWatch(api, NAMESPACE, "engine", addressed=addressed)
+        self.trainers = PodWatch(api, NAMESPACE, "trainer", addressed=addressed)
         self.sync = SyncWatch(api, NAMESPACE, "sync")
         self.sampler = OperatorSampler(
             f"http://127.0.0.1:{self.operator.metrics_port}/metrics", self.operator.popen.pid
@@ -202,11 +204,13 @@ class Scenario:
     def start(self) -> None:
         start = self.args.start
         self.apply(sync_manifest(), trainer(local=False), engines(replicas=start, local=False))
-        ip = self.trainers.wait_for(
-            lambda: next((p.ip for p in self.trainers.pods.values() if p.running and p.ip), None),
+        pod = self.trainers.wait_for(
+            lambda: next(
+                (name for name, p in self.trainers.pods.items() if p.running and p.ip), None
+            ),
             SETTLE, "the trainer pod Running",
         )  # fmt: skip
-        self.loadgen.post("/source", {"ip": ip})
+        self.loadgen.post("/source", {"pod": pod})
         self.publish(sinks=True)
         self.status_when(
             lambda s: s.members == start + 1 and s.ready == ("True", "AllMembersCurrent"),
@@ -235,10 +239,14 @@ class Scenario:
         self.figures.running_seconds = running - began
         self.figures.members_after_running = members - running
         self.figures.gates_after_running = gates - running
-        closed = reclosed(self.engines.gate_changes[marker:], opened, self.engines.moved_pods)
+        closings = reclosings(self.engines.gate_changes[marker:], opened, self.engines.moved_pods)
+        closed = Counter(reason for _, _, reason in closings)
         self.figures.reclosed_gates = closed.total()
         if closed:
             print(f"[scale] gates closed again, by reason: {dict(closed)}", flush=True)
+        # The operator's own (not KWOK's re-addressed pods), to read beside its log.
+        for at, pod, reason in [c for c in closings if not c[2].endswith("moved")][:10]:
+            print(f"[scale]   {pod} closed at {_wall(at)}: {reason}", flush=True)
         self.figures.steady_from = members
 
     def steady(self) -> None:
@@ -387,14 +395,23 @@ def reclosed(
     reason they closed with, in the order `changes` (at, pod, gate status, reason) saw
     them: a pod's first condition is no flap. Pods in `moved` (KWOK gave them a second
     address, which no real pod gets) are counted apart, their reason marked "moved"."""
-    closed: Counter[str] = Counter()
-    for _, pod, status, reason in changes:
+    return Counter(reason for _, _, reason in reclosings(changes, opened, moved))
+
+
+def reclosings(
+    changes: list[tuple[float, str, str | None, str | None]],
+    opened: set[str],
+    moved: Collection[str] = (),
+) -> list[tuple[float, str, str]]:
+    """Each gate closing counted by `reclosed`: (at, pod, reason)."""
+    closings = []
+    for at, pod, status, reason in changes:
         if status == "True":
             opened.add(pod)
         elif pod in opened:
             opened.discard(pod)
-            closed[f"{reason or 'none'}{', moved' if pod in moved else ''}"] += 1
-    return closed
+            closings.append((at, pod, f"{reason or 'none'}{', moved' if pod in moved else ''}"))
+    return closings
 
 
 def _wall(monotonic: float) -> str:

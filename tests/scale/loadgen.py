@@ -6,7 +6,10 @@ one port, with the agents' own messages from `weightsync.api.control`, so what t
 operator sends and reads here is exactly what real agents would parse and answer (a
 change to those models changes this too). KWOK pods get loopback addresses
 (127.x.y.z), and a socket bound to the wildcard address receives connections to all of
-them: the address a request arrived at says which pod's agent it is for.
+them: the address a request arrived at says which pod's agent it is for, as the harness
+announces it from its pod watch (`POST /address`). Stand-ins are kept by pod: under load
+KWOK gives some pods a second address and hands a freed one to another pod, which no
+real pod's agent sees (it keeps its pod's address for life).
 
 What the stand-ins do, as the operator sees it:
 * a plan's generation is `forming` for `--warm-seconds`, then warm; a round (the
@@ -18,12 +21,12 @@ What the stand-ins do, as the operator sees it:
   version asked for;
 * the source's version, the engines' versions and slow answers are set by the harness
   through a small admin API on another port (127.0.0.1 only):
-  `POST /source {"ip"}`, `POST /publish {"version", "sinks"}` (without sinks: a
+  `POST /address {"ip", "pod"}` (the pod holds that address now), `POST /source
+  {"pod"}`, `POST /publish {"version", "sinks"}` (without sinks: a
   version no engine got, as after a round no sink took part in, so its report names
   no generation; an ok round in theirs would vouch that they committed it),
   `POST /load {"version"}` (every engine), `POST /slow {"seconds", "delay"}`,
-  `POST /moved {"from", "to"}` (a pod's address changed: the same stand-in answers
-  at the new one), `GET /stats` (plan bytes per generation, requests by route).
+  `GET /stats` (plan bytes per generation, requests by route).
 
     python -m tests.scale.loadgen --port 8470 --admin-port 8471
 """
@@ -60,6 +63,9 @@ log = logging.getLogger("weightsync.loadgen")
 
 LINEAGE = "loadgen"
 KEEP_GENERATIONS = 4  # retired ones kept for the status, as the agents do
+# How long a request to an address the harness has not announced yet waits for it (the
+# operator and the harness learn a new pod's address from their own watches).
+ADDRESS_WAIT_SECONDS = 5.0
 
 
 @dataclass
@@ -74,7 +80,6 @@ class PlannedGeneration:
 class StandIn:
     """One pod's agent, as far as the operator can tell."""
 
-    ip: str
     pod: str
     role: Role
     generations: dict[int, PlannedGeneration] = field(default_factory=dict)
@@ -122,8 +127,10 @@ class LoadGenerator:
     def __init__(self, warm_seconds: float, recover_seconds: float) -> None:
         self.warm_seconds = warm_seconds
         self.recover_seconds = recover_seconds
-        self.stand_ins: dict[str, StandIn] = {}
-        self.source_ip: str | None = None
+        self.stand_ins: dict[str, StandIn] = {}  # by pod
+        self.addresses: dict[str, str] = {}  # ip -> the pod that holds it now
+        self.announced = asyncio.Condition()
+        self.source: str | None = None  # the trainer's pod
         self.version: int | None = None  # the source's last committed version
         self.round_generation: int | None = None  # the generation the last round ran in
         self.last_round: RoundReport | None = None
@@ -131,12 +138,28 @@ class LoadGenerator:
         self.slow_delay = 0.0
         self.stats = Stats()
 
-    def stand_in(self, ip: str) -> StandIn:
-        found = self.stand_ins.get(ip)
+    def stand_in(self, pod: str) -> StandIn:
+        found = self.stand_ins.get(pod)
         if found is None:
-            role = Role.SOURCE if ip == self.source_ip else Role.SINK
-            found = self.stand_ins[ip] = StandIn(ip=ip, pod=ip, role=role)
+            role = Role.SOURCE if pod == self.source else Role.SINK
+            found = self.stand_ins[pod] = StandIn(pod=pod, role=role)
         return found
+
+    async def at(self, ip: str) -> StandIn | None:
+        """The stand-in of the pod that holds `ip`, once the harness has announced it."""
+        async with self.announced:
+            try:
+                await asyncio.wait_for(
+                    self.announced.wait_for(lambda: ip in self.addresses), ADDRESS_WAIT_SECONDS
+                )
+            except TimeoutError:
+                return None
+        return self.stand_in(self.addresses[ip])
+
+    async def address(self, ip: str, pod: str) -> None:
+        async with self.announced:
+            self.addresses[ip] = pod
+            self.announced.notify_all()
 
     async def maybe_slow(self) -> None:
         """Answer late while the harness asked for slow agents (past the poll timeout)."""
@@ -162,7 +185,7 @@ class LoadGenerator:
                 healthy=True,
                 version=agent.engine_version,
                 lineage=LINEAGE if agent.engine_version is not None else None,
-                incarnation=f"{agent.ip}-1",
+                incarnation=f"{agent.pod}-1",
                 reported_version=agent.engine_version,
             )
         version = self.version if source else agent.engine_version
@@ -185,7 +208,6 @@ class LoadGenerator:
     def apply_plan(self, agent: StandIn, plan: MembershipPlan, nbytes: int) -> PlanAccepted:
         self.stats.plan_bytes[plan.generation] += nbytes
         self.stats.plans[plan.generation] += 1
-        agent.pod = plan.me.pod
         agent.generations[plan.generation] = PlannedGeneration(
             plan.generation, plan.rank, plan.world_size, time.monotonic() + self.warm_seconds
         )
@@ -225,7 +247,7 @@ class LoadGenerator:
         """The trainer's round committed `version` (on every engine too when `sinks`)."""
         if sinks:
             self.load(version)
-        source = self.stand_ins.get(self.source_ip or "")
+        source = self.stand_ins.get(self.source or "")
         if source is not None:
             self.round_generation = source.newest_warm(time.monotonic())
         self.version = version
@@ -239,14 +261,6 @@ class LoadGenerator:
             finished_at_unix_millis=int(time.time() * 1000),
             lineage=LINEAGE,
         )
-
-    def moved(self, old: str, new: str) -> None:
-        """KWOK gave a pod a second address (its pod-ready stage retried under load, and
-        re-ran the IP allocation); a real pod keeps one for life, so its agent (this
-        stand-in) is the one that answers at the new address too."""
-        found = self.stand_ins.get(old)
-        if found is not None:
-            self.stand_ins[new] = found
 
     def load(self, version: int) -> None:
         for agent in self.stand_ins.values():
@@ -262,10 +276,13 @@ def _error(status: int, error: str, detail: str) -> web.Response:
     return web.Response(status=status, text=body, content_type="application/json")
 
 
-def _agent_of(request: web.Request) -> StandIn:
+async def _agent_of(request: web.Request) -> StandIn:
     sockname = request.transport.get_extra_info("sockname") if request.transport else None
     ip = str(sockname[0]) if sockname else request.host.rsplit(":", 1)[0]
-    return request.app[GEN_KEY].stand_in(ip)
+    found = await request.app[GEN_KEY].at(ip)
+    if found is None:  # as an agent that is not listening yet
+        raise web.HTTPServiceUnavailable(text=f"no pod announced at {ip}")
+    return found
 
 
 @web.middleware
@@ -286,12 +303,12 @@ async def _put_plan(request: web.Request) -> web.Response:
         plan = MembershipPlan.model_validate_json(raw)
     except ValidationError as error:
         return _error(400, "invalid_plan", str(error))
-    accepted = request.app[GEN_KEY].apply_plan(_agent_of(request), plan, len(raw))
+    accepted = request.app[GEN_KEY].apply_plan(await _agent_of(request), plan, len(raw))
     return web.json_response(text=accepted.model_dump_json(), status=202)
 
 
 async def _get_status(request: web.Request) -> web.Response:
-    status = request.app[GEN_KEY].status(_agent_of(request))
+    status = request.app[GEN_KEY].status(await _agent_of(request))
     return web.json_response(text=status.model_dump_json())
 
 
@@ -300,7 +317,7 @@ async def _post_recover(request: web.Request) -> web.Response:
         recover = RecoverRequest.model_validate_json(await request.read())
     except ValidationError as error:
         return _error(400, "invalid_request", str(error))
-    started = request.app[GEN_KEY].start_recovery(_agent_of(request), recover)
+    started = request.app[GEN_KEY].start_recovery(await _agent_of(request), recover)
     return web.json_response(text=started.model_dump_json(), status=202)
 
 
@@ -315,8 +332,13 @@ def control_app(gen: LoadGenerator) -> web.Application:
 
 def admin_app(gen: LoadGenerator) -> web.Application:
     async def source(request: web.Request) -> web.Response:
-        gen.source_ip = str((await request.json())["ip"])
-        gen.stand_in(gen.source_ip).role = Role.SOURCE
+        gen.source = str((await request.json())["pod"])
+        gen.stand_in(gen.source).role = Role.SOURCE
+        return web.json_response({})
+
+    async def address(request: web.Request) -> web.Response:
+        body = await request.json()
+        await gen.address(str(body["ip"]), str(body["pod"]))
         return web.json_response({})
 
     async def publish(request: web.Request) -> web.Response:
@@ -332,11 +354,6 @@ def admin_app(gen: LoadGenerator) -> web.Application:
         body = await request.json()
         gen.slow_delay = float(body["delay"])
         gen.slow_until = time.monotonic() + float(body["seconds"])
-        return web.json_response({})
-
-    async def moved(request: web.Request) -> web.Response:
-        body = await request.json()
-        gen.moved(str(body["from"]), str(body["to"]))
         return web.json_response({})
 
     async def stats(_: web.Request) -> web.Response:
@@ -355,7 +372,7 @@ def admin_app(gen: LoadGenerator) -> web.Application:
     app.router.add_post("/publish", publish)
     app.router.add_post("/load", load)
     app.router.add_post("/slow", slow)
-    app.router.add_post("/moved", moved)
+    app.router.add_post("/address", address)
     app.router.add_get("/stats", stats)
     return app
 

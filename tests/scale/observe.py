@@ -84,11 +84,11 @@ class PodWatch(Watched):
         api: client.ApiClient,
         namespace: str,
         app: str,
-        moved: Callable[[str, str], None] | None = None,
+        addressed: Callable[[str, str], None] | None = None,
     ) -> None:
         super().__init__()
         self.pods: dict[str, PodState] = {}
-        self.moved = moved  # called with (old, new) when a pod's address changes
+        self.addressed = addressed  # called with (ip, pod) for each address a pod gets
         self.moves = 0
         self.moved_pods: set[str] = set()  # the pods KWOK gave a second address
         # (at, pod, gate status, its reason)
@@ -110,7 +110,7 @@ class PodWatch(Watched):
 
     def _event(self, kind: str, pod: dict[str, Any], at: float) -> None:
         name = pod["metadata"]["name"]
-        move = None
+        address = None
         with self.changed:
             before = self.pods.get(name)
             if kind == "DELETED":
@@ -118,15 +118,16 @@ class PodWatch(Watched):
             else:
                 state = _pod_state(pod)
                 self.pods[name] = state
-                if before is not None and before.ip and state.ip and before.ip != state.ip:
-                    self.moves += 1
-                    self.moved_pods.add(name)
-                    move = (before.ip, state.ip)
+                if state.ip and (before is None or before.ip != state.ip):
+                    address = state.ip
+                    if before is not None and before.ip:
+                        self.moves += 1
+                        self.moved_pods.add(name)
                 if before is not None and before.gate != state.gate:
                     self.gate_changes.append((at, name, state.gate, state.gate_reason))
             self.changed.notify_all()
-        if move is not None and self.moved is not None:
-            self.moved(*move)  # outside the lock: an HTTP request
+        if address is not None and self.addressed is not None:
+            self.addressed(address, name)  # outside the lock: an HTTP request
 
     def running(self) -> int:
         return sum(1 for p in self.pods.values() if p.running)

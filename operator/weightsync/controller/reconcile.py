@@ -40,7 +40,14 @@ from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
 from weightsync.controller.kube import Kube, api_unavailable
 from weightsync.controller.memory import Memory
-from weightsync.controller.plan import Desired, Slot, desired_members, intact, newcomers_wait
+from weightsync.controller.plan import (
+    Desired,
+    Slot,
+    desired_members,
+    intact,
+    newcomers_wait,
+    sources_not_warm,
+)
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
 from weightsync.controller.readiness import (
@@ -63,7 +70,7 @@ from weightsync.controller.workloads import PodView, planned_sources, sync_pods
 
 log = logging.getLogger(__name__)
 
-RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery running
+FOLLOW_UP_SECONDS = 1.0  # how soon a pass follows one that left a recovery or a forming group
 EVENT_PASS_DELAY_SECONDS = 0.5  # a pod event's pass waits this long for the rest of a burst
 
 
@@ -130,14 +137,15 @@ class Reconciler:
         metrics.forget(namespace, name)
 
     def _poll_later(self, namespace: str, name: str, memory: Memory) -> None:
-        """Run another pass soon: a recovery's progress shows in no pod event."""
+        """Run another pass soon: a recovery's progress, or a generation warming, shows in
+        no pod event."""
         if memory.poll is None or memory.poll.done():
             memory.poll = asyncio.get_running_loop().create_task(
                 self._poll(namespace, name, memory), name=f"poll {namespace}/{name}"
             )
 
     async def _poll(self, namespace: str, name: str, memory: Memory) -> None:
-        await asyncio.sleep(RECOVERY_POLL_SECONDS)
+        await asyncio.sleep(FOLLOW_UP_SECONDS)
         memory.poll = None  # this pass may schedule the next one
         try:
             watched = [a for a in memory.addresses if a.pod in memory.watched]
@@ -350,8 +358,25 @@ class Reconciler:
         )  # fmt: skip
         if planned[1] != generation:  # a new generation took the newcomers in
             memory.newcomers_since = None
+        elif memory.newcomers_since is not None:
+            log.debug(
+                "%s: %d newcomers wait %.1f s (more pods on their way: %s; generation %s"
+                " not warm on its source: %s)", raw["metadata"]["name"],
+                sum(1 for m in desired.members if m.name not in names),
+                now - memory.newcomers_since, batching, generation,
+                bool(sources_not_warm(previous, generation, statuses)),
+            )  # fmt: skip
         evidence = view.since(memory.planned_at.get(planned[1] or 0))
         timed_out = self.planner.prewarm_timed_out(sync, planned[:2], evidence, pods, memory)
+        # Until a source reports the planned generation warm, a follow-up pass asks the
+        # sources each second: newcomers waiting on it join the next generation, and the
+        # members' gates open, without waiting up to a sweep (`RESYNC_SECONDS`) for it.
+        started = memory.planned_at.get(planned[1] or 0)
+        if spec.prewarm.enabled and started is not None:
+            asking = sources_not_warm(planned[0], planned[1], statuses)
+            if asking and now - started < spec.prewarm.timeout_seconds:
+                memory.watched |= asking
+                memory.poll_soon = True
         return desired, planned, timed_out
 
     async def _recover(

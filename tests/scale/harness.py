@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -90,6 +92,29 @@ class LoadGen:
             if time.monotonic() > deadline or self.popen.poll() is not None:
                 raise RuntimeError(f"the load generator did not start: {self.log}")
             time.sleep(0.2)
+        # Addresses go out in batches from a thread of their own: one request per pod,
+        # sent from the watch's thread, fell seconds behind the operator's first polls.
+        self._addresses: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        threading.Thread(target=self._announce, name="announce", daemon=True).start()
+
+    def address(self, ip: str, pod: str) -> None:
+        """`pod` holds `ip` now (`loadgen.LoadGenerator.at`); sent soon, with others."""
+        self._addresses.put((ip, pod))
+
+    def _announce(self) -> None:
+        while True:
+            batch = dict([self._addresses.get()])
+            while not self._addresses.empty():
+                ip, pod = self._addresses.get()
+                batch[ip] = pod
+            while True:
+                try:
+                    self.post("/addresses", batch)
+                    break
+                except OSError:
+                    if self.popen.poll() is not None:
+                        return  # stopped
+                    time.sleep(0.1)
 
     def _answers(self) -> bool:
         try:
@@ -164,11 +189,8 @@ class Scenario:
 
         # The load generator answers each address for the pod that holds it now: KWOK gives
         # some pods a second address under load, and hands a freed one to another pod.
-        def addressed(ip: str, pod: str) -> None:
-            self.loadgen.post("/address", {"ip": ip, "pod": pod})
-
-        self.engines = PodWatch(api, NAMESPACE, "engine", addressed=addressed)
-        self.trainers = PodWatch(api, NAMESPACE, "trainer", addressed=addressed)
+        self.engines = PodWatch(api, NAMESPACE, "engine", addressed=self.loadgen.address)
+        self.trainers = PodWatch(api, NAMESPACE, "trainer", addressed=self.loadgen.address)
         self.sync = SyncWatch(api, NAMESPACE, "sync")
         self.sampler = OperatorSampler(
             f"http://127.0.0.1:{self.operator.metrics_port}/metrics", self.operator.popen.pid

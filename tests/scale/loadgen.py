@@ -21,7 +21,7 @@ What the stand-ins do, as the operator sees it:
   version asked for;
 * the source's version, the engines' versions and slow answers are set by the harness
   through a small admin API on another port (127.0.0.1 only):
-  `POST /address {"ip", "pod"}` (the pod holds that address now), `POST /source
+  `POST /addresses {ip: pod, ...}` (those pods hold those addresses now), `POST /source
   {"pod"}`, `POST /publish {"version", "sinks"}` (without sinks: a
   version no engine got, as after a round no sink took part in, so its report names
   no generation; an ok round in theirs would vouch that they committed it),
@@ -156,9 +156,10 @@ class LoadGenerator:
                 return None
         return self.stand_in(self.addresses[ip])
 
-    async def address(self, ip: str, pod: str) -> None:
+    async def address(self, pods: dict[str, str]) -> None:
+        """`pods`: ip -> the pod that holds it now."""
         async with self.announced:
-            self.addresses[ip] = pod
+            self.addresses.update(pods)
             self.announced.notify_all()
 
     async def maybe_slow(self) -> None:
@@ -336,9 +337,9 @@ def admin_app(gen: LoadGenerator) -> web.Application:
         gen.stand_in(gen.source).role = Role.SOURCE
         return web.json_response({})
 
-    async def address(request: web.Request) -> web.Response:
+    async def addresses(request: web.Request) -> web.Response:
         body = await request.json()
-        await gen.address(str(body["ip"]), str(body["pod"]))
+        await gen.address({str(ip): str(pod) for ip, pod in body.items()})
         return web.json_response({})
 
     async def publish(request: web.Request) -> web.Response:
@@ -372,7 +373,7 @@ def admin_app(gen: LoadGenerator) -> web.Application:
     app.router.add_post("/publish", publish)
     app.router.add_post("/load", load)
     app.router.add_post("/slow", slow)
-    app.router.add_post("/address", address)
+    app.router.add_post("/addresses", addresses)
     app.router.add_get("/stats", stats)
     return app
 

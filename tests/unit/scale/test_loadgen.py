@@ -49,13 +49,13 @@ def test_an_address_answers_for_the_pod_that_holds_it_now() -> None:
 
     async def scenario() -> None:
         gen = LoadGenerator(warm_seconds=0.0, recover_seconds=0.0)
-        await gen.address("127.0.0.5", "engine-a")
+        await gen.address({"127.0.0.5": "engine-a"})
         first = await gen.at("127.0.0.5")
         assert first is not None
         assert first.pod == "engine-a"
         first.engine_version = 3
-        await gen.address("127.0.0.9", "engine-a")  # moved: the same agent answers there
-        await gen.address("127.0.0.5", "engine-b")  # the old address given to another pod
+        await gen.address({"127.0.0.9": "engine-a"})  # moved: the same agent answers there
+        await gen.address({"127.0.0.5": "engine-b"})  # the old address given to another pod
         assert await gen.at("127.0.0.9") is first
         other = await gen.at("127.0.0.5")
         assert other is not None
@@ -63,7 +63,7 @@ def test_an_address_answers_for_the_pod_that_holds_it_now() -> None:
         # An address announced while a request waits for it is answered.
         waiting = asyncio.create_task(gen.at("127.0.0.7"))
         await asyncio.sleep(0.01)
-        await gen.address("127.0.0.7", "engine-c")
+        await gen.address({"127.0.0.7": "engine-c"})
         late = await waiting
         assert late is not None
         assert late.pod == "engine-c"

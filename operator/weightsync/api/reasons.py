@@ -88,6 +88,11 @@ NOT_IN_ROUNDS_MESSAGE: Final = (
     "The engine serves the current version, but its agent is not yet a warm member of the"
     " group generation the trainer's next round runs in: that round would leave it behind."
 )
+SOURCE_UNHEARD: Final = "SourceUnheard"
+SOURCE_UNHEARD_MESSAGE: Final = (
+    "The engine serves the current version, but the trainer's source agent did not answer:"
+    " whether its next round reaches this pod is unknown."
+)
 NO_VERSION_YET: Final = "NoVersionYet"
 NO_VERSION_YET_MESSAGE: Final = "No weight version has been synced yet."
 AGENT_UNREACHABLE: Final = "AgentUnreachable"

@@ -25,6 +25,11 @@ An open gate stays open while the sink's last answer may predate the source's fi
 word of the current version, if it was a member of the generation that round ran in
 (a round is ok only when every member committed): the sink's next answer decides
 (`round_vouches`). Nothing opens a gate but the agent's own word.
+
+While the planned source's poll fails (it timed out under load, or the trainer pod is
+gone), which generation the next round runs in is unknown: open gates stay open, and no
+closed one opens (`source_unheard`); a sink opened on its own word then closed again
+when the source was heard (11 gates in one `make scale` run).
 """
 
 from __future__ import annotations
@@ -169,6 +174,7 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
     *,
     reached: frozenset[str] | None = None,
     vouched: frozenset[str] = frozenset(),
+    source_unheard: bool = False,
 ) -> GateDecision:
     if not pod.containers_ready:
         return GateDecision(
@@ -193,6 +199,10 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
         if reached is not None and pod.name not in reached:
             return GateDecision(
                 pod.name, False, reasons.NOT_IN_ROUNDS, reasons.NOT_IN_ROUNDS_MESSAGE
+            )
+        if source_unheard and pod.gate_status != "True":
+            return GateDecision(
+                pod.name, False, reasons.SOURCE_UNHEARD, reasons.SOURCE_UNHEARD_MESSAGE
             )
         return GateDecision(
             pod.name,
@@ -226,11 +236,13 @@ def gate_changes(
     *,
     reached: frozenset[str] | None = None,
     vouched: frozenset[str] = frozenset(),
+    source_unheard: bool = False,
 ) -> list[GateDecision]:
     """Decisions for gated, live pods whose condition differs from what they carry. A pod
     that has not run yet and carries no condition is left alone: a missing gate condition
     already counts False, and writing one to a thousand pending pods at a scale-up only
-    adds API load (and, on KWOK, re-runs its stages)."""
+    adds API load (and, on KWOK, re-runs its stages). `source_unheard`: a source is
+    planned and its last poll failed (see the module doc)."""
     changes = []
     for pod in pods:
         if not pod.has_gate or pod.terminating:
@@ -239,8 +251,9 @@ def gate_changes(
             continue
         status = statuses.get(pod.name)
         decision = decide(
-            pod, status, errors.get(pod.name), current, reached=reached, vouched=vouched
-        )
+            pod, status, errors.get(pod.name), current,
+            reached=reached, vouched=vouched, source_unheard=source_unheard,
+        )  # fmt: skip
         if (pod.gate_status, pod.gate_reason) != (decision.status_text, decision.reason):
             changes.append(decision)
     return changes

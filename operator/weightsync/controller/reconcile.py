@@ -250,7 +250,10 @@ class Reconciler:
             reached = rounds_reach(source, statuses, memory.unheard(seen))
             since = seen.first_said(source_pod, source) if source_pod and source else None
             vouched = round_vouches(source, current, statuses, seen.heard_at, since)
-        gates = gate_changes(pods, statuses, errors, current, reached=reached, vouched=vouched)
+        gates = gate_changes(
+            pods, statuses, errors, current, reached=reached, vouched=vouched,
+            source_unheard=source_pod is not None and source is None,
+        )  # fmt: skip
         observation = Observation(
             spec=spec,
             metadata_generation=generation,

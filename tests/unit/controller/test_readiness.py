@@ -154,6 +154,22 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     assert decide(sink_view("e-new"), recovered, None, Current(6), reached=None).status
 
 
+def test_while_the_source_is_unheard_open_gates_stay_open_and_closed_ones_closed() -> None:
+    """The planned source's poll failed: which generation the next round runs in is
+    unknown, so a recovered sink's own word opens nothing (it opened, then closed again
+    once the source was heard); a gate already open is no reason to close."""
+    recovered = agent("e-new", engine_version=6)
+    closed = sink_view("e-new", gate_status="False")
+    held = decide(closed, recovered, None, Current(6), source_unheard=True)
+    assert (held.status, held.reason) == (False, reasons.SOURCE_UNHEARD)
+    opened = sink_view("e-1", gate_status="True")
+    kept = decide(opened, agent("e-1", engine_version=6), None, Current(6), source_unheard=True)
+    assert (kept.status, kept.reason) == (True, reasons.SERVES_CURRENT_VERSION)
+    behind = decide(opened, agent("e-1", engine_version=5), None, Current(6), source_unheard=True)
+    assert (behind.status, behind.reason) == (False, reasons.BEHIND_CURRENT_VERSION)
+    assert decide(closed, recovered, None, Current(6)).status  # heard, no round to miss
+
+
 def test_a_sweep_straddling_a_round_closes_no_gate_of_the_rounds_members() -> None:
     """The sweep asked e-1 and e-2 before the source's round in generation 2 committed
     version 6 and the source after it (one poll: one asked time). An ok round committed on

@@ -54,14 +54,14 @@ class Memory:
     # status read back records it (`planned`).
     unsaved: Unsaved | None = None
     recoveries: dict[str, Tracker] = field(default_factory=dict)  # by pod uid
-    poll_soon: bool = False  # the last pass left a recovery in flight, or a generation forming
+    poll_soon: bool = False  # the last pass left a recovery in flight
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass
     token_written_for: str | None = None  # the WeightSync uid whose token Secret was applied
     agents: AgentView = field(default_factory=AgentView)  # the agents' latest answers
     # What the drift timer's sweep polls: the last pass's agents and their token.
     addresses: list[AgentAddress] = field(default_factory=list)
     token: str = ""
-    watched: frozenset[str] = frozenset()  # pods a follow-up pass polls (recoveries, sources)
+    watched: frozenset[str] = frozenset()  # pods a follow-up pass polls (recoveries)
     gates: GateSync | None = None  # its gate writes, in the background of the passes
     # The WeightSync's newest version a pass used, and the last status write: (the
     # version it was made on, the object it returned). See `Reconciler._read`.

@@ -247,7 +247,7 @@ def sources_not_warm(
 ) -> frozenset[str]:
     """The planned sources whose last answer does not report `generation` warm, while
     none does: the first source's word that it is warm is what newcomers wait for
-    (`forming`) and what lets the members' gates open (`readiness.rounds_reach`)."""
+    (`forming`; the reconciler's debug line says which wait it is)."""
     sources = [slot for slot in planned if slot.role is Role.SOURCE]
     if generation is None or any(warm_at(statuses.get(s.pod), generation, s.rank) for s in sources):
         return frozenset()

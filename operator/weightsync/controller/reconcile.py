@@ -70,7 +70,7 @@ from weightsync.controller.workloads import PodView, planned_sources, sync_pods
 
 log = logging.getLogger(__name__)
 
-FOLLOW_UP_SECONDS = 1.0  # how soon a pass follows one that left a recovery or a forming group
+RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery running
 EVENT_PASS_DELAY_SECONDS = 0.5  # a pod event's pass waits this long for the rest of a burst
 
 
@@ -137,15 +137,14 @@ class Reconciler:
         metrics.forget(namespace, name)
 
     def _poll_later(self, namespace: str, name: str, memory: Memory) -> None:
-        """Run another pass soon: a recovery's progress, or a generation warming, shows in
-        no pod event."""
+        """Run another pass soon: a recovery's progress shows in no pod event."""
         if memory.poll is None or memory.poll.done():
             memory.poll = asyncio.get_running_loop().create_task(
                 self._poll(namespace, name, memory), name=f"poll {namespace}/{name}"
             )
 
     async def _poll(self, namespace: str, name: str, memory: Memory) -> None:
-        await asyncio.sleep(FOLLOW_UP_SECONDS)
+        await asyncio.sleep(RECOVERY_POLL_SECONDS)
         memory.poll = None  # this pass may schedule the next one
         try:
             watched = [a for a in memory.addresses if a.pod in memory.watched]
@@ -371,15 +370,6 @@ class Reconciler:
             )  # fmt: skip
         evidence = view.since(memory.planned_at.get(planned[1] or 0))
         timed_out = self.planner.prewarm_timed_out(sync, planned[:2], evidence, pods, memory)
-        # Until a source reports the planned generation warm, a follow-up pass asks the
-        # sources each second: newcomers waiting on it join the next generation, and the
-        # members' gates open, without waiting up to a sweep (`RESYNC_SECONDS`) for it.
-        started = memory.planned_at.get(planned[1] or 0)
-        if spec.prewarm.enabled and started is not None:
-            asking = sources_not_warm(planned[0], planned[1], statuses)
-            if asking and now - started < spec.prewarm.timeout_seconds:
-                memory.watched |= asking
-                memory.poll_soon = True
         return desired, planned, timed_out
 
     async def _recover(

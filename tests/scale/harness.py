@@ -408,24 +408,15 @@ def run(args: Any) -> Figures:
                     target.write_bytes(log.read_bytes() if log.exists() else b"")
 
 
-def reclosed(
-    changes: list[tuple[float, str, str | None, str | None]],
-    opened: set[str],
-    moved: Collection[str] = (),
-) -> Counter[str]:
-    """Gates that closed after having opened (`opened`: those open at the start), by the
-    reason they closed with, in the order `changes` (at, pod, gate status, reason) saw
-    them: a pod's first condition is no flap. Pods in `moved` (KWOK gave them a second
-    address, which no real pod gets) are counted apart, their reason marked "moved"."""
-    return Counter(reason for _, _, reason in reclosings(changes, opened, moved))
-
-
 def reclosings(
     changes: list[tuple[float, str, str | None, str | None]],
     opened: set[str],
     moved: Collection[str] = (),
 ) -> list[tuple[float, str, str]]:
-    """Each gate closing counted by `reclosed`: (at, pod, reason)."""
+    """Gates that closed after having opened (`opened`: those open at the start), as (at,
+    pod, the reason they closed with), in the order `changes` (at, pod, gate status,
+    reason) saw them: a pod's first condition is no flap. Pods in `moved` (KWOK gave them
+    a second address, which no real pod gets) have their reason marked "moved"."""
     closings = []
     for at, pod, status, reason in changes:
         if status == "True":

@@ -7,7 +7,7 @@ operator sends and reads here is exactly what real agents would parse and answer
 change to those models changes this too). KWOK pods get loopback addresses
 (127.x.y.z), and a socket bound to the wildcard address receives connections to all of
 them: the address a request arrived at says which pod's agent it is for, as the harness
-announces it from its pod watch (`POST /address`). Stand-ins are kept by pod: under load
+announces it from its pod watch (`POST /addresses`). Stand-ins are kept by pod: under load
 KWOK gives some pods a second address and hands a freed one to another pod, which no
 real pod's agent sees (it keeps its pod's address for life).
 

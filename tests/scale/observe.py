@@ -127,7 +127,7 @@ class PodWatch(Watched):
                     self.gate_changes.append((at, name, state.gate, state.gate_reason))
             self.changed.notify_all()
         if address is not None and self.addressed is not None:
-            self.addressed(address, name)  # outside the lock: an HTTP request
+            self.addressed(address, name)  # outside the lock: the callee may block
 
     def running(self) -> int:
         return sum(1 for p in self.pods.values() if p.running)

@@ -242,18 +242,6 @@ def forming(planned: Sequence[Slot], generation: int, statuses: Mapping[str, Age
     )
 
 
-def sources_not_warm(
-    planned: Sequence[Slot], generation: int | None, statuses: Mapping[str, AgentStatus]
-) -> frozenset[str]:
-    """The planned sources whose last answer does not report `generation` warm, while
-    none does: the first source's word that it is warm is what newcomers wait for
-    (`forming`; the reconciler's debug line says which wait it is)."""
-    sources = [slot for slot in planned if slot.role is Role.SOURCE]
-    if generation is None or any(warm_at(statuses.get(s.pod), generation, s.rank) for s in sources):
-        return frozenset()
-    return frozenset(s.pod for s in sources)
-
-
 def intact(
     planned: Sequence[Slot], generation: int | None, statuses: Mapping[str, AgentStatus]
 ) -> bool:

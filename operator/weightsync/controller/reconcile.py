@@ -44,9 +44,9 @@ from weightsync.controller.plan import (
     Desired,
     Slot,
     desired_members,
+    forming,
     intact,
     newcomers_wait,
-    sources_not_warm,
 )
 from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
@@ -360,13 +360,13 @@ class Reconciler:
         )  # fmt: skip
         if planned[1] != generation:  # a new generation took the newcomers in
             memory.newcomers_since = None
-        elif memory.newcomers_since is not None:
+        elif memory.newcomers_since is not None and log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: %d newcomers wait %.1f s (more pods on their way: %s; generation %s"
-                " not warm on its source: %s)", raw["metadata"]["name"],
+                " still forming: %s)", raw["metadata"]["name"],
                 sum(1 for m in desired.members if m.name not in names),
                 now - memory.newcomers_since, batching, generation,
-                bool(sources_not_warm(previous, generation, statuses)),
+                generation is not None and forming(previous, generation, evidence),
             )  # fmt: skip
         evidence = view.since(memory.planned_at.get(planned[1] or 0))
         timed_out = self.planner.prewarm_timed_out(sync, planned[:2], evidence, pods, memory)

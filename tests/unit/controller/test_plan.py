@@ -21,7 +21,6 @@ from weightsync.controller.plan import (
     newcomers_wait,
     next_generation,
     slots,
-    sources_not_warm,
 )
 from weightsync.controller.workloads import PodView
 
@@ -380,16 +379,6 @@ def test_newcomers_wait_while_the_planned_generation_still_forms() -> None:
     # A member lost is no reason to wait.
     shrunk = desired_members(sync().spec, pods[:2], {"trainer-0", "e-1"}, planned)
     assert needs_new_generation(shrunk, planned, 4, forming)
-
-
-def test_the_sources_to_ask_again_are_those_of_a_generation_no_source_reports_warm() -> None:
-    _, planned, statuses = group_of_three()
-    forming = {**statuses, "trainer-0": agent("trainer-0", Role.SOURCE, generations={4: (F, 0)})}
-    assert sources_not_warm(planned, 4, forming) == {"trainer-0"}
-    assert sources_not_warm(planned, 4, {}) == {"trainer-0"}  # not heard: ask it
-    assert sources_not_warm(planned, 4, statuses) == frozenset()  # active: warm
-    assert sources_not_warm(planned, None, forming) == frozenset()
-    assert sources_not_warm(planned[1:], 4, forming) == frozenset()  # no source planned
 
 
 def test_newcomers_wait_a_while_for_more_pods_on_their_way() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tests.scale.harness import reclosed
+from collections import Counter
+
+from tests.scale.harness import reclosings
 
 
 def test_a_gate_closed_after_it_opened_counts_a_first_condition_does_not() -> None:
@@ -14,6 +16,9 @@ def test_a_gate_closed_after_it_opened_counts_a_first_condition_does_not() -> No
         (5.0, "new", "False", "Behind"),  # a reason change while closed: no second flap
         (6.0, "new", "True", "ServesCurrentVersion"),
     ]
-    assert reclosed(changes, {"old"}) == {"ContainersNotReady": 1, "NotInRounds": 1}
-    moved = reclosed(changes, {"old"}, moved={"new"})
+    assert reclosings(changes, {"old"}) == [
+        (3.0, "old", "ContainersNotReady"),
+        (4.0, "new", "NotInRounds"),
+    ]
+    moved = Counter(reason for _, _, reason in reclosings(changes, {"old"}, moved={"new"}))
     assert moved == {"ContainersNotReady": 1, "NotInRounds, moved": 1}

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import secrets
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.controlplane import LocalCluster, build_binaries
+from tests.cluster.controlplane import LocalCluster, NodeImages, build_binaries
+from tests.cluster.node import host
 from tests.support.eventually import Timeouts, eventually
 
 CLUSTER_FIXTURES = {"cluster", "namespace", "k8s", "images"}
@@ -21,19 +23,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & CLUSTER_FIXTURES and not item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.cluster)
+    # Tests with a node of their own run before the session cluster starts, so that they
+    # and it take turns on one image store (`node_images`). The sort is stable.
+    items.sort(key=lambda item: item.get_closest_marker("own_node") is None)
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def node_images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeImages]:
+    # Not created here: containerd makes its root, and a missing one tells the demo's
+    # disk check that nothing is imported yet.
+    shared = NodeImages(tmp_path_factory.getbasetemp() / "node-images")
+    try:
+        yield shared
+    finally:  # gigabytes: not left for pytest's kept temp folders
+        if shared.path.exists():
+            host.unmount_under(shared.path)
+            subprocess.run(["rm", "-rf", str(shared.path)], check=False)
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, node_images: NodeImages
+) -> Iterator[LocalCluster]:
     """A fresh local control plane with one real node (kubelet, containerd: pods that run)
     and two KWOK nodes (`type=kwok`: pods that only need scheduling)."""
     state_dir: Path = tmp_path_factory.mktemp("cluster")
-    local = LocalCluster(state_dir=state_dir, bin_dir=build_binaries(), nodes=2, real_node=True)
-    local.up()
-    try:
-        yield local
-    finally:
-        local.down()
+    with node_images.turn("the session cluster") as images_dir:
+        local = LocalCluster(
+            state_dir=state_dir,
+            bin_dir=build_binaries(),
+            nodes=2,
+            real_node=True,
+            images_dir=images_dir,
+        )
+        local.up()
+        try:
+            yield local
+        finally:
+            local.down()
 
 
 @pytest.fixture(scope="session")

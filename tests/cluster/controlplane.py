@@ -21,6 +21,7 @@ what the node changed on the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ import sys
 import time
 import urllib.request
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +99,29 @@ def _wait_until(check: object, timeout: float, what: str, log: Path | None = Non
     raise TimeoutError(f"{what} not ready after {timeout:.0f}s ({last_error})\n{tail}")
 
 
+class NodeImages:
+    """One containerd root (images and their unpacked layers) for the real nodes of this
+    session, which take turns on it: each image is imported once, not once per node.
+    containerd locks its root, so two nodes never hold it together."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.holder = ""
+
+    @contextlib.contextmanager
+    def turn(self, holder: str) -> Iterator[Path | None]:
+        """The shared root while `holder` runs its node; None (a root of its own) while
+        another holds it."""
+        if self.holder:
+            yield None
+            return
+        self.holder = holder
+        try:
+            yield self.path
+        finally:
+            self.holder = ""
+
+
 @dataclass
 class LocalCluster:
     """One local control plane, its files under `state_dir`."""
@@ -107,12 +132,15 @@ class LocalCluster:
     gpus_per_node: int = 4
     real_node: bool = False
     keep_images: bool = False  # a stable state dir keeps the node's imported images
+    # containerd's root, when not under the state dir: clusters up one after the other
+    # (never together) may share it and import each image once.
+    images_dir: Path | None = None
     _children: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
 
     @property
     def node(self) -> RealNode:
         """The real node (its state, containerd and network), started or not."""
-        return RealNode(self.state_dir, self.bin_dir, CACHE_DIR)
+        return RealNode(self.state_dir, self.bin_dir, CACHE_DIR, self.images_dir)
 
     @property
     def api_host(self) -> str:

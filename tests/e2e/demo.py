@@ -137,12 +137,23 @@ def _http(method: str, url: str, timeout: float = 120.0) -> Any:
 
 
 class Demo:
-    def __init__(self, state_dir: Path, console: Console, *, keep_images: bool = True) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        console: Console,
+        *,
+        keep_images: bool = True,
+        images_dir: Path | None = None,
+    ) -> None:
         self.console = console
         # The demo's stable state dir keeps the node's imported images across `down`: a
         # warm demo imports nothing.
         self.cluster = LocalCluster(
-            state_dir=state_dir, nodes=0, real_node=True, keep_images=keep_images
+            state_dir=state_dir,
+            nodes=0,
+            real_node=True,
+            keep_images=keep_images,
+            images_dir=images_dir,
         )
         self.prometheus: prom.Prometheus | None = None
 
@@ -183,7 +194,7 @@ class Demo:
             p for p in (self.cluster.state_dir, *self.cluster.state_dir.parents) if p.exists()
         )
         free = shutil.disk_usage(where).free
-        kept = self.cluster.node.dir / "containerd" / "root"  # a kept node imports little
+        kept = self.cluster.node.containerd_root  # a kept node imports little
         if free < NODE_DISK_BYTES and not kept.exists():
             raise DemoError(
                 f"{free / 2**30:.1f} GiB free under {where}; the demo's node needs about"

@@ -8,42 +8,52 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.controlplane import NodeImages
 from tests.e2e import demo
 from tests.support.eventually import Timeouts, eventually
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# own_node: it runs first, its node importing the images the session cluster's node then
+# finds (one import of each, not two).
+pytestmark = [pytest.mark.e2e, pytest.mark.own_node, pytest.mark.timeout(900)]
 
 
-def test_demo_scenario(tmp_path: Path) -> None:
+def test_demo_scenario(tmp_path: Path, node_images: NodeImages) -> None:
     state_dir = tmp_path / "demo"
-    stack = demo.Demo(state_dir, demo.Console(quiet=True), keep_images=False)
-    try:
-        result = demo.run(stack, rounds=6, kill_at=2)
-        # The operator reads no Secret of a workload namespace (its tokens are derived).
-        reads = {
-            (verb, namespace): stack.operator_may(verb, "secrets", namespace)
-            for verb in ("get", "list", "watch")
-            for namespace in (demo.NAMESPACE, "kube-system")
-        }
-        token_key = stack.operator_may("get", "secrets/weightsync-token-key", demo.SYSTEM_NAMESPACE)
-        # The chart's own test passes on the live release (its pod stays until uninstall).
-        helm_test = stack.helm_test()
-        test_pods = stack.test_pods()
-        # Uninstalled, the cluster works without the operator: no webhook left refusing
-        # WeightSyncs, no finalizer left hanging a delete.
-        after_uninstall_seconds = stack.uninstall_chart()
-        # The uninstall hook deleted the test pod (a pod that ended goes at once).
-        eventually(lambda: stack.test_pods() == [], timeout=Timeouts.API, message="test pod left")
-        webhooks = stack.cluster.kubectl(
-            "get", "mutatingwebhookconfigurations,validatingwebhookconfigurations", "-o", "name"
-        ).stdout.split()
-        logs = {
-            str(path.relative_to(state_dir)): path.read_text(errors="replace")
-            for pattern in ("logs/*.log", "node/pod-logs/*/*/*.log")
-            for path in state_dir.glob(pattern)
-        }
-    finally:
-        stack.close()
+    with node_images.turn("the demo") as images_dir:
+        stack = demo.Demo(
+            state_dir, demo.Console(quiet=True), keep_images=False, images_dir=images_dir
+        )
+        try:
+            result = demo.run(stack, rounds=6, kill_at=2)
+            # The operator reads no Secret of a workload namespace (its tokens are derived).
+            reads = {
+                (verb, namespace): stack.operator_may(verb, "secrets", namespace)
+                for verb in ("get", "list", "watch")
+                for namespace in (demo.NAMESPACE, "kube-system")
+            }
+            token_key = stack.operator_may(
+                "get", "secrets/weightsync-token-key", demo.SYSTEM_NAMESPACE
+            )
+            # The chart's own test passes on the live release (its pod stays until uninstall).
+            helm_test = stack.helm_test()
+            test_pods = stack.test_pods()
+            # Uninstalled, the cluster works without the operator: no webhook left refusing
+            # WeightSyncs, no finalizer left hanging a delete.
+            after_uninstall_seconds = stack.uninstall_chart()
+            # The uninstall hook deleted the test pod (a pod that ended goes at once).
+            eventually(
+                lambda: stack.test_pods() == [], timeout=Timeouts.API, message="test pod left"
+            )
+            webhooks = stack.cluster.kubectl(
+                "get", "mutatingwebhookconfigurations,validatingwebhookconfigurations", "-o", "name"
+            ).stdout.split()
+            logs = {
+                str(path.relative_to(state_dir)): path.read_text(errors="replace")
+                for pattern in ("logs/*.log", "node/pod-logs/*/*/*.log")
+                for path in state_dir.glob(pattern)
+            }
+        finally:
+            stack.close()
 
     assert helm_test.returncode == 0, helm_test.stdout + helm_test.stderr
     assert re.search(r"Phase:\s+Succeeded", helm_test.stdout), helm_test.stdout

@@ -110,11 +110,16 @@ class RealNode:
     demo-down`) can stop a node started by another.
     """
 
-    def __init__(self, state_dir: Path, bin_dir: Path, cache_dir: Path) -> None:
+    def __init__(
+        self, state_dir: Path, bin_dir: Path, cache_dir: Path, images_dir: Path | None = None
+    ) -> None:
         self.state_dir = state_dir
         self.bin_dir = bin_dir
         self.cache_dir = cache_dir
         self.dir = state_dir / "node"
+        # containerd's root (its images and snapshots): under the node's folder unless
+        # given; nodes that run one after the other may share one and import once.
+        self.containerd_root = images_dir or self.dir / "containerd" / "root"
         self.ledger = host.SysctlLedger(cache_dir / "node-host")
         self._network: Network | None = None
 
@@ -301,7 +306,7 @@ class RealNode:
         }
         config = {
             "version": 2,
-            "root": str(self.dir / "containerd" / "root"),
+            "root": str(self.containerd_root),
             "state": str(self.dir / "containerd" / "state"),
             "grpc": {"address": str(self.containerd_address)},
             "ttrpc": {"address": str(self.containerd_address) + ".ttrpc"},

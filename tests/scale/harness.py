@@ -384,6 +384,11 @@ class Scenario:
         figures.plans = {int(k): v for k, v in stats["plans"].items()}
         figures.operator_log_tracebacks = self.operator.output().count("Traceback")
         figures.moved_pods = self.engines.moves
+        figures.address_waits = (
+            stats["address_waits"],
+            stats["unannounced"],
+            stats["address_wait_max"],
+        )
         return figures
 
 

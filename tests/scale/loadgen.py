@@ -26,7 +26,8 @@ What the stand-ins do, as the operator sees it:
   version no engine got, as after a round no sink took part in, so its report names
   no generation; an ok round in theirs would vouch that they committed it),
   `POST /load {"version"}` (every engine), `POST /slow {"seconds", "delay"}`,
-  `GET /stats` (plan bytes per generation, requests by route).
+  `GET /stats` (plan bytes per generation, requests by route, requests that waited
+  for their address to be announced).
 
     python -m tests.scale.loadgen --port 8470 --admin-port 8471
 """
@@ -119,6 +120,12 @@ class Stats:
     plans: Counter[int] = field(default_factory=Counter)  # by generation
     requests: Counter[str] = field(default_factory=Counter)  # by route
     slowed: int = 0  # requests answered late on purpose
+    # Requests that arrived before the harness announced their address: how many waited
+    # (and how long in all, the longest), and how many gave up (503).
+    address_waits: int = 0
+    address_wait_seconds: float = 0.0
+    address_wait_max: float = 0.0
+    unannounced: int = 0
 
 
 class LoadGenerator:
@@ -147,13 +154,22 @@ class LoadGenerator:
 
     async def at(self, ip: str) -> StandIn | None:
         """The stand-in of the pod that holds `ip`, once the harness has announced it."""
-        async with self.announced:
-            try:
-                await asyncio.wait_for(
-                    self.announced.wait_for(lambda: ip in self.addresses), ADDRESS_WAIT_SECONDS
-                )
-            except TimeoutError:
-                return None
+        if ip not in self.addresses:
+            began = time.monotonic()
+            async with self.announced:
+                try:
+                    await asyncio.wait_for(
+                        self.announced.wait_for(lambda: ip in self.addresses),
+                        ADDRESS_WAIT_SECONDS,
+                    )
+                except TimeoutError:
+                    self.stats.unannounced += 1
+                    return None
+                finally:
+                    waited = time.monotonic() - began
+                    self.stats.address_waits += 1
+                    self.stats.address_wait_seconds += waited
+                    self.stats.address_wait_max = max(self.stats.address_wait_max, waited)
         return self.stand_in(self.addresses[ip])
 
     async def address(self, pods: dict[str, str]) -> None:
@@ -364,6 +380,10 @@ def admin_app(gen: LoadGenerator) -> web.Application:
                 "plans": {str(k): v for k, v in gen.stats.plans.items()},
                 "requests": dict(gen.stats.requests),
                 "slowed": gen.stats.slowed,
+                "address_waits": gen.stats.address_waits,
+                "address_wait_seconds": gen.stats.address_wait_seconds,
+                "address_wait_max": gen.stats.address_wait_max,
+                "unannounced": gen.stats.unannounced,
                 "stand_ins": len(gen.stand_ins),
             }
         )

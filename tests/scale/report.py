@@ -32,6 +32,9 @@ class Figures:
     plans: dict[int, int] = field(default_factory=dict)  # plans delivered, by generation
     operator_log_tracebacks: int = 0
     moved_pods: int = 0  # pods KWOK gave a second address (the stand-in followed them)
+    # Requests that reached the load generator before the harness announced their pod's
+    # address: (waited, of which unanswered, longest wait). Its delay, not the operator's.
+    address_waits: tuple[int, int, float] = (0, 0, 0.0)
     reclosed_gates: int = 0  # in the scale-up: gates closed again after they had opened
     floor: dict[str, float] = field(default_factory=dict)  # the API server's own pace
 
@@ -89,6 +92,9 @@ def rows(f: Figures) -> list[tuple[str, str, str]]:
         ("tracebacks in the operator's log", str(f.operator_log_tracebacks), "0"),
         ("pods KWOK gave a second address (the load generator follows them)",
          str(f.moved_pods), ""),
+        ("agent requests that waited for the harness to announce their address"
+         " (unanswered; longest wait)",
+         f"{f.address_waits[0]} ({f.address_waits[1]}; {f.address_waits[2]:.2f} s)", ""),
     ]  # fmt: skip
 
 

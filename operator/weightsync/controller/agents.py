@@ -67,8 +67,10 @@ class AgentClient:
         label: str,
         expect: int,
         body: str | None = None,
+        pod: str | None = None,
     ) -> ReplyT | str:
-        """One control-API request; the parsed reply, or why there is none (counted by label)."""
+        """One control-API request; the parsed reply, or why there is none (counted by label).
+        `pod`: the reply must name it (its `pod` field)."""
         headers = _auth(token)
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -85,14 +87,21 @@ class AgentClient:
         except ValidationError as error:
             metrics.AGENT_REQUESTS.labels(label, "invalid").inc()
             return f"unexpected reply to {method} {url}: {error.error_count()} errors"
+        said = getattr(parsed, "pod", None)
+        if pod is not None and said != pod:
+            metrics.AGENT_REQUESTS.labels(label, "invalid").inc()
+            return f"unexpected reply to {method} {url}: the agent of pod {said}"
         metrics.AGENT_REQUESTS.labels(label, "ok").inc()
         return parsed
 
     async def status(self, agent: AgentAddress, token: str) -> AgentStatus | str:
-        """The agent's status, or why it could not be had."""
+        """The agent's status, or why it could not be had. An answer for another pod is
+        none: the address passed to a new pod while this pod's view of it was older (an
+        agent says whose it is; a stale answer would open a gate on another's weights)."""
         return await self._call(
-            "GET", f"{agent.url}/v1/status", token, AgentStatus, label="status", expect=200
-        )
+            "GET", f"{agent.url}/v1/status", token, AgentStatus,
+            label="status", expect=200, pod=agent.pod,
+        )  # fmt: skip
 
     async def statuses(
         self, agents: Iterable[AgentAddress], token: str

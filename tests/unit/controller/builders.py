@@ -1,10 +1,14 @@
-"""Builders for the controller's pure inputs: pods as the API server sends them, agent statuses."""
+"""Builders for the controller's inputs: pods as the API server sends them, agent statuses,
+an agent's status endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import uuid
 from typing import Any, Self
+
+from aiohttp import web
 
 from tests.unit.api.builders import weightsync
 from weightsync.api import parse_weightsync
@@ -164,3 +168,19 @@ def round_report(version: int, *, ok: bool = True, reason: str = "") -> RoundRep
         message="" if ok else f"{reason} on rank 2",
         finished_at_unix_millis=1_767_225_600_500,
     )
+
+
+async def agent_server(pod: str, delay: float) -> tuple[web.AppRunner, int]:
+    """A real HTTP server answering `GET /v1/status` as `pod`'s agent after `delay` s
+    (on 127.0.0.1; its port)."""
+
+    async def status(_: web.Request) -> web.Response:
+        await asyncio.sleep(delay)
+        return web.Response(text=agent(pod).model_dump_json(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]

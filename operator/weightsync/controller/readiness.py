@@ -101,17 +101,14 @@ def rounds_reach(
     """The pods the source's next round reaches: warm at the generation it would run in
     (its newest warm one) and, while a round is in flight, at that round's generation too.
     None when no round can be reached or known (no word from the source, or no warm
-    generation on it: no round runs before one forms): the served version alone decides.
-    `unheard`: by generation this process delivered, its members whose answer here
-    predates the delivery."""
+    generation on it and none forming): the served version alone decides. With none warm
+    but one forming, the next round runs in a generation yet to warm, with its members:
+    a pod in no generation at all (recovered before it was planned into one) is missed,
+    the others are left to their served version. `unheard`: by generation this process
+    delivered, its members whose answer here predates the delivery."""
     if source is None:
         return None
     warm = [g.generation for g in source.generations if g.state in WARM_STATES]
-    if not warm:  # no round can run until a generation warms, and it warms with its members
-        return None
-    needed = {max(warm)}
-    if source.round_in_progress and source.generation is not None:
-        needed.add(source.generation)
 
     # The source warms a generation only once its pre-warm collective has run on every
     # member: a member still reporting it forming answered before that (polls are not
@@ -127,6 +124,13 @@ def rounds_reach(
         }
         return own | {g for g, pods in (unheard or {}).items() if pod in pods}
 
+    if not warm:
+        if not any(g.state is GenerationState.FORMING for g in source.generations):
+            return None
+        return frozenset(pod for pod, status in statuses.items() if held(pod, status))
+    needed = {max(warm)}
+    if source.round_in_progress and source.generation is not None:
+        needed.add(source.generation)
     return frozenset(pod for pod, status in statuses.items() if needed <= held(pod, status))
 
 

@@ -147,11 +147,21 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     )  # fmt: skip
     assert "e-new" not in (rounds_reach(busy, statuses | {"trainer-0": busy}) or ())
     # No word from the source, or no generation it could run a round in (the last one
-    # broke; the next is forming): the served version alone decides, as before.
+    # broke, none forming yet): the served version alone decides, as before.
     assert rounds_reach(None, statuses) is None
     broken = agent("trainer-0", Role.SOURCE, generations={2: (GenerationState.BROKEN, 0)})
     assert rounds_reach(broken, statuses) is None
     assert decide(sink_view("e-new"), recovered, None, Current(6), reached=None).status
+    # None warm, one forming (the first group, or the next after a break): the next round
+    # runs in a generation yet to warm. A pod recovered before it was planned into any
+    # is missed by it; a pod holding one is left to its served version.
+    first = agent("trainer-0", Role.SOURCE, generations={1: (F, 0)}, version=6)
+    forming = agent("e-1", generations={1: (F, 1)}, engine_version=6)
+    alone = agent("e-new", engine_version=6)
+    reached = rounds_reach(first, {"trainer-0": first, "e-1": forming, "e-new": alone})
+    assert reached == {"trainer-0", "e-1"}
+    missed = decide(sink_view("e-new"), alone, None, Current(6), reached=reached)
+    assert (missed.status, missed.reason) == (False, reasons.NOT_IN_ROUNDS)
 
 
 def test_while_the_source_is_unheard_open_gates_stay_open_and_closed_ones_closed() -> None:

@@ -45,7 +45,7 @@ from tests.scale.observe import OperatorSampler, PodWatch, SyncWatch, Watched
 from tests.scale.report import Figures
 from tests.support.eventually import Timeouts, eventually
 from tests.support.operator import CRD_FILE, OperatorProcess, engines, trainer
-from weightsync.controller.gatewriter import GateWriter
+from weightsync.controller.apiwriter import ApiWriter
 from weightsync.controller.settings import OperatorSettings
 
 NAMESPACE = "scale"
@@ -318,7 +318,7 @@ class Scenario:
         (a probe condition no gate reads), 32 at a time, sent the way the operator
         sends its gates, timed from here. The gate flips above are measured against it."""
         names = sorted(self.engines.pods)
-        writer = GateWriter(config.new_client_from_config(str(self.cluster.kubeconfig)))
+        writer = ApiWriter(config.new_client_from_config(str(self.cluster.kubeconfig)))
         condition = {
             "type": "weightsync.io/scale-probe", "status": "True", "reason": "Probe",
             "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z", "lastProbeTime": None,

@@ -2,7 +2,7 @@
 client would send them.
 
 For the two paths where the official (blocking) client costs too much: many gate writes
-at once (`gatewriter`) and the pod watch (`podwatch`). Both take the credentials and TLS
+at once (`apiwriter`) and the pod watch (`podwatch`). Both take the credentials and TLS
 settings the official client was configured with; `auth_headers` calls its token
 refresh hook (through `auth_settings`), so call it per request.
 """

@@ -3,7 +3,7 @@
 A thousand gate writes take seconds however they are sent (the API server takes a
 few ms for each, and there is no batch write). Awaited inside a pass, they held up the
 next pass, and with it new members, for as long. So a pass hands its decisions here
-and goes on; the writes go out many at a time (`gatewriter`), and a pod's gate is
+and goes on; the writes go out many at a time (`apiwriter`), and a pod's gate is
 written with the newest decision for it, never an older one after a newer:
 
 * a decision for a pod whose write is in flight replaces the one waiting behind it;
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from weightsync.api.base import format_timestamp, utc_now
 from weightsync.controller import names
-from weightsync.controller.gatewriter import GateWriter
+from weightsync.controller.apiwriter import ApiWriter
 from weightsync.controller.kube import pod_condition
 from weightsync.controller.readiness import GateDecision
 from weightsync.controller.status import listing
@@ -46,7 +46,7 @@ REASON_SETTLE_SECONDS = 5.0  # the drift timer's default period: a pass comes by
 class GateSync:
     """The gate writes of one WeightSync (soft state of the reconciler)."""
 
-    def __init__(self, writer: GateWriter, namespace: str) -> None:
+    def __init__(self, writer: ApiWriter, namespace: str) -> None:
         self._writer = writer
         self._namespace = namespace
         # pod -> (decision, since, what the pod showed when it was decided)

@@ -186,7 +186,7 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
             task.cancel()
         await runtime.events.drain()
         await runtime.agents.close()
-        await runtime.kube.gates.close()
+        await runtime.kube.writer.close()
 
 
 def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:

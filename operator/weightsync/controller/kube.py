@@ -20,8 +20,8 @@ from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import metrics, names
+from weightsync.controller.apiwriter import ApiWriter
 from weightsync.controller.cache import Indexes, deployment_of
-from weightsync.controller.gatewriter import GateWriter
 from weightsync.controller.workloads import World, template_labelled
 
 NOT_FOUND = 404
@@ -75,12 +75,20 @@ def selector_string(selector: Mapping[str, Any] | None) -> str:
     return ",".join(parts)
 
 
+class NotCachedError(LookupError):
+    """What `Kube.observe(cached_only=True)` needs is not in the watches' caches."""
+
+
+# How `Kube.observe` reads: (namespace, the watches' caches, whether only from them).
+_Read = tuple[str, Indexes, bool]
+
+
 class Kube:
     """The API calls of the reconcile and the webhook."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
-        self.gates = GateWriter(api)  # readiness-gate writes, many at once, on the event loop
+        self.writer = ApiWriter(api)  # writes on the event loop: gates (many at once), status
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -139,48 +147,47 @@ class Kube:
         watched = indexes.weightsyncs(namespace) if indexes is not None else None
         return watched if watched is not None else self.list_weightsyncs(namespace)
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        """Replace the status (a JSON merge patch replaces lists whole); the object after."""
-        reply = self._call(
-            "patch", "weightsyncs/status", self.custom.patch_namespaced_custom_object_status,
-            GROUP, VERSION, namespace, PLURAL, name, {"status": status},
-        )  # fmt: skip
-        after: dict[str, Any] = json.loads(reply)
-        return after
-
     # -- workloads -----------------------------------------------------------------
 
     def observe(
-        self, namespace: str, trainer: str, deployments: list[str], indexes: Indexes
+        self,
+        namespace: str,
+        trainer: str,
+        deployments: list[str],
+        indexes: Indexes,
+        *,
+        cached_only: bool = False,
     ) -> World:
         """The trainer StatefulSet, the Deployments, their ReplicaSets and their pods.
 
         Pods come from the watch (`indexes`) for every controller whose pod template
         carries the inject label; the others' pods (no sidecar, reported) are listed.
+        `cached_only`: raise `NotCachedError` rather than call the API (so that the event
+        loop may call it: it then blocks on nothing).
         """
-        statefulset = self._workload(indexes, "StatefulSet", namespace, trainer)
-        found = {
-            name: self._workload(indexes, "Deployment", namespace, name) for name in deployments
-        }
+        read = (namespace, indexes, cached_only)
+        statefulset = self._workload(read, "StatefulSet", trainer)
+        found = {name: self._workload(read, "Deployment", name) for name in deployments}
         replicasets: dict[str, Mapping[str, Any]] = {}
         for deployment in found.values():
             if deployment is None:
                 continue
-            for rs in self._replicasets(indexes, namespace, deployment):
+            for rs in self._replicasets(read, deployment):
                 replicasets[rs["metadata"]["uid"]] = rs
         owners = [*replicasets.values(), *([statefulset] if statefulset else [])]
         pods: dict[str, Mapping[str, Any]] = {}
         for owner in owners:
-            for pod in self._owned_pods(namespace, owner, indexes):
+            for pod in self._owned_pods(read, owner):
                 pods[pod["metadata"]["uid"]] = pod
         return World(statefulset, found, list(replicasets.values()), list(pods.values()))
 
-    def _workload(
-        self, indexes: Indexes, kind: str, namespace: str, name: str
-    ) -> Mapping[str, Any] | None:
+    def _workload(self, read: _Read, kind: str, name: str) -> Mapping[str, Any] | None:
+        namespace, indexes, cached_only = read
         watched = indexes.workload(kind, namespace, name)
         if watched is not None:
             return watched[0]
+        if cached_only:
+            raise NotCachedError(f"{kind} {namespace}/{name}")
         if kind == "StatefulSet":
             return self._get(
                 "statefulsets", self.apps.read_namespaced_stateful_set, name, namespace
@@ -188,20 +195,22 @@ class Kube:
         return self._get("deployments", self.apps.read_namespaced_deployment, name, namespace)
 
     def _replicasets(
-        self, indexes: Indexes, namespace: str, deployment: Mapping[str, Any]
+        self, read: _Read, deployment: Mapping[str, Any]
     ) -> Sequence[Mapping[str, Any]]:
+        namespace, indexes, cached_only = read
         watched = indexes.replicasets_of(namespace, deployment["metadata"]["uid"])
         if watched is not None:
             return watched
+        if cached_only:
+            raise NotCachedError(f"the ReplicaSets of {namespace}/{deployment['metadata']['name']}")
         selector = selector_string(deployment["spec"].get("selector"))
         return self._list(
             "replicasets", self.apps.list_namespaced_replica_set, namespace,
             label_selector=selector,
         )  # fmt: skip
 
-    def _owned_pods(
-        self, namespace: str, owner: Mapping[str, Any], indexes: Indexes
-    ) -> Sequence[Mapping[str, Any]]:
+    def _owned_pods(self, read: _Read, owner: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
+        namespace, indexes, cached_only = read
         spec, status = owner.get("spec") or {}, owner.get("status") or {}
         if not spec.get("replicas") and not status.get("replicas"):
             return []  # a ReplicaSet of an old revision, scaled to nothing
@@ -209,6 +218,8 @@ class Kube:
             watched = indexes.pods_of(namespace, owner["metadata"]["uid"])
             if watched is not None:
                 return watched
+        if cached_only:
+            raise NotCachedError(f"the pods of {namespace}/{owner['metadata']['name']}")
         selector = selector_string(owner["spec"].get("selector"))
         return self._list("pods", self.core.list_namespaced_pod, namespace, label_selector=selector)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,27 @@ class Delivery:
 
     members: frozenset[str]
     at: float
+
+
+class Laps:
+    """Where one pass spent its time, step by step (the log line of a slow pass)."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.perf_counter()
+        self._laps: list[tuple[str, float]] = []
+
+    def __call__(self, step: str) -> None:
+        """`step` ended now."""
+        now = time.perf_counter()
+        self._laps.append((step, now - self._last))
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self.started
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {seconds:.2f}" for step, seconds in self._laps)
 
 
 KEEP_DELIVERIES = 4  # the source runs in its newest warm one: at most a few back
@@ -67,6 +89,10 @@ class Memory:
     # version it was made on, the object it returned). See `Reconciler._read`.
     seen_version: str | None = None
     written: tuple[str, dict[str, Any]] | None = None
+    laps: Laps = field(default_factory=Laps)  # the pass running now, or the last one
+    # New agents being asked for their first answer, and those polls (`Reconciler._ask`).
+    asking: set[str] = field(default_factory=set)
+    asks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def delivered(self, generation: int, members: list[Slot], at: float) -> None:
         self.deliveries[generation] = Delivery(frozenset(s.pod for s in members), at)

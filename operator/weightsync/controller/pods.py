@@ -57,7 +57,7 @@ async def set_gates(
     kube: Kube, namespace: str, pods: list[PodView], changes: list[GateDecision]
 ) -> None:
     """Write the weights-current condition of every pod in `changes` and wait for them,
-    many at a time (`gatewriter`): a thousand gates one by one took 10 s. Every write is
+    many at a time (`apiwriter`): a thousand gates one by one took 10 s. Every write is
     tried; the first failure is raised after. (Passes write theirs in the background,
     `gatesync`; a deleted WeightSync's finalizer waits for these.)"""
     if not changes:
@@ -79,7 +79,7 @@ async def set_gates(
             message=decision.message,
             since=since or now,
         )
-        await kube.gates.set_condition(namespace, decision.pod, condition)
+        await kube.writer.set_condition(namespace, decision.pod, condition)
 
     results = await asyncio.gather(*(write(d) for d in changes), return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -118,7 +118,7 @@ async def close_gate_at_once(kube: Kube, namespace: str, pod: str) -> None:
         message=reasons.CONTAINERS_NOT_READY_MESSAGE,
         since=format_timestamp(utc_now()),
     )
-    await kube.gates.set_condition(namespace, pod, condition)
+    await kube.writer.set_condition(namespace, pod, condition)
 
 
 async def release(kube: Kube, namespace: str, raw: Mapping[str, Any], indexes: Indexes) -> None:

@@ -38,8 +38,8 @@ from weightsync.controller.agentview import AgentView
 from weightsync.controller.cache import Indexes, newest
 from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
-from weightsync.controller.kube import Kube, api_unavailable
-from weightsync.controller.memory import Memory
+from weightsync.controller.kube import Kube, NotCachedError, api_unavailable
+from weightsync.controller.memory import Laps, Memory
 from weightsync.controller.plan import (
     Desired,
     Slot,
@@ -52,6 +52,7 @@ from weightsync.controller.pods import EventPoster
 from weightsync.controller.problems import Problem, claimed, missing, stored_status
 from weightsync.controller.readiness import (
     Current,
+    GateDecision,
     current_version,
     gate_changes,
     round_vouches,
@@ -66,11 +67,16 @@ from weightsync.controller.status import (
     problem_status,
     transition_events,
 )
-from weightsync.controller.workloads import PodView, planned_sources, sync_pods
+from weightsync.controller.workloads import PodView, World, planned_sources, sync_pods
 
 log = logging.getLogger(__name__)
 
+SLOW_PASS_SECONDS = 2.0  # a pass this long logs where its time went
+
 RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery running
+# How long a pass waits for new agents' first answers; the late ones are recorded when
+# they come, and bring a pass of their own.
+NEWCOMER_WAIT_SECONDS = 1.0
 EVENT_PASS_DELAY_SECONDS = 0.5  # a pod event's pass waits this long for the rest of a burst
 
 
@@ -176,14 +182,17 @@ class Reconciler:
         namespace, name = key
         memory = self._memory.setdefault(key, Memory())
         memory.poll_soon = False
-        started = time.perf_counter()
+        memory.laps = laps = Laps()
         try:
             result = await self._pass(namespace, name, memory)
         except Exception:
             metrics.RECONCILES.labels("error").inc()
             raise
         finally:
-            metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+            laps("end")
+            metrics.RECONCILE_DURATION.observe(laps.total)
+            if laps.total >= SLOW_PASS_SECONDS:
+                log.info("slow pass of %s/%s: %.1f s (%s)", namespace, name, laps.total, laps)
         metrics.RECONCILES.labels(result.outcome.value).inc()
         if result.outcome is Outcome.GONE:
             self._memory.pop(key, None)  # a pod event named it late
@@ -194,7 +203,9 @@ class Reconciler:
     # -- the pass --------------------------------------------------------------------
 
     async def _pass(self, namespace: str, name: str, memory: Memory) -> Result:
+        laps = memory.laps
         raw = await self._read(namespace, name, memory)
+        laps("read")
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             return Result(Outcome.GONE)
         generation = int(raw["metadata"].get("generation") or 0)
@@ -216,9 +227,8 @@ class Reconciler:
         spec = sync.spec
         trainer = spec.trainer.stateful_set_ref.name
         deployments = [entry.deployment_ref.name for entry in spec.inference]
-        world = await asyncio.to_thread(
-            self.kube.observe, namespace, trainer, deployments, self.indexes
-        )
+        world = await self._observe(namespace, trainer, deployments)
+        laps("observe")
         absent = missing(world.statefulset, world.deployments, trainer)
         if absent is not None:
             await self._problem(raw, old, generation, absent)
@@ -232,7 +242,9 @@ class Reconciler:
         await pod_actions.recreate_uninjected(
             self.kube, self.post_event, raw, pods, self.webhook_settling
         )
-        seen = await self._answers(pods, token, memory)
+        laps("pods")
+        seen = await self._answers((namespace, name), pods, token, memory)
+        laps("answers")
         statuses, errors = seen.statuses, seen.errors
         sources = planned_sources(sync, world, pods)
         desired, (planned, planned_generation, plan_errors), timed_out = await self._group(
@@ -240,19 +252,7 @@ class Reconciler:
             replicas=world.inference_replicas,
         )  # fmt: skip
 
-        source_pod = next((s.pod for s in planned if s.role is Role.SOURCE), None)
-        source = statuses.get(source_pod) if source_pod is not None else None
-        current = current_version(source, Current(old.current_version, old.lineage))
-        # Colocated engines are no members: the source loads them whatever the generation.
-        reached, vouched = None, frozenset[str]()
-        if spec.mode is not SyncMode.COLOCATED:
-            reached = rounds_reach(source, statuses, memory.unheard(seen))
-            since = seen.first_said(source_pod, source) if source_pod and source else None
-            vouched = round_vouches(source, current, statuses, seen.heard_at, since)
-        gates = gate_changes(
-            pods, statuses, errors, current, reached=reached, vouched=vouched,
-            source_unheard=source_pod is not None and source is None,
-        )  # fmt: skip
+        current, gates = self._readiness(spec.mode, planned, pods, seen, old=old, memory=memory)
         observation = Observation(
             spec=spec,
             metadata_generation=generation,
@@ -267,15 +267,56 @@ class Reconciler:
             agent_errors=errors,
             sources=sources,
         )
+        laps("decide")
         new = observed_status(old, observation, utc_now())
         await self._write(raw, old, new)
+        laps("status")
         # Status first, then the gates, written in the background: the next pass need
         # not wait for a thousand of them (`gatesync`).
         if memory.gates is None:
-            memory.gates = GateSync(self.kube.gates, namespace)
+            memory.gates = GateSync(self.kube.writer, namespace)
         memory.gates.submit(pods, gates)
         metrics.record_status(namespace, name, new)
         return Result(Outcome.OK)
+
+    async def _observe(self, namespace: str, trainer: str, deployments: list[str]) -> World:
+        """The workloads and their pods: from the watches, on the loop (a thread may
+        queue behind others for seconds under load), else (not cached yet) listed."""
+        try:
+            return self.kube.observe(
+                namespace, trainer, deployments, self.indexes, cached_only=True
+            )
+        except NotCachedError:
+            return await asyncio.to_thread(
+                self.kube.observe, namespace, trainer, deployments, self.indexes
+            )
+
+    def _readiness(
+        self,
+        mode: SyncMode,
+        planned: list[Slot],
+        pods: list[PodView],
+        seen: AgentView,
+        *,
+        old: WeightSyncStatus,
+        memory: Memory,
+    ) -> tuple[Current, list[GateDecision]]:
+        """The current version (the planned source's word) and the gates to change."""
+        statuses = seen.statuses
+        source_pod = next((s.pod for s in planned if s.role is Role.SOURCE), None)
+        source = statuses.get(source_pod) if source_pod is not None else None
+        current = current_version(source, Current(old.current_version, old.lineage))
+        # Colocated engines are no members: the source loads them whatever the generation.
+        reached, vouched = None, frozenset[str]()
+        if mode is not SyncMode.COLOCATED:
+            reached = rounds_reach(source, statuses, memory.unheard(seen))
+            since = seen.first_said(source_pod, source) if source_pod and source else None
+            vouched = round_vouches(source, current, statuses, seen.heard_at, since)
+        gates = gate_changes(
+            pods, statuses, seen.errors, current, reached=reached, vouched=vouched,
+            source_unheard=source_pod is not None and source is None,
+        )  # fmt: skip
+        return current, gates
 
     async def _read(self, namespace: str, name: str, memory: Memory) -> Mapping[str, Any] | None:
         """The WeightSync as stored, from the watch when it holds the newest version this
@@ -288,16 +329,45 @@ class Reconciler:
         memory.seen_version = found["metadata"].get("resourceVersion") if found else None
         return found
 
-    async def _answers(self, pods: list[PodView], token: str, memory: Memory) -> AgentView:
+    async def _answers(
+        self, key: tuple[str, str], pods: list[PodView], token: str, memory: Memory
+    ) -> AgentView:
         """The agents' latest answers (`agentview`), new pods' asked now; one set for the
-        whole pass (a snapshot), whatever a sweep records meanwhile."""
+        whole pass (a snapshot), whatever a sweep records meanwhile. New pods' answers are
+        waited for up to `NEWCOMER_WAIT_SECONDS`: one agent slow to answer (a timeout is
+        seconds) must not hold up the pass for everyone else."""
         addresses = self._addresses(pods)
         view = memory.agents
         view.retain({a.pod for a in addresses})
         memory.addresses, memory.token = addresses, token
-        newcomers = set(view.unpolled(a.pod for a in addresses))
-        await self.agents.poll(view, [a for a in addresses if a.pod in newcomers], token)
+        unpolled = set(view.unpolled(a.pod for a in addresses)) - memory.asking
+        newcomers = [a for a in addresses if a.pod in unpolled]
+        if newcomers:
+            task = asyncio.get_running_loop().create_task(
+                self._ask(key, newcomers, token, memory), name=f"ask {key[0]}/{key[1]}"
+            )
+            memory.asks.add(task)
+            task.add_done_callback(memory.asks.discard)
+            await asyncio.wait({task}, timeout=NEWCOMER_WAIT_SECONDS)
         return view.snapshot()
+
+    async def _ask(
+        self, key: tuple[str, str], agents: list[AgentAddress], token: str, memory: Memory
+    ) -> None:
+        """Poll new agents into the view, each answer recorded as it comes (the pass
+        reads those in by its deadline); a pass once answers came after it went on."""
+        memory.asking |= {a.pod for a in agents}
+        started = time.monotonic()
+
+        async def ask(address: AgentAddress) -> None:
+            try:
+                await self.agents.poll(memory.agents, [address], token)
+            finally:
+                memory.asking.discard(address.pod)
+
+        await asyncio.gather(*(ask(a) for a in agents))
+        if time.monotonic() - started >= NEWCOMER_WAIT_SECONDS:
+            self.request(*key)
 
     async def _group(
         self,
@@ -321,6 +391,7 @@ class Reconciler:
         recovering = await self._recover(
             raw, sync, pods, seen, token=token, memory=memory, sources=sources
         )
+        memory.laps("recover")
         excluded = cooling | recovering.held_out
         generation, previous = memory.planned(
             old.group_generation, [Slot(m.rank, m.pod, m.role) for m in old.members]
@@ -358,6 +429,7 @@ class Reconciler:
             evidence=evidence, token=token, memory=memory, generation=generation,
             batching=batching,
         )  # fmt: skip
+        memory.laps("plan")
         if planned[1] != generation:  # a new generation took the newcomers in
             memory.newcomers_since = None
         elif memory.newcomers_since is not None and log.isEnabledFor(logging.DEBUG):
@@ -428,9 +500,8 @@ class Reconciler:
         if raw.get("status") == body:
             return  # what is stored already; `old` was parsed from it: no transitions
         meta = raw["metadata"]
-        after = await asyncio.to_thread(
-            self.kube.patch_status, meta["namespace"], meta["name"], body
-        )
+        async with self.kube.writer.held():  # the status first (`apiwriter`)
+            after = await self.kube.writer.patch_status(meta["namespace"], meta["name"], body)
         memory = self._memory.get((meta["namespace"], meta["name"]))
         if memory is not None:
             memory.written = (str(meta.get("resourceVersion")), after)

@@ -99,7 +99,7 @@ def let_go(kube: Kube, sync: dict[str, Any]) -> None:
         try:  # no watches here: the pods are listed
             await pod_actions.release(kube, namespace, sync, Indexes())
         finally:
-            await kube.gates.close()  # its session belongs to this loop
+            await kube.writer.close()  # its session belongs to this loop
 
     asyncio.run(release())
     finalizers = list(meta.get("finalizers") or [])

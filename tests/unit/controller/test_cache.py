@@ -1,13 +1,19 @@
-"""The watch's copies: slim pods as `workloads` reads them, and when a watched
-WeightSync is new enough for a pass."""
+"""The watch's copies: slim pods as `workloads` reads them, when a watched
+WeightSync is new enough for a pass, and a pass's observation from them alone."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from kubernetes import client
+
 from tests.unit.controller.builders import pod
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller.cache import newest, pod_key, slim_pod
+from weightsync.controller import names
+from weightsync.controller.cache import Indexes, newest, pod_key, slim_pod
+from weightsync.controller.kube import Kube, NotCachedError
+from weightsync.controller.podwatch import PodStore
 from weightsync.controller.workloads import pod_view
 
 
@@ -37,3 +43,34 @@ def test_the_watched_weightsync_will_do_only_when_it_is_the_newest_known() -> No
     assert newest(sync_at("5"), "5", ("5", reply)) is reply
     assert newest(sync_at("7"), "7", ("5", reply)) == sync_at("7")
     assert newest(sync_at("9"), "7", ("5", reply)) is None  # a change nobody has seen
+
+
+def test_observe_from_the_caches_alone_calls_no_api() -> None:
+    """What a pass observes on the event loop: every object from the watches, or
+    `NotCachedError` (the pass then lists in a thread); never a blocking API call."""
+    # A host nothing listens on: a call would fail, not hang, and fail the test.
+    kube = Kube(client.ApiClient(client.Configuration(host="http://127.0.0.1:9")))
+    template = {"metadata": {"labels": {names.INJECT_LABEL: names.INJECT_VALUE}}}
+    deployment = {"metadata": {"name": "engine", "uid": "d-1"}}
+    replicaset = {
+        "metadata": {"name": "engine-abc", "uid": "uid-engine-abc"},
+        "spec": {"replicas": 1, "template": template},
+    }
+    store = PodStore()
+    indexes = Indexes(store)
+    with pytest.raises(NotCachedError):  # nothing bound yet
+        kube.observe("ns", "trainer", ["engine"], indexes, cached_only=True)
+    indexes.bind({
+        "statefulsets_by_name": {},
+        "deployments_by_name": {("ns", "engine"): [deployment]},
+        "replicasets_by_owner": {("ns", "d-1"): [replicaset]},
+    })  # fmt: skip
+    with pytest.raises(NotCachedError, match="pods of ns/engine-abc"):  # no pod list yet
+        kube.observe("ns", "trainer", ["engine"], indexes, cached_only=True)
+    engine = pod("engine-abc-1").owned_by("ReplicaSet", "engine-abc").running("10.0.1.1").build()
+    engine["metadata"]["namespace"] = "ns"
+    store.relist("ns", [engine])
+    world = kube.observe("ns", "trainer", ["engine"], indexes, cached_only=True)
+    assert world.statefulset is None
+    assert world.deployments == {"engine": deployment}
+    assert [p["metadata"]["name"] for p in world.pods] == ["engine-abc-1"]

@@ -101,8 +101,9 @@ def rounds_reach(
     """The pods the source's next round reaches: warm at the generation it would run in
     (its newest warm one) and, while a round is in flight, at that round's generation too.
     None when no round can be reached or known (no word from the source, or no warm
-    generation on it and none forming): the served version alone decides. With none warm
-    but one forming, the next round runs in a generation yet to warm, with its members:
+    generation on it and none forming or delivered to it since it last answered): the
+    served version alone decides. With none warm but one forming (or just delivered),
+    the next round runs in a generation yet to warm, with its members:
     a pod in no generation at all (recovered before it was planned into one) is missed,
     the others are left to their served version. `unheard`: by generation this process
     delivered, its members whose answer here predates the delivery."""
@@ -125,7 +126,12 @@ def rounds_reach(
         return own | {g for g, pods in (unheard or {}).items() if pod in pods}
 
     if not warm:
-        if not any(g.state is GenerationState.FORMING for g in source.generations):
+        # Forming on the source, or delivered to it since its last answer here (a source
+        # polled before the plan reported no generation at all: 26 newcomers' gates
+        # opened on that at make scale and closed again 0.5 s later).
+        delivered = any(source.pod in pods for pods in (unheard or {}).values())
+        forming = any(g.state is GenerationState.FORMING for g in source.generations)
+        if not (forming or delivered):
             return None
         return frozenset(pod for pod, status in statuses.items() if held(pod, status))
     needed = {max(warm)}

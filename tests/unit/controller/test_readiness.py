@@ -162,6 +162,12 @@ def test_a_pod_the_next_round_would_miss_is_held_until_its_generation_is_warm() 
     assert reached == {"trainer-0", "e-1"}
     missed = decide(sink_view("e-new"), alone, None, Current(6), reached=reached)
     assert (missed.status, missed.reason) == (False, reasons.NOT_IN_ROUNDS)
+    # The same when the source's last answer predates the plan (it names no generation
+    # yet): the generation was delivered to it, so it forms one.
+    before = agent("trainer-0", Role.SOURCE, version=6)
+    asked = {"trainer-0": before, "e-1": forming, "e-new": alone}
+    assert rounds_reach(before, asked) is None
+    assert rounds_reach(before, asked, {1: frozenset({"trainer-0"})}) == {"trainer-0", "e-1"}
 
 
 def test_while_the_source_is_unheard_open_gates_stay_open_and_closed_ones_closed() -> None:

@@ -126,12 +126,10 @@ def rounds_reach(
         return own | {g for g, pods in (unheard or {}).items() if pod in pods}
 
     if not warm:
-        # Forming on the source, or delivered to it since its last answer here (a source
-        # polled before the plan reported no generation at all: 26 newcomers' gates
+        # One forming on the source, or delivered to it since its last answer here (a
+        # source polled before the plan named no generation at all: 26 newcomers' gates
         # opened on that at make scale and closed again 0.5 s later).
-        delivered = any(source.pod in pods for pods in (unheard or {}).values())
-        forming = any(g.state is GenerationState.FORMING for g in source.generations)
-        if not (forming or delivered):
+        if not held(source.pod, source):
             return None
         return frozenset(pod for pod, status in statuses.items() if held(pod, status))
     needed = {max(warm)}

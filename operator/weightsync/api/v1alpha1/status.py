@@ -148,15 +148,16 @@ class WeightSyncStatus(ApiModel):
     """memberCount is the number of ranks in the current group generation (the length of
     members)."""
 
+    # Atomic, not a map keyed by rank: only the operator writes it, always whole, and as
+    # a map the API server tracked every member's fields (a second status's worth of
+    # managedFields); a 1,001-member status patch took 0.51 s on an idle local API
+    # server, 0.21 s atomic.
     members: list[Member] = Field(
         default_factory=list,
         max_length=MAX_MEMBERS,
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["rank"],
-        },
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
     )
-    """members lists every rank of the current group generation, keyed by rank."""
+    """members lists every rank of the current group generation, in rank order."""
 
     last_round: RoundSummary | None = None
     """lastRound describes the last round that completed."""

@@ -76,3 +76,20 @@ def test_when_an_agent_first_said_its_version_is_kept_until_it_says_another() ->
     assert view.first_said("trainer-0", relineaged) == 4.0
     view.retain([])
     assert view.first_said("trainer-0", relineaged) is None
+
+
+def test_an_answer_asked_before_the_one_recorded_is_older_news() -> None:
+    """A sweep asked the trainer before its round and heard back after the source timer
+    had asked it again: the older answer (and an older timeout) must not undo the newer."""
+    view = AgentView()
+    view.record({"t": agent("t", Role.SOURCE, version=2)}, {}, asked_at=5.0)
+    view.record({"t": agent("t", Role.SOURCE, version=1), "e": agent("e")}, {}, asked_at=4.0)
+    assert view.statuses["t"].version == 2
+    assert view.heard_at == {"t": 5.0, "e": 4.0}
+    assert view.first_said("t", view.statuses["t"]) == 5.0
+    view.record({}, {"t": "TimeoutError"}, asked_at=4.5)
+    assert view.statuses["t"].version == 2
+    assert not view.errors
+    view.record({}, {"t": "TimeoutError"}, asked_at=6.0)  # a newer silence does count
+    assert view.errors == {"t": "TimeoutError"}
+    assert view.snapshot().asked == {"t": 6.0, "e": 4.0}

@@ -93,6 +93,22 @@ def serves(status: AgentStatus | None, current: Current) -> bool:
     return current.lineage is None or lineage is None or lineage == current.lineage
 
 
+def ahead(status: AgentStatus | None, current: Current) -> bool:
+    """Whether the pod's engine serves a later version of the current lineage than the
+    source's last word: the source commits a round last, so its members serve the
+    version before it says so, and a poll may hear a member after the round and the
+    source before it (at make scale 988 open gates closed on that, for one sweep)."""
+    served = served_version(status)
+    lineage = status.engine.lineage if status is not None and status.engine else None
+    return (
+        served is not None
+        and current.version is not None
+        and served > current.version
+        and lineage is not None
+        and lineage == current.lineage
+    )
+
+
 def rounds_reach(
     source: AgentStatus | None,
     statuses: Mapping[str, AgentStatus],
@@ -201,8 +217,9 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
     if version is None:
         return GateDecision(pod.name, False, reasons.NO_VERSION_YET, reasons.NO_VERSION_YET_MESSAGE)
     served = served_version(status)
-    # An open gate of a sink the last round vouches for stays open (`round_vouches`).
-    kept = pod.gate_status == "True" and pod.name in vouched
+    # An open gate of a sink the last round vouches for stays open (`round_vouches`), and
+    # of one ahead of the source's word (`ahead`).
+    kept = pod.gate_status == "True" and (pod.name in vouched or ahead(status, current))
     if kept or serves(status, current):
         if reached is not None and pod.name not in reached:
             return GateDecision(

@@ -224,3 +224,21 @@ def test_a_sweep_straddling_a_round_closes_no_gate_of_the_rounds_members() -> No
         assert round_vouches(word, Current(6), statuses, same_sweep, source_since=10.0) == set()
     assert round_vouches(other, Current(6, "L1"), statuses, same_sweep, 10.0) == set()
     assert round_vouches(source, Current(6), statuses, same_sweep, source_since=None) == set()
+
+
+def test_an_engine_ahead_of_the_sources_word_keeps_its_gate_open() -> None:
+    """The source commits a round last: a poll that heard the members after the round and
+    the source before it saw them serve the next version. Not behind: an open gate stays
+    open, a closed one waits for the source's word; another lineage is no later version."""
+    opened = sink_view("e-1", gate_status="True")
+    closed = sink_view("e-1", gate_status="False")
+    later = agent("e-1", engine_version=7, lineage="L1")
+    kept = decide(opened, later, None, Current(6, "L1"))
+    assert (kept.status, kept.reason) == (True, reasons.SERVES_CURRENT_VERSION)
+    assert not decide(closed, later, None, Current(6, "L1")).status
+    other = agent("e-1", engine_version=7, lineage="L0")  # a trainer restarted from step 6
+    assert not decide(opened, other, None, Current(6, "L1")).status
+    assert not decide(opened, later, None, Current(None)).status
+    # The next round's reach still applies to it.
+    missed = decide(opened, later, None, Current(6, "L1"), reached=frozenset())
+    assert (missed.status, missed.reason) == (False, reasons.NOT_IN_ROUNDS)

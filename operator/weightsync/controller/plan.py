@@ -146,10 +146,10 @@ def rank_state(
     generation at that rank (or does not answer). Every "warm at g, rank r" reads this."""
     if status is None or generation is None:
         return None
-    return next(
-        (g.state for g in status.generations if g.generation == generation and g.rank == rank),
-        None,
-    )
+    for held in status.generations:  # a loop, not next(genexpr): 1,000 members, many calls
+        if held.generation == generation and held.rank == rank:
+            return held.state
+    return None
 
 
 def holds(status: AgentStatus | None, generation: int, rank: int) -> bool:

@@ -93,6 +93,12 @@ class Result:
     message: str = ""
 
 
+def without_status(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The WeightSync less its status and `metadata.managedFields`: what a pass parses."""
+    meta = {k: v for k, v in raw["metadata"].items() if k != "managedFields"}
+    return {**{k: v for k, v in raw.items() if k != "status"}, "metadata": meta}
+
+
 def log_pass_failure(what: str, error: Exception) -> None:
     """A pass that failed outside kopf's retries (a timer, a follow-up): one line when the
     API server is away (the next pass retries), the traceback for anything else."""
@@ -211,8 +217,10 @@ class Reconciler:
         generation = int(raw["metadata"].get("generation") or 0)
         old = stored_status(raw)
         try:
-            # Without the status: `old` has it, and its members are a thousand models.
-            sync = parse_weightsync({k: v for k, v in raw.items() if k != "status"})
+            # Without the status (`old` has it: a thousand members) nor the field managers'
+            # records: while members was a list keyed by rank those were as long, and
+            # parsing them took 22 ms a pass, a third of a pass's CPU at make scale.
+            sync = parse_weightsync(without_status(raw))
         except WeightSyncInvalidError as error:
             message = reasons.INVALID_SPEC_MESSAGE.format(errors=error)
             await self._problem(raw, old, generation, (reasons.INVALID_SPEC, message))

@@ -8,12 +8,15 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import pod
+from weightsync.api import parse_weightsync
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
 from weightsync.controller.cache import Indexes, newest, pod_key, slim_pod
 from weightsync.controller.kube import Kube, NotCachedError
 from weightsync.controller.podwatch import PodStore
+from weightsync.controller.reconcile import without_status
 from weightsync.controller.workloads import pod_view
 
 
@@ -74,3 +77,14 @@ def test_observe_from_the_caches_alone_calls_no_api() -> None:
     assert world.statefulset is None
     assert world.deployments == {"engine": deployment}
     assert [p["metadata"]["name"] for p in world.pods] == ["engine-abc-1"]
+
+
+def test_a_pass_parses_the_weightsync_without_its_status_or_field_managers() -> None:
+    raw = weightsync("s").namespace("ns").build()
+    managed = [{"manager": "weightsync-operator", "fieldsV1": {"f:status": {}}}]
+    stored = {**raw, "metadata": {**raw["metadata"], "managedFields": managed},
+              "status": {"members": [{"rank": 0}]}}  # fmt: skip
+    parsed = without_status(stored)
+    assert parsed == raw
+    assert parse_weightsync(parsed).spec == parse_weightsync(raw).spec
+    assert stored["metadata"]["managedFields"] == managed  # the watch's copy is left alone

@@ -3,7 +3,9 @@
 * create / update / resume -> one reconcile pass (`reconcile.Reconciler.run`); a missing
   workload is a slow `TemporaryError`, a spec the operator cannot act on a
   `PermanentError` (its status already says why, with a Warning Event).
-* a timer per WeightSync -> a sweep of its agents' status, then the same pass (drift).
+* a timer per WeightSync -> a sweep of its agents' status, then the same pass (drift);
+  another asks only the trainer's agents, every second, and runs a pass when one of
+  their answers changed (a version published, a round reported, a generation warm).
 * pod events (labelled pods only: the watch itself is filtered server-side) -> a pass
   for the WeightSync that selects the pod (all of the namespace's if it carries no
   sync label yet); passes coalesce (`scheduling`), so a burst costs one or two.
@@ -44,7 +46,13 @@ from weightsync.controller.events import EventPoster
 from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
 from weightsync.controller.podwatch import DELETED, PodWatch
-from weightsync.controller.reconcile import Outcome, Reconciler, Result, log_pass_failure
+from weightsync.controller.reconcile import (
+    SOURCE_POLL_SECONDS,
+    Outcome,
+    Reconciler,
+    Result,
+    log_pass_failure,
+)
 from weightsync.controller.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
@@ -164,6 +172,14 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
             await reconciler.resync(_namespaced(namespace), name)
         except Exception as error:
             log_pass_failure(f"resync of {namespace}/{name}", error)
+
+    @kopf.timer(*resource, registry=registry, id="sources", interval=SOURCE_POLL_SECONDS)
+    async def sources(namespace: str | None, name: str, **kwargs: Any) -> None:
+        bind(kwargs)
+        try:
+            await reconciler.watch_sources(_namespaced(namespace), name)
+        except Exception as error:
+            log_pass_failure(f"source poll of {namespace}/{name}", error)
 
     @kopf.on.delete(*resource, registry=registry, id="release")
     async def release(namespace: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:

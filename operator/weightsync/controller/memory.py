@@ -83,6 +83,8 @@ class Memory:
     # What the drift timer's sweep polls: the last pass's agents and their token.
     addresses: list[AgentAddress] = field(default_factory=list)
     token: str = ""
+    sources: frozenset[str] = frozenset()  # of those, the trainer's (the source timer's)
+    sweeping: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sweep at a time
     watched: frozenset[str] = frozenset()  # pods a follow-up pass polls (recoveries)
     gates: GateSync | None = None  # its gate writes, in the background of the passes
     # The WeightSync's newest version a pass used, and the last status write: (the

@@ -3,12 +3,13 @@
 A pass reads what it acts on (nothing it decides depends on an earlier pass in this
 process): the WeightSync (the newest this process knows, `_read`), the other
 WeightSyncs, the workloads and their pods from the watches (`cache`), and the agents'
-latest `GET /v1/status` answers (`agentview`: swept by the drift timer, `resync`; new
-agents asked by the pass). It decides with the pure modules (`plan`, `readiness`,
-`recovery`, `status`) and acts: starts P2P recoveries of pods that are behind (held out
-of the group until done), delivers a new generation with `PUT /v1/plan` if membership
-changed, writes the status once, posts Events, then hands the readiness gates to a
-background writer (`gatesync`): status first, so `kubectl get wsync` never lags them.
+latest `GET /v1/status` answers (`agentview`: swept by the drift timer, `resync`; the
+trainer's asked every second, `watch_sources`; new agents asked by the pass). It decides
+with the pure modules (`plan`, `readiness`, `recovery`, `status`) and acts: starts P2P
+recoveries of pods that are behind (held out of the group until done), delivers a new
+generation with `PUT /v1/plan` if membership changed, writes the status once, posts
+Events, then hands the readiness gates to a background writer (`gatesync`): status
+first, so `kubectl get wsync` never lags them.
 
 Soft state only (`memory`): the agents' answers (a restart polls them again), when a
 generation was planned (a restart restarts the pre-warm clock), cooldowns, recovery
@@ -78,6 +79,7 @@ RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery 
 # they come, and bring a pass of their own.
 NEWCOMER_WAIT_SECONDS = 1.0
 EVENT_PASS_DELAY_SECONDS = 0.5  # a pod event's pass waits this long for the rest of a burst
+SOURCE_POLL_SECONDS = 1.0  # how often the trainer's agents are asked (`watch_sources`)
 
 
 class Outcome(StrEnum):
@@ -91,6 +93,11 @@ class Outcome(StrEnum):
 class Result:
     outcome: Outcome
     message: str = ""
+
+
+def _round_word(status: AgentStatus | None) -> tuple[object, ...] | None:
+    """What a source says about rounds: its version and its last round's report."""
+    return None if status is None else (status.version, status.lineage, status.last_round)
 
 
 def without_status(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,11 +185,40 @@ class Reconciler:
 
     async def resync(self, namespace: str, name: str) -> Result:
         """The drift timer's tick: poll every agent the last pass knew (a *sweep*, apart
-        from the pass: sweeps never overlap, one timer tick at a time), then a pass."""
+        from the pass; sweeps never overlap), then a pass."""
         memory = self._memory.get((namespace, name))
         if memory is not None and memory.addresses:
-            await self.agents.poll(memory.agents, memory.addresses, memory.token, sweep=True)
+            async with memory.sweeping:
+                await self.agents.poll(memory.agents, memory.addresses, memory.token, sweep=True)
         return await self.run(namespace, name)
+
+    async def watch_sources(self, namespace: str, name: str) -> None:
+        """The source timer's tick (`SOURCE_POLL_SECONDS`): ask the trainer's agents alone,
+        a few whatever the group's size, and when one's answer changed, pass now rather
+        than at the drift timer's next tick: a version published, a round's report or a
+        generation turned warm shows a second or two after it. A new version or round
+        sweeps first (`resync`): the engines' answers from before the round would close
+        gates of engines it reached. Other changes do not: at a scale-up the sources'
+        generations change every few seconds, and a thousand more polls each time
+        overran the agents' timeout."""
+        memory = self._memory.get((namespace, name))
+        if memory is None:
+            return
+        sources = [a for a in memory.addresses if a.pod in memory.sources]
+        if not sources:
+            return
+        view = memory.agents
+        before = {a.pod: (view.statuses.get(a.pod), view.errors.get(a.pod)) for a in sources}
+        await self.agents.poll(view, sources, memory.token)
+        changed = [
+            p for p, said in before.items() if (view.statuses.get(p), view.errors.get(p)) != said
+        ]
+        if not changed:
+            return
+        if any(_round_word(view.statuses.get(p)) != _round_word(before[p][0]) for p in changed):
+            await self.resync(namespace, name)
+        else:  # a generation's state: the sources' word alone decides (`plan.forming`)
+            await self.run(namespace, name)
 
     async def _measured(self, key: tuple[str, str]) -> Result:
         namespace, name = key
@@ -348,6 +384,7 @@ class Reconciler:
         view = memory.agents
         view.retain({a.pod for a in addresses})
         memory.addresses, memory.token = addresses, token
+        memory.sources = frozenset(p.name for p in pods if p.role is Role.SOURCE)
         unpolled = set(view.unpolled(a.pod for a in addresses)) - memory.asking
         newcomers = [a for a in addresses if a.pod in unpolled]
         if newcomers:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import uuid
+from collections.abc import Callable
 from typing import Any, Self
 
 from aiohttp import web
@@ -170,13 +171,16 @@ def round_report(version: int, *, ok: bool = True, reason: str = "") -> RoundRep
     )
 
 
-async def agent_server(pod: str, delay: float) -> tuple[web.AppRunner, int]:
+async def agent_server(
+    pod: str, delay: float, answer: Callable[[], AgentStatus] | None = None
+) -> tuple[web.AppRunner, int]:
     """A real HTTP server answering `GET /v1/status` as `pod`'s agent after `delay` s
-    (on 127.0.0.1; its port)."""
+    (on 127.0.0.1; its port), with `answer()` when given, read at each request."""
 
     async def status(_: web.Request) -> web.Response:
         await asyncio.sleep(delay)
-        return web.Response(text=agent(pod).model_dump_json(), content_type="application/json")
+        said = answer() if answer is not None else agent(pod)
+        return web.Response(text=said.model_dump_json(), content_type="application/json")
 
     app = web.Application()
     app.router.add_get("/v1/status", status)

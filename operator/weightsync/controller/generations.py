@@ -44,27 +44,26 @@ class Planner:
         self.settings = settings
         self.post_event = post_event
 
-    async def plan(
+    def plan(
         self,
         raw: Mapping[str, Any],
-        sync: WeightSync,
         stored: tuple[WeightSyncStatus, list[Slot], str | None],
         desired: Desired,
         statuses: Mapping[str, AgentStatus],
         *,
         evidence: Mapping[str, AgentStatus],
-        token: str,
         memory: Memory,
         generation: int | None,
         batching: bool = False,
-    ) -> tuple[list[Slot], int | None, dict[str, str]]:
-        """Plan a new generation if the group must change: (slots, generation, refusals).
-        `stored`: the status as read, the slots of the planned generation, and the
-        Colocated engine that generation feeds; `generation`: the planned one (the
-        status's, or newer, `Memory.planned`). `statuses`: every agent's latest answer;
-        `evidence`: those given since the planned generation was delivered, the only
-        ones that can show it broken (`plan.needs_new_generation`); `batching`:
-        newcomers wait for more pods on their way (`plan.newcomers_wait`)."""
+    ) -> tuple[list[Slot], int | None, bool]:
+        """Plan a new generation if the group must change: (slots, generation, whether it
+        is new: its plans are the caller's to send, `deliver`). `stored`: the status as
+        read, the slots of the planned generation, and the Colocated engine that
+        generation feeds; `generation`: the planned one (the status's, or newer,
+        `Memory.planned`). `statuses`: every agent's latest answer; `evidence`: those
+        given since the planned generation was delivered, the only ones that can show it
+        broken (`plan.needs_new_generation`); `batching`: newcomers wait for more pods on
+        their way (`plan.newcomers_wait`)."""
         old, planned, planned_engine = stored
         # Prewarmed is written only by passes that planned (or kept) a group, so its
         # observedGeneration is the spec generation the current group was planned from.
@@ -85,17 +84,38 @@ class Planner:
             abandoned=memory.abandoned is not None and memory.abandoned == generation,
             batching=batching,
         ):
-            return planned, generation, {}
+            return planned, generation, False
         number = next_generation(generation, statuses)
-        errors = await self._deliver(
-            raw, sync, generation=number, desired=desired, token=token, memory=memory
-        )
+        members = list(slots(desired.members))
+        # Its plans go out from now (`deliver`): what a pass decides meanwhile counts it
+        # delivered (`readiness.rounds_reach`) and its pre-warm clock running.
+        self._sent(memory, number, members)
+        memory.unsaved = Unsaved(number, members, spec_generation)
+        return members, number, True
+
+    @staticmethod
+    def _sent(memory: Memory, number: int, members: list[Slot]) -> None:
         now = time.monotonic()
         memory.planned_at = {number: now}  # older ones no longer matter
-        members = list(slots(desired.members))
         memory.delivered(number, members, now)
-        memory.unsaved = Unsaved(number, members, spec_generation)
-        return members, number, errors
+
+    async def deliver(
+        self,
+        raw: Mapping[str, Any],
+        sync: WeightSync,
+        *,
+        generation: int,
+        desired: Desired,
+        token: str,
+        memory: Memory,
+    ) -> dict[str, str]:
+        """Send the plans of the new `generation` (`plan`) to its members: the refusals
+        by pod (those sit out a while), the clocks restarted once every plan was sent."""
+        errors = await self._deliver(
+            raw, sync, generation=generation, desired=desired, token=token, memory=memory
+        )
+        self._sent(memory, generation, list(slots(desired.members)))
+        return errors
 
     async def _deliver(
         self,

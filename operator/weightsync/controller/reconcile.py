@@ -6,10 +6,11 @@ WeightSyncs, the workloads and their pods from the watches (`cache`), and the ag
 latest `GET /v1/status` answers (`agentview`: swept by the drift timer, `resync`; the
 trainer's asked every second, `watch_sources`; new agents asked by the pass). It decides
 with the pure modules (`plan`, `readiness`, `recovery`, `status`) and acts: starts P2P
-recoveries of pods that are behind (held out of the group until done), delivers a new
-generation with `PUT /v1/plan` if membership changed, writes the status once, posts
-Events, then hands the readiness gates to a background writer (`gatesync`): status
-first, so `kubectl get wsync` never lags them.
+recoveries of pods that are behind (held out of the group until done), writes the
+status (while the plans of a new generation go out with `PUT /v1/plan`, if membership
+changed; once more if a member refused its plan), posts Events, then hands the readiness
+gates to a background writer (`gatesync`): status first, so `kubectl get wsync` never
+lags them.
 
 Soft state only (`memory`): the agents' answers (a restart polls them again), when a
 generation was planned (a restart restarts the pre-warm clock), cooldowns, recovery
@@ -21,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
@@ -291,7 +292,7 @@ class Reconciler:
         laps("answers")
         statuses, errors = seen.statuses, seen.errors
         sources = planned_sources(sync, world, pods)
-        desired, (planned, planned_generation, plan_errors), timed_out = await self._group(
+        desired, (planned, planned_generation, fresh), timed_out = await self._group(
             raw, sync, pods, (statuses, old), token=token, memory=memory, sources=sources,
             replicas=world.inference_replicas,
         )  # fmt: skip
@@ -307,14 +308,18 @@ class Reconciler:
             planned_generation=planned_generation,
             current=current,
             prewarm_timed_out=timed_out,
-            plan_errors=plan_errors,
             agent_errors=errors,
             sources=sources,
         )
         laps("decide")
-        new = observed_status(old, observation, utc_now())
-        await self._write(raw, old, new)
-        laps("status")
+        sending = None
+        if fresh and planned_generation is not None:
+            sending = self.planner.deliver(
+                raw, sync, generation=planned_generation, desired=desired, token=token,
+                memory=memory,
+            )  # fmt: skip
+        new = await self._write_observed(raw, old, observation, sending)
+        laps("status" if sending is None else "status, plans")
         # Status first, then the gates, written in the background: the next pass need
         # not wait for a thousand of them (`gatesync`).
         if memory.gates is None:
@@ -425,10 +430,11 @@ class Reconciler:
         memory: Memory,
         sources: list[int],
         replicas: int,
-    ) -> tuple[Desired, tuple[list[Slot], int | None, dict[str, str]], bool]:
+    ) -> tuple[Desired, tuple[list[Slot], int | None, bool], bool]:
         """Recoveries, then the members wanted (`sources`: the trainer ranks), the
-        generation planned (a new one if the group must change), and whether it is past
-        its pre-warm timeout. `replicas`: the inference pods the Deployments ask for."""
+        generation planned (a new one if the group must change: its plans not sent yet),
+        and whether it is past its pre-warm timeout. `replicas`: the inference pods the
+        Deployments ask for."""
         statuses, old = seen
         spec, view, now = sync.spec, memory.agents, time.monotonic()
         memory.cooldown = {uid: t for uid, t in memory.cooldown.items() if t > now}
@@ -469,10 +475,9 @@ class Reconciler:
             pods, desired, previous, cooling=cooling,
             waiting_for=now - memory.newcomers_since, replicas=replicas,
         )  # fmt: skip
-        planned = await self.planner.plan(
-            raw, sync, (old, previous, planned_engine), desired, statuses,
-            evidence=evidence, token=token, memory=memory, generation=generation,
-            batching=batching,
+        planned = self.planner.plan(
+            raw, (old, previous, planned_engine), desired, statuses,
+            evidence=evidence, memory=memory, generation=generation, batching=batching,
         )  # fmt: skip
         memory.laps("plan")
         if planned[1] != generation:  # a new generation took the newcomers in
@@ -537,21 +542,52 @@ class Reconciler:
         reason, message = problem
         await self._write(raw, old, problem_status(old, generation, reason, message, utc_now()))
 
+    async def _write_observed(
+        self,
+        raw: Mapping[str, Any],
+        old: WeightSyncStatus,
+        observation: Observation,
+        sending: Coroutine[Any, Any, dict[str, str]] | None,
+    ) -> WeightSyncStatus:
+        """Write the status `observation` makes; with a new generation's plans to send,
+        while they go out (`sending`: the refusals by pod): a thousand plans take seconds,
+        and `kubectl get wsync` need not wait to name the new members. Refusals (each
+        refuser sits out, and the next pass plans without it) are written once every
+        plan was sent. The status last written."""
+        new = observed_status(old, observation, utc_now())
+        if sending is None:
+            await self._write(raw, old, new)
+            return new
+        delivery = asyncio.ensure_future(sending)
+        try:
+            written = await self._write(raw, old, new)
+        finally:
+            refusals = await delivery
+        if not refusals:
+            return new
+        refused = observed_status(new, replace(observation, plan_errors=refusals), utc_now())
+        await self._write(written, new, refused)
+        return refused
+
     async def _write(
         self, raw: Mapping[str, Any], old: WeightSyncStatus, new: WeightSyncStatus
-    ) -> None:
-        """Write the status if it changed, then post Events for the transitions."""
+    ) -> Mapping[str, Any]:
+        """Write the status if it changed, then post Events for the transitions; the
+        WeightSync as stored after (`raw` when nothing was written)."""
         body = new.to_k8s()
         if raw.get("status") == body:
-            return  # what is stored already; `old` was parsed from it: no transitions
+            return raw  # what is stored already; `old` was parsed from it: no transitions
         meta = raw["metadata"]
         async with self.kube.writer.held():  # the status first (`apiwriter`)
             after = await self.kube.writer.patch_status(meta["namespace"], meta["name"], body)
         memory = self._memory.get((meta["namespace"], meta["name"]))
         if memory is not None:
-            memory.written = (str(meta.get("resourceVersion")), after)
+            # A second write of a pass is made on its first (`cache.newest`).
+            memory.seen_version = str(meta.get("resourceVersion"))
+            memory.written = (memory.seen_version, after)
         for event in transition_events(old, new):
             self.post_event(raw, event)
+        return after
 
     # -- deletion ----------------------------------------------------------------------
 

@@ -114,12 +114,17 @@ def test_a_generation_the_status_does_not_record_yet_is_not_planned_again() -> N
 
     def plan(statuses: dict[str, AgentStatus]) -> tuple[list[Slot], int | None]:
         generation, previous = memory.planned(stale.group_generation, [])
-        planned, number, _ = asyncio.run(
-            planner.plan(
-                raw, parsed, (stale, previous, None), desired, statuses,
-                evidence=statuses, token="t", memory=memory, generation=generation,
-            )
+        planned, number, fresh = planner.plan(
+            raw, (stale, previous, None), desired, statuses,
+            evidence=statuses, memory=memory, generation=generation,
         )  # fmt: skip
+        if fresh and number is not None:  # as the pass does, beside its status write
+            refused = asyncio.run(
+                planner.deliver(
+                    raw, parsed, generation=number, desired=desired, token="t", memory=memory
+                )
+            )
+            assert refused == {}
         return planned, number
 
     first, number = plan({})

@@ -1,0 +1,135 @@
+"""A pass that plans a new generation writes the status while the plans go out: the new
+members show before the last plan is answered (a thousand plans take seconds), and a
+refusal is written once every plan was sent (the API server's and the agents' HTTP,
+served here)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from aiohttp import web
+from kubernetes import client
+
+from tests.unit.controller.builders import sink_view, source_view, sync
+from weightsync.api import GROUP, PLURAL, VERSION, ConditionType, find_condition, reasons
+from weightsync.api.control import ErrorResponse, MembershipPlan, PlanAccepted
+from weightsync.api.v1alpha1 import WeightSyncStatus
+from weightsync.controller.agents import AgentClient
+from weightsync.controller.kube import Kube
+from weightsync.controller.memory import Memory
+from weightsync.controller.plan import desired_members
+from weightsync.controller.readiness import Current
+from weightsync.controller.reconcile import Reconciler
+from weightsync.controller.settings import OperatorSettings
+from weightsync.controller.status import EventSpec, Observation
+
+WAIT = 10.0  # how long the slow member's plan waits for the status to arrive
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refusals() -> None:
+    written: list[dict[str, Any]] = []  # status bodies, in order
+    status_arrived = asyncio.Event()
+    answered: list[tuple[int, bool]] = []  # (rank, whether the status had arrived)
+
+    async def patch_status(request: web.Request) -> web.Response:
+        body = await request.json()
+        written.append(body["status"])
+        status_arrived.set()
+        meta = {"namespace": "ns", "name": "sync", "resourceVersion": str(1 + len(written))}
+        return web.json_response({"metadata": meta, **body})
+
+    async def put_plan(request: web.Request) -> web.Response:
+        plan = MembershipPlan.model_validate_json(await request.read())
+        if plan.rank == 2:  # e-2 refuses at once
+            error = ErrorResponse(error="busy", detail="another plan is being applied")
+            return web.Response(status=409, text=error.model_dump_json())
+        if plan.rank == 1:  # e-1 answers only once the status is in (or after WAIT)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(status_arrived.wait(), WAIT)
+        answered.append((plan.rank, status_arrived.is_set()))
+        accepted = PlanAccepted(generation=plan.generation, rank=plan.rank, world_size=3)
+        return web.Response(status=202, text=accepted.model_dump_json())
+
+    async def scenario() -> None:
+        api = web.Application()
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/sync/status"
+        api.router.add_patch(path, patch_status)
+        api_runner, api_port = await _serve(api)
+        agents_app = web.Application()
+        agents_app.router.add_put("/v1/plan", put_plan)
+        agents_runner, port = await _serve(agents_app)
+
+        kube = Kube(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{api_port}")))
+        agents = AgentClient(timeout_seconds=WAIT + 5)
+        events: list[EventSpec] = []
+        reconciler = Reconciler(
+            kube,
+            agents,
+            OperatorSettings(webhook_url="https://127.0.0.1:9"),
+            lambda _, event: events.append(event),  # type: ignore[arg-type]
+            b"key",
+        )
+        parsed = sync()
+        raw = {"metadata": {"namespace": "ns", "name": "sync", "generation": 3, "uid": "u",
+                            "resourceVersion": "1"}}  # fmt: skip
+        pods = [
+            source_view(ip="127.0.0.1", agent_port=port),
+            sink_view("e-1", ip="127.0.0.1", agent_port=port),
+            sink_view("e-2", ip="127.0.0.1", agent_port=port, index=1),
+        ]
+        desired = desired_members(parsed.spec, pods, {p.name for p in pods}, [])
+        memory = reconciler._memory[("ns", "sync")] = Memory()
+        old = WeightSyncStatus()
+        planned, generation, fresh = reconciler.planner.plan(
+            raw, (old, [], None), desired, {}, evidence={}, memory=memory, generation=None
+        )
+        assert (generation, fresh) == (1, True)
+        assert set(memory.deliveries[1].members) == {"trainer-0", "e-1", "e-2"}
+        observation = Observation(
+            spec=parsed.spec, metadata_generation=3, pods=pods, statuses={},
+            desired=desired, planned=planned, planned_generation=1, current=Current(None),
+        )  # fmt: skip
+        sending = reconciler.planner.deliver(
+            raw, parsed, generation=1, desired=desired, token="t", memory=memory
+        )
+        try:
+            last = await reconciler._write_observed(raw, old, observation, sending)
+        finally:
+            await agents.close()
+            await kube.writer.close()
+            await agents_runner.cleanup()
+            await api_runner.cleanup()
+
+        # e-1 answered its plan after the status named it: the write did not wait.
+        assert sorted(answered) == [(0, True), (1, True)]
+        first, second = written
+        assert first["groupGeneration"] == second["groupGeneration"] == 1
+        assert [m["pod"] for m in first["members"]] == ["trainer-0", "e-1", "e-2"]
+        degraded = {c["type"]: c["reason"] for c in first["conditions"]}
+        assert degraded.get(ConditionType.DEGRADED) != reasons.MEMBER_FAILED
+        # The refusal, once every plan was sent: written, evented, the refuser benched.
+        failed = find_condition(last.conditions, ConditionType.DEGRADED)
+        assert failed is not None
+        assert failed.reason == reasons.MEMBER_FAILED
+        assert "e-2" in failed.message
+        assert "busy" in failed.message
+        assert {c["type"]: c["reason"] for c in second["conditions"]}[
+            ConditionType.DEGRADED
+        ] == reasons.MEMBER_FAILED
+        assert reasons.PLAN_REJECTED in [e.reason for e in events]
+        assert set(memory.cooldown) == {"uid-e-2"}
+        # The second write was made on the first: the cache reads it back in order.
+        assert memory.written is not None
+        assert memory.written[0] == "2"
+        assert memory.written[1]["metadata"]["resourceVersion"] == "3"
+
+    asyncio.run(scenario())

@@ -69,6 +69,7 @@ def slim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
             "name": meta["name"],
             "namespace": meta.get("namespace"),
             "uid": meta["uid"],
+            "resourceVersion": meta.get("resourceVersion"),  # `pod_view` keeps views by it
             "creationTimestamp": meta.get("creationTimestamp"),
             "deletionTimestamp": meta.get("deletionTimestamp"),
             "labels": _pick(meta.get("labels"), _POD_LABELS),

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.api.v1alpha1 import WeightSyncStatus
 from weightsync.controller.agents import AgentAddress
 from weightsync.controller.agentview import AgentView
 from weightsync.controller.gatesync import GateSync
@@ -91,6 +92,7 @@ class Memory:
     # version it was made on, the object it returned). See `Reconciler._read`.
     seen_version: str | None = None
     written: tuple[str, dict[str, Any]] | None = None
+    stored: tuple[str, WeightSyncStatus] | None = None  # the status parsed, by version
     laps: Laps = field(default_factory=Laps)  # the pass running now, or the last one
     # New agents being asked for their first answer, and those polls (`Reconciler._ask`).
     asking: set[str] = field(default_factory=set)

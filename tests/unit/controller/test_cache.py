@@ -1,5 +1,6 @@
-"""The watch's copies: slim pods as `workloads` reads them, when a watched
-WeightSync is new enough for a pass, and a pass's observation from them alone."""
+"""The watch's copies: slim pods as `workloads` reads them (their views kept by version),
+when a watched WeightSync is new enough for a pass (its status parsed once a version),
+and a pass's observation from them alone."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
 from weightsync.controller.cache import Indexes, newest, pod_key, slim_pod
 from weightsync.controller.kube import Kube, NotCachedError
+from weightsync.controller.memory import Memory
 from weightsync.controller.podwatch import PodStore
-from weightsync.controller.reconcile import without_status
+from weightsync.controller.reconcile import Reconciler, without_status
 from weightsync.controller.workloads import pod_view
 
 
@@ -88,3 +90,28 @@ def test_a_pass_parses_the_weightsync_without_its_status_or_field_managers() -> 
     assert parsed == raw
     assert parse_weightsync(parsed).spec == parse_weightsync(raw).spec
     assert stored["metadata"]["managedFields"] == managed  # the watch's copy is left alone
+
+
+def test_a_pods_view_is_kept_by_its_version() -> None:
+    raw = pod("e-1").owned_by("ReplicaSet", "engine-a-abc").running("10.0.1.1").build()
+    stored = slim_pod({**raw, "metadata": {**raw["metadata"], "resourceVersion": "7"}})
+    first = pod_view(stored, Role.SINK, "engine-a", 0, None)
+    assert pod_view(stored, Role.SINK, "engine-a", 0, None) is first
+    assert pod_view(stored, Role.SINK, "engine-b", 1, None).workload == "engine-b"
+    moved = {**stored, "status": {**stored["status"], "podIP": "10.0.1.2"}}
+    moved["metadata"] = {**stored["metadata"], "resourceVersion": "8"}
+    assert pod_view(moved, Role.SINK, "engine-a", 0, None).ip == "10.0.1.2"
+    unversioned = {**moved, "metadata": {**moved["metadata"], "resourceVersion": None}}
+    assert pod_view(unversioned, Role.SINK, "engine-a", 0, None) is not pod_view(
+        unversioned, Role.SINK, "engine-a", 0, None
+    )
+
+
+def test_a_pass_parses_the_stored_status_once_per_version() -> None:
+    memory = Memory()
+    raw = {"metadata": {"name": "s", "resourceVersion": "5"}, "status": {"currentVersion": 3}}
+    old = Reconciler._stored(raw, memory)
+    assert old.current_version == 3
+    assert Reconciler._stored(raw, memory) is old
+    newer = {"metadata": {"name": "s", "resourceVersion": "6"}, "status": {"currentVersion": 4}}
+    assert Reconciler._stored(newer, memory).current_version == 4

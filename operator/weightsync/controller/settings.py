@@ -54,7 +54,8 @@ Agent control and reconcile pacing
                               Default `weightsync-token-key`.
 * `AGENT_TIMEOUT_SECONDS`     timeout of one control-API request to an agent. Default 5.
 * `RESYNC_SECONDS`            the drift timer: how often every WeightSync is reconciled even
-                              without events (also how often agents are polled). Default 5.
+                              without events (also how often every agent is polled; the
+                              trainer's agents are asked every second besides). Default 5.
 * `MISSING_REFERENCE_RETRY_SECONDS`  how long a WeightSync that names a missing workload waits
                               before its create/update handler retries. Default 30.
 """

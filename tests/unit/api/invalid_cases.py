@@ -378,6 +378,20 @@ STATUS_CASES = [
         "must be of type integer",
     ),
     InvalidStatus(
+        "status-phase",
+        {"phase": "Running"},
+        "status.phase",
+        'unknown field "status.phase"',
+        unknown_field=True,
+    ),
+]
+
+# Caught by the models alone: `status.members` is an atomic list, so the API server no
+# longer checks its ranks are unique (as a map keyed by rank it tracked every member's
+# fields, and a 1,001-member status write cost it 2.5x). Only the operator writes it,
+# through the models.
+MODEL_STATUS_CASES = [
+    InvalidStatus(
         "duplicate-member-rank",
         {
             "members": [
@@ -386,13 +400,6 @@ STATUS_CASES = [
             ]
         },
         "status.members[1]",
-        "Duplicate value",
-    ),
-    InvalidStatus(
-        "status-phase",
-        {"phase": "Running"},
-        "status.phase",
-        'unknown field "status.phase"',
-        unknown_field=True,
+        "",
     ),
 ]

@@ -10,6 +10,7 @@ import pytest
 from tests.unit.api.builders import weightsync
 from tests.unit.api.invalid_cases import (
     CREATE_CASES,
+    MODEL_STATUS_CASES,
     STATUS_CASES,
     UPDATE_CASES,
     Invalid,
@@ -42,7 +43,7 @@ def test_invalid_spec_is_rejected_at_the_api_servers_path(case: Invalid) -> None
         assert errors[0].message == case.rule.message
 
 
-@pytest.mark.parametrize("case", STATUS_CASES, ids=lambda case: case.id)
+@pytest.mark.parametrize("case", STATUS_CASES + MODEL_STATUS_CASES, ids=lambda case: case.id)
 def test_invalid_status_is_rejected_at_the_api_servers_path(case: InvalidStatus) -> None:
     manifest = weightsync().build()
     manifest["status"] = case.status

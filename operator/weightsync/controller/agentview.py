@@ -40,12 +40,12 @@ class AgentView:
 
     statuses: dict[str, AgentStatus] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
-    heard_at: dict[str, float] = field(default_factory=dict)  # monotonic, of the last answer
+    # When each entry's request was sent (monotonic): an answer's, or an error's.
+    heard_at: dict[str, float] = field(default_factory=dict)
     silent_since: dict[str, float] = field(default_factory=dict)  # first of the timeouts in a row
     # (version, lineage) each agent reports, and when it was first asked for with that
     # answer (`readiness.round_vouches`: sinks asked no later than that may predate it).
     version_since: dict[str, tuple[int | None, str | None, float]] = field(default_factory=dict)
-    asked: dict[str, float] = field(default_factory=dict)  # when each entry's request was sent
 
     def record(
         self, answers: Mapping[str, AgentStatus], errors: Mapping[str, str], asked_at: float
@@ -54,10 +54,10 @@ class AgentView:
         asked before the one recorded is older news: polls overlap (a sweep of a thousand
         agents takes seconds, the trainer's are asked every second meanwhile), and an
         answer the trainer gave before its round must not undo one it gave after."""
-        newer = {p for p in (*answers, *errors) if self.asked.get(p, asked_at) > asked_at}
+        newer = {p for p in (*answers, *errors) if self.heard_at.get(p, asked_at) > asked_at}
         answers = {p: s for p, s in answers.items() if p not in newer}
         errors = {p: e for p, e in errors.items() if p not in newer}
-        self.asked.update(dict.fromkeys((*answers, *errors), asked_at))
+        self.heard_at.update(dict.fromkeys((*answers, *errors), asked_at))
         for pod, status in answers.items():
             self.statuses[pod] = status
             said = (status.version, status.lineage)
@@ -65,7 +65,6 @@ class AgentView:
             if known is None or known[:2] != said:
                 self.version_since[pod] = (*said, asked_at)
             self.errors.pop(pod, None)
-            self.heard_at[pod] = asked_at
             self.silent_since.pop(pod, None)
         for pod, error in errors.items():
             self.errors[pod] = error
@@ -83,15 +82,11 @@ class AgentView:
             dict(self.heard_at),
             dict(self.silent_since),
             dict(self.version_since),
-            dict(self.asked),
         )
 
     def retain(self, pods: Collection[str]) -> None:
         """Forget the pods that are gone."""
-        tables = (
-            self.statuses, self.errors, self.heard_at, self.silent_since, self.version_since,
-            self.asked,
-        )  # fmt: skip
+        tables = (self.statuses, self.errors, self.heard_at, self.silent_since, self.version_since)
         for table in tables:
             for pod in [p for p in table if p not in pods]:
                 del table[pod]

@@ -111,22 +111,6 @@ class Planner:
     ) -> dict[str, str]:
         """Send the plans of the new `generation` (`plan`) to its members: the refusals
         by pod (those sit out a while), the clocks restarted once every plan was sent."""
-        errors = await self._deliver(
-            raw, sync, generation=generation, desired=desired, token=token, memory=memory
-        )
-        self._sent(memory, generation, list(slots(desired.members)))
-        return errors
-
-    async def _deliver(
-        self,
-        raw: Mapping[str, Any],
-        sync: WeightSync,
-        *,
-        generation: int,
-        desired: Desired,
-        token: str,
-        memory: Memory,
-    ) -> dict[str, str]:
         meta = raw["metadata"]
         members = desired.members
         plans = build_plans(
@@ -179,6 +163,7 @@ class Planner:
                         ),
                     ),
                 )
+        self._sent(memory, generation, list(slots(members)))
         return errors
 
     @staticmethod

@@ -92,4 +92,4 @@ def test_an_answer_asked_before_the_one_recorded_is_older_news() -> None:
     assert not view.errors
     view.record({}, {"t": "TimeoutError"}, asked_at=6.0)  # a newer silence does count
     assert view.errors == {"t": "TimeoutError"}
-    assert view.snapshot().asked == {"t": 6.0, "e": 4.0}
+    assert view.snapshot().heard_at == {"t": 6.0, "e": 4.0}

@@ -84,6 +84,8 @@ def measure(cluster: LocalCluster, workdir: Path, *, members_as_map: bool, args:
             break
         except client.ApiException:
             time.sleep(1)
+    else:
+        raise RuntimeError(f"the WeightSync was not accepted with members as {name}")
     writer = ApiWriter(config.new_client_from_config(str(cluster.kubeconfig)))
 
     async def patches() -> list[float]:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, Self
 
 from aiohttp import web
+from kubernetes import client
 
 from tests.unit.api.builders import weightsync
 from weightsync.api import parse_weightsync
@@ -22,6 +23,11 @@ from weightsync.api.control import (
 )
 from weightsync.api.v1alpha1 import Role, WeightSync
 from weightsync.controller import names
+from weightsync.controller.agents import AgentClient
+from weightsync.controller.events import EventPoster
+from weightsync.controller.kube import Kube
+from weightsync.controller.reconcile import Reconciler
+from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.workloads import PodView, pod_view
 
 
@@ -188,3 +194,15 @@ async def agent_server(
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner, runner.addresses[0][1]
+
+
+def reconciler(
+    agents: AgentClient,
+    api: str = "http://127.0.0.1:9",
+    post_event: EventPoster | None = None,
+) -> Reconciler:
+    """A reconciler asking `agents` and writing to the API server at `api` (by default
+    none: nothing listens on port 9), its Events posted by `post_event` when given."""
+    kube = Kube(client.ApiClient(client.Configuration(host=api)))
+    settings = OperatorSettings(webhook_url="https://127.0.0.1:9")
+    return Reconciler(kube, agents, settings, post_event or EventPoster(kube), b"key")

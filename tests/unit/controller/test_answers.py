@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from kubernetes import client
-
 from tests.unit.controller.builders import agent_server, sink_view
+from tests.unit.controller.builders import reconciler as make_reconciler
 from weightsync.controller import reconcile
 from weightsync.controller.agents import AgentClient
-from weightsync.controller.events import EventPoster
-from weightsync.controller.kube import Kube
 from weightsync.controller.memory import Memory
-from weightsync.controller.reconcile import Reconciler
-from weightsync.controller.settings import OperatorSettings
 
 SLOW_SECONDS = reconcile.NEWCOMER_WAIT_SECONDS + 1.5
 
@@ -23,15 +18,8 @@ def test_a_slow_newcomer_is_recorded_later_and_brings_its_own_pass() -> None:
     async def scenario() -> None:
         fast, fast_port = await agent_server("e-fast", 0.0)
         slow, slow_port = await agent_server("e-slow", SLOW_SECONDS)
-        kube = Kube(client.ApiClient(client.Configuration(host="http://127.0.0.1:9")))
         agents = AgentClient(timeout_seconds=10)
-        reconciler = Reconciler(
-            kube,
-            agents,
-            OperatorSettings(webhook_url="https://127.0.0.1:9"),
-            EventPoster(kube),
-            b"key",
-        )
+        reconciler = make_reconciler(agents)
         requested: list[tuple[str, str]] = []
         reconciler.request = lambda namespace, name: requested.append((namespace, name))  # type: ignore[method-assign]
         pods = [

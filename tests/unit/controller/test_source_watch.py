@@ -8,17 +8,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kubernetes import client
-
 from tests.unit.controller.builders import agent, agent_server, sink_view, source_view
+from tests.unit.controller.builders import reconciler as make_reconciler
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller.agents import AgentClient
-from weightsync.controller.events import EventPoster
-from weightsync.controller.kube import Kube
 from weightsync.controller.memory import Memory
-from weightsync.controller.reconcile import Reconciler
-from weightsync.controller.settings import OperatorSettings
 
 KEY = ("ns", "sync")
 
@@ -34,15 +29,8 @@ def test_a_pass_follows_a_change_in_the_trainers_answer_and_only_then() -> None:
 
         trainer, trainer_port = await agent_server("trainer-0", 0.0, answer)
         engine, engine_port = await agent_server("e-0", 0.0)
-        kube = Kube(client.ApiClient(client.Configuration(host="http://127.0.0.1:9")))
         agents = AgentClient(timeout_seconds=2)
-        reconciler = Reconciler(
-            kube,
-            agents,
-            OperatorSettings(webhook_url="https://127.0.0.1:9"),
-            EventPoster(kube),
-            b"key",
-        )
+        reconciler = make_reconciler(agents)
         passes: list[tuple[str, str]] = []
 
         async def run(namespace: str, name: str) -> None:

@@ -10,19 +10,16 @@ import contextlib
 from typing import Any
 
 from aiohttp import web
-from kubernetes import client
 
+from tests.unit.controller.builders import reconciler as make_reconciler
 from tests.unit.controller.builders import sink_view, source_view, sync
 from weightsync.api import GROUP, PLURAL, VERSION, ConditionType, find_condition, reasons
 from weightsync.api.control import ErrorResponse, MembershipPlan, PlanAccepted
 from weightsync.api.v1alpha1 import WeightSyncStatus
 from weightsync.controller.agents import AgentClient
-from weightsync.controller.kube import Kube
 from weightsync.controller.memory import Memory
 from weightsync.controller.plan import desired_members
 from weightsync.controller.readiness import Current
-from weightsync.controller.reconcile import Reconciler
-from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.status import EventSpec, Observation
 
 WAIT = 10.0  # how long the slow member's plan waits for the status to arrive
@@ -68,15 +65,12 @@ def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refus
         agents_app.router.add_put("/v1/plan", put_plan)
         agents_runner, port = await _serve(agents_app)
 
-        kube = Kube(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{api_port}")))
         agents = AgentClient(timeout_seconds=WAIT + 5)
         events: list[EventSpec] = []
-        reconciler = Reconciler(
-            kube,
+        reconciler = make_reconciler(
             agents,
-            OperatorSettings(webhook_url="https://127.0.0.1:9"),
+            f"http://127.0.0.1:{api_port}",
             lambda _, event: events.append(event),  # type: ignore[arg-type]
-            b"key",
         )
         parsed = sync()
         raw = {"metadata": {"namespace": "ns", "name": "sync", "generation": 3, "uid": "u",
@@ -105,7 +99,7 @@ def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refus
             last = await reconciler._write_observed(raw, old, observation, sending)
         finally:
             await agents.close()
-            await kube.writer.close()
+            await reconciler.kube.writer.close()
             await agents_runner.cleanup()
             await api_runner.cleanup()
 

@@ -177,11 +177,12 @@ def decide(
     current: Current,
     *,
     holders: Sequence[str],
+    own: str,
     tracker: Tracker | None,
     now: float,
 ) -> Decision:
-    """What to do about one joinable sink pod this pass (`holders`: who holds `current`),
-    and what the pod's tracker becomes."""
+    """What to do about one joinable sink pod this pass (`holders`: who holds `current`,
+    `own` among them left out), and what the pod's tracker becomes."""
     before = tracker or Tracker()
     if status is None:  # not answering: it is not planned anyway
         return Decision(pod, Step.ADMIT, tracker=before.after(None, now))
@@ -197,12 +198,14 @@ def decide(
     )
     if running or now < after.retry_at:
         return Decision(pod, Step.WAIT, finished=finished, in_group=in_group, tracker=after)
-    if not holders:
+    # Filtered here, for the few that start, not for every sink of every pass.
+    others = tuple(url for url in holders if url != own)
+    if not others:
         return Decision(pod, Step.ADMIT, finished=finished, tracker=after)
-    fresh = tuple(url for url in holders if url not in after.failed_holders)
+    fresh = tuple(url for url in others if url not in after.failed_holders)
     if not fresh:  # every holder failed once: all get another chance
         after.failed_holders.clear()
-        fresh = tuple(holders)
+        fresh = others
     return Decision(
         pod, Step.START, holders=fresh, finished=finished, in_group=in_group, tracker=after
     )
@@ -224,24 +227,31 @@ def plan_recoveries(
     now: float,
     default_port: int,
 ) -> list[Decision]:
-    """One decision per joinable sink pod (none when recovery does not apply)."""
+    """A decision for each joinable sink pod with something to start, wait on, report or
+    remember (a tracker); the others are admitted. None when recovery does not apply."""
     if not enabled_for(spec, current):
         return []
     decisions = []
-    # Once per pass, not once per pod: a thousand pods made this a million checks.
-    holding = holders_of(current, pods, statuses, default_port, excluding="")
+    holding: list[str] | None = None  # once per pass, and only when a sink needs it
     for pod in pods:
         if pod.role is not Role.SINK or not pod.joinable:
             continue
-        own = agent_url(pod, default_port)
-        holders = [url for url in holding if url != own]
+        status, tracker = statuses.get(pod.name), trackers.get(pod.uid)
+        # Every sink of every pass at a thousand pods: most have nothing to decide.
+        if tracker is None and (
+            status is None or not (_unreported(status, None) or behind(status, current))
+        ):
+            continue
+        if holding is None:
+            holding = holders_of(current, pods, statuses, default_port, excluding="")
         decisions.append(
             decide(
                 pod,
-                statuses.get(pod.name),
+                status,
                 current,
-                holders=holders,
-                tracker=trackers.get(pod.uid),
+                holders=holding,
+                own=agent_url(pod, default_port),
+                tracker=tracker,
                 now=now,
             )
         )

@@ -194,14 +194,24 @@ def needs_new_generation(
         return True
     if not intact(planned, planned_generation, statuses):
         return True
-    wanted = slots(desired.members)
-    if wanted == tuple(planned):
-        return False
+    if not leads(planned, desired.members):
+        return True
     # Only newcomers: they wait while the planned generation still forms, so that a
     # scale-up forms a few generations, not one per pass (each is a new communicator
     # for every member). They join the next one, planned once this one is warm.
-    only_newcomers = wanted[: len(planned)] == tuple(planned)
-    return not (only_newcomers and (batching or forming(planned, planned_generation, statuses)))
+    newcomers = len(desired.members) > len(planned)
+    return newcomers and not (batching or forming(planned, planned_generation, statuses))
+
+
+def leads(planned: Sequence[Slot], members: Sequence[PodView]) -> bool:
+    """Whether `members` begin with the `planned` slots, rank for rank (compared in place:
+    every pass asks, and building a thousand slots to compare was a tenth of a pass)."""
+    if len(members) < len(planned):
+        return False
+    for rank, (slot, pod) in enumerate(zip(planned, members[: len(planned)], strict=True)):
+        if slot.rank != rank or slot.pod != pod.name or slot.role is not pod.role:
+            return False
+    return True
 
 
 def newcomers_wait(

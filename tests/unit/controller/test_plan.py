@@ -177,7 +177,12 @@ def test_a_held_generation_with_the_same_members_is_kept() -> None:
 
 def test_membership_change_or_an_agent_that_lost_the_generation_bumps_it() -> None:
     desired, planned, statuses = group_of_three()
-    assert needs_new_generation(desired, planned[:2], 4, statuses)
+    assert needs_new_generation(desired, planned[:2], 4, statuses)  # a newcomer, all warm
+    source, first, second = desired.members
+    assert needs_new_generation(Desired((source, first)), planned, 4, statuses)  # one left
+    assert needs_new_generation(Desired((source, second, first)), planned, 4, statuses)
+    renamed = [*planned[:2], Slot(2, "e-3", Role.SINK)]
+    assert needs_new_generation(desired, renamed, 4, statuses)
     assert needs_new_generation(desired, planned, None, statuses)
     restarted = {**statuses, "e-1": agent("e-1")}  # a restarted sidecar holds nothing
     assert needs_new_generation(desired, planned, 4, restarted)

@@ -8,7 +8,7 @@ from tests.unit.controller.builders import agent, round_report, sink_view, sourc
 from weightsync.api import find_condition, reasons
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role, WeightSyncStatus
-from weightsync.controller.plan import desired_members, slots
+from weightsync.controller.plan import Slot, desired_members, slots
 from weightsync.controller.readiness import Current
 from weightsync.controller.status import (
     Observation,
@@ -87,6 +87,29 @@ def test_after_a_round_every_sink_current() -> None:
     assert status.last_round.version == 4
     assert status.last_round.duration_millis == 120
     assert status.last_round.completion_time == datetime(2026, 1, 1, 0, 0, tzinfo=UTC)
+
+
+def test_members_as_stored_are_kept_and_any_change_is_written() -> None:
+    before = observed_status(WeightSyncStatus(), observe(warm_group(4, 4), current=4), NOW)
+    again = observed_status(before, observe(warm_group(4, 4), current=4), NOW)
+    assert all(a is b for a, b in zip(again.members, before.members, strict=True))
+    moved = warm_group(4, 4)
+    moved["e-2"] = agent("e-2", generations={2: (W, 2)}, engine_version=5)
+    after = observed_status(before, observe(moved, current=4), NOW)
+    assert [m.version for m in after.members] == [4, 4, 5]
+    assert after.members[:2] == before.members[:2]
+    swapped = [
+        Slot(0, "trainer-0", Role.SOURCE),
+        Slot(1, "e-2", Role.SINK),
+        Slot(2, "e-1", Role.SINK),
+    ]
+    statuses = warm_group(4, 4)
+    statuses["e-1"] = agent("e-1", generations={2: (A, 2)}, engine_version=4)
+    statuses["e-2"] = agent("e-2", generations={2: (A, 1)}, engine_version=4)
+    reordered = observed_status(before, observe(statuses, current=4, planned=swapped), NOW)
+    assert [(m.pod, m.rank) for m in reordered.members] == [
+        ("trainer-0", 0), ("e-2", 1), ("e-1", 2)
+    ]  # fmt: skip
 
 
 def test_a_sink_behind_and_a_cold_member() -> None:

@@ -151,7 +151,25 @@ def rounds_reach(
     needed = {max(warm)}
     if source.round_in_progress and source.generation is not None:
         needed.add(source.generation)
-    return frozenset(pod for pod, status in statuses.items() if needed <= held(pod, status))
+    # Each pod's own word first, without a set: every pass asks it of every pod.
+    unheard_at = [
+        (generation, (unheard or {}).get(generation, frozenset())) for generation in needed
+    ]
+    return frozenset(
+        pod
+        for pod, status in statuses.items()
+        if all(_holds_at(status, g) or pod in missing for g, missing in unheard_at)
+    )
+
+
+def _holds_at(status: AgentStatus, generation: int) -> bool:
+    """Whether the agent lists `generation` warm, active or forming."""
+    for held in status.generations:
+        if held.generation == generation and (
+            held.state in WARM_STATES or held.state is GenerationState.FORMING
+        ):
+            return True
+    return False
 
 
 def round_vouches(
@@ -216,11 +234,11 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
     version = current.version
     if version is None:
         return GateDecision(pod.name, False, reasons.NO_VERSION_YET, reasons.NO_VERSION_YET_MESSAGE)
-    served = served_version(status)
     # An open gate of a sink the last round vouches for stays open (`round_vouches`), and
     # of one ahead of the source's word (`ahead`).
-    kept = pod.gate_status == "True" and (pod.name in vouched or ahead(status, current))
-    if kept or serves(status, current):
+    if serves(status, current) or (
+        pod.gate_status == "True" and (pod.name in vouched or ahead(status, current))
+    ):
         if reached is not None and pod.name not in reached:
             return GateDecision(
                 pod.name, False, reasons.NOT_IN_ROUNDS, reasons.NOT_IN_ROUNDS_MESSAGE
@@ -235,6 +253,7 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
             reasons.SERVES_CURRENT_VERSION,
             reasons.SERVES_CURRENT_VERSION_MESSAGE,
         )
+    served = served_version(status)
     return GateDecision(
         pod.name,
         False,

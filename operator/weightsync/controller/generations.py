@@ -63,8 +63,12 @@ class Planner:
         `Memory.planned`). `statuses`: every agent's latest answer; `evidence`: those
         given since the planned generation was delivered, the only ones that can show it
         broken (`plan.needs_new_generation`); `batching`: newcomers wait for more pods on
-        their way (`plan.newcomers_wait`)."""
+        their way (`plan.newcomers_wait`). While the planned generation's plans still go
+        out it is kept: members not reached yet report no such generation, which is no
+        evidence that it broke."""
         old, planned, planned_engine = stored
+        if memory.sending is not None and not memory.sending.done():
+            return planned, generation, False
         # Prewarmed is written only by passes that planned (or kept) a group, so its
         # observedGeneration is the spec generation the current group was planned from.
         prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)

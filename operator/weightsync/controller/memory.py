@@ -97,6 +97,9 @@ class Memory:
     # New agents being asked for their first answer, and those polls (`Reconciler._ask`).
     asking: set[str] = field(default_factory=set)
     asks: set[asyncio.Task[None]] = field(default_factory=set)
+    # The last new generation's plans going out, with their refusals by pod once sent
+    # (`Reconciler._send_plans`): no newer generation is planned until they are.
+    sending: asyncio.Task[dict[str, str]] | None = None
 
     def delivered(self, generation: int, members: list[Slot], at: float) -> None:
         self.deliveries[generation] = Delivery(frozenset(s.pod for s in members), at)

@@ -79,6 +79,9 @@ RECOVERY_POLL_SECONDS = 1.0  # how soon a pass follows one that left a recovery 
 # How long a pass waits for new agents' first answers; the late ones are recorded when
 # they come, and bring a pass of their own.
 NEWCOMER_WAIT_SECONDS = 1.0
+# How long a pass that planned a new generation waits for its plans to be answered; the
+# rest go on, and their end brings a pass (refusals sit out, a new generation follows).
+PLANS_WAIT_SECONDS = 1.0
 EVENT_PASS_DELAY_SECONDS = 0.5  # a pod event's pass waits this long for the rest of a burst
 SOURCE_POLL_SECONDS = 1.0  # how often the trainer's agents are asked (`watch_sources`)
 
@@ -107,7 +110,7 @@ def without_status(raw: Mapping[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in raw.items() if k != "status"}, "metadata": meta}
 
 
-def log_pass_failure(what: str, error: Exception) -> None:
+def log_pass_failure(what: str, error: BaseException) -> None:
     """A pass that failed outside kopf's retries (a timer, a follow-up): one line when the
     API server is away (the next pass retries), the traceback for anything else."""
     if api_unavailable(error):
@@ -153,6 +156,8 @@ class Reconciler:
         memory = self._memory.pop((namespace, name), None)
         if memory is not None and memory.poll is not None:
             memory.poll.cancel()
+        if memory is not None and memory.sending is not None:
+            memory.sending.cancel()
         self._scheduler.forget((namespace, name))
         metrics.forget(namespace, name)
 
@@ -314,9 +319,13 @@ class Reconciler:
         laps("decide")
         sending = None
         if fresh and planned_generation is not None:
-            sending = self.planner.deliver(
-                raw, sync, generation=planned_generation, desired=desired, token=token,
-                memory=memory,
+            sending = self._send_plans(
+                (namespace, name),
+                self.planner.deliver(
+                    raw, sync, generation=planned_generation, desired=desired, token=token,
+                    memory=memory,
+                ),
+                memory,
             )  # fmt: skip
         new = await self._write_observed(raw, old, observation, sending)
         laps("status" if sending is None else "status, plans")
@@ -554,27 +563,52 @@ class Reconciler:
         reason, message = problem
         await self._write(raw, old, problem_status(old, generation, reason, message, utc_now()))
 
+    def _send_plans(
+        self,
+        key: tuple[str, str],
+        delivery: Coroutine[Any, Any, dict[str, str]],
+        memory: Memory,
+    ) -> asyncio.Task[dict[str, str]]:
+        """A new generation's plans, sent in a task of their own (`Memory.sending`): a
+        thousand agents, or one slow to answer, take seconds, and the pass need not wait
+        for them all (`PLANS_WAIT_SECONDS`). One that ends later brings a pass."""
+        started = time.monotonic()
+
+        def ended(task: asyncio.Task[dict[str, str]]) -> None:
+            if task.cancelled():  # the WeightSync is gone (`forget`)
+                return
+            error = task.exception()
+            if error is not None:
+                log_pass_failure(f"plans for {key[0]}/{key[1]}", error)
+            if error is not None or time.monotonic() - started >= PLANS_WAIT_SECONDS:
+                self.request(*key)
+
+        task = asyncio.get_running_loop().create_task(delivery, name=f"plans {key[0]}/{key[1]}")
+        task.add_done_callback(ended)
+        memory.sending = task
+        return task
+
     async def _write_observed(
         self,
         raw: Mapping[str, Any],
         old: WeightSyncStatus,
         observation: Observation,
-        sending: Coroutine[Any, Any, dict[str, str]] | None,
+        sending: asyncio.Task[dict[str, str]] | None,
     ) -> WeightSyncStatus:
         """Write the status `observation` makes; with a new generation's plans to send,
         while they go out (`sending`: the refusals by pod): a thousand plans take seconds,
         and `kubectl get wsync` need not wait to name the new members. Refusals (each
-        refuser sits out, and the next pass plans without it) are written once every
-        plan was sent. The status last written."""
+        refuser sits out, and the next pass plans without it) are written if every plan
+        was answered within `PLANS_WAIT_SECONDS`; later ones show in their Events and the
+        generation planned next. The status last written."""
         new = observed_status(old, observation, utc_now())
+        written = await self._write(raw, old, new)
         if sending is None:
-            await self._write(raw, old, new)
             return new
-        delivery = asyncio.ensure_future(sending)
-        try:
-            written = await self._write(raw, old, new)
-        finally:
-            refusals = await delivery
+        await asyncio.wait({sending}, timeout=PLANS_WAIT_SECONDS)
+        if not sending.done() or sending.cancelled() or sending.exception() is not None:
+            return new
+        refusals = sending.result()
         if not refusals:
             return new
         refused = observed_status(new, replace(observation, plan_errors=refusals), utc_now())

@@ -9,13 +9,15 @@ import asyncio
 import contextlib
 from typing import Any
 
+import pytest
 from aiohttp import web
 
+from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from tests.unit.controller.builders import reconciler as make_reconciler
-from tests.unit.controller.builders import sink_view, source_view, sync
 from weightsync.api import GROUP, PLURAL, VERSION, ConditionType, find_condition, reasons
 from weightsync.api.control import ErrorResponse, MembershipPlan, PlanAccepted
 from weightsync.api.v1alpha1 import WeightSyncStatus
+from weightsync.controller import reconcile
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.memory import Memory
 from weightsync.controller.plan import desired_members
@@ -92,8 +94,12 @@ def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refus
             spec=parsed.spec, metadata_generation=3, pods=pods, statuses={},
             desired=desired, planned=planned, planned_generation=1, current=Current(None),
         )  # fmt: skip
-        sending = reconciler.planner.deliver(
-            raw, parsed, generation=1, desired=desired, token="t", memory=memory
+        sending = reconciler._send_plans(
+            ("ns", "sync"),
+            reconciler.planner.deliver(
+                raw, parsed, generation=1, desired=desired, token="t", memory=memory
+            ),
+            memory,
         )
         try:
             last = await reconciler._write_observed(raw, old, observation, sending)
@@ -125,5 +131,93 @@ def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refus
         assert memory.written is not None
         assert memory.written[0] == "2"
         assert memory.written[1]["metadata"]["resourceVersion"] == "3"
+
+    asyncio.run(scenario())
+
+
+def test_plans_answered_late_do_not_hold_the_pass_and_bring_one_once_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reconcile, "PLANS_WAIT_SECONDS", 0.2)
+    release = asyncio.Event()  # e-2 refuses its plan only once released
+
+    async def patch_status(request: web.Request) -> web.Response:
+        body = await request.json()
+        meta = {"namespace": "ns", "name": "sync", "resourceVersion": "2"}
+        return web.json_response({"metadata": meta, **body})
+
+    async def put_plan(request: web.Request) -> web.Response:
+        plan = MembershipPlan.model_validate_json(await request.read())
+        if plan.rank == 2:
+            await release.wait()
+            error = ErrorResponse(error="busy", detail="another plan is being applied")
+            return web.Response(status=409, text=error.model_dump_json())
+        accepted = PlanAccepted(generation=plan.generation, rank=plan.rank, world_size=3)
+        return web.Response(status=202, text=accepted.model_dump_json())
+
+    async def scenario() -> None:
+        api = web.Application()
+        api.router.add_patch(f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/sync/status",
+                             patch_status)  # fmt: skip
+        api_runner, api_port = await _serve(api)
+        agents_app = web.Application()
+        agents_app.router.add_put("/v1/plan", put_plan)
+        agents_runner, port = await _serve(agents_app)
+        agents = AgentClient(timeout_seconds=WAIT)
+        reconciler = make_reconciler(agents, f"http://127.0.0.1:{api_port}", lambda *_: None)
+        requested: list[tuple[str, str]] = []
+        reconciler.request = lambda *key: requested.append(key)  # type: ignore[method-assign]
+        parsed = sync()
+        raw = {"metadata": {"namespace": "ns", "name": "sync", "generation": 3, "uid": "u",
+                            "resourceVersion": "1"}}  # fmt: skip
+        pods = [
+            source_view(ip="127.0.0.1", agent_port=port),
+            sink_view("e-1", ip="127.0.0.1", agent_port=port),
+            sink_view("e-2", ip="127.0.0.1", agent_port=port, index=1),
+        ]
+        desired = desired_members(parsed.spec, pods, {p.name for p in pods}, [])
+        memory = reconciler._memory[("ns", "sync")] = Memory()
+        old = WeightSyncStatus()
+
+        def plan(evidence: dict[str, Any]) -> tuple[Any, int | None, bool]:
+            return reconciler.planner.plan(
+                raw, (old, planned, None), desired, evidence, evidence=evidence,
+                memory=memory, generation=1,
+            )  # fmt: skip
+
+        planned, _, _ = reconciler.planner.plan(
+            raw, (old, [], None), desired, {}, evidence={}, memory=memory, generation=None
+        )
+        observation = Observation(
+            spec=parsed.spec, metadata_generation=3, pods=pods, statuses={},
+            desired=desired, planned=planned, planned_generation=1, current=Current(None),
+        )  # fmt: skip
+        deliver = reconciler.planner.deliver(
+            raw, parsed, generation=1, desired=desired, token="t", memory=memory
+        )
+        sending = reconciler._send_plans(("ns", "sync"), deliver, memory)
+        try:
+            written = await asyncio.wait_for(
+                reconciler._write_observed(raw, old, observation, sending), WAIT
+            )
+            # The pass went on without e-2's answer; the status names the new members.
+            assert not sending.done()
+            assert [m.pod for m in written.members] == ["trainer-0", "e-1", "e-2"]
+            # No newer generation while the plans go out, whatever the members said
+            # before theirs came (e-1 answered holding none).
+            assert plan({"e-1": agent("e-1")}) == (planned, 1, False)
+            release.set()
+            assert await sending == {"e-2": "HTTP 409 busy: another plan is being applied"}
+            await asyncio.sleep(0)  # the task's done callbacks
+        finally:
+            release.set()
+            await agents.close()
+            await reconciler.kube.writer.close()
+            await agents_runner.cleanup()
+            await api_runner.cleanup()
+
+        assert requested == [("ns", "sync")]  # their end brought a pass
+        assert set(memory.cooldown) == {"uid-e-2"}  # the refuser sits out
+        assert plan({"e-1": agent("e-1")})[2]  # planning goes on
 
     asyncio.run(scenario())

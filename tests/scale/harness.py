@@ -269,6 +269,7 @@ class Scenario:
         # The operator's own (not KWOK's re-addressed pods), to read beside its log.
         for at, pod, reason in [c for c in closings if not c[2].endswith("moved")][:10]:
             print(f"[scale]   {pod} closed at {_wall(at)}: {reason}", flush=True)
+        self.figures.scale_up_from = began
         self.figures.steady_from = members
 
     def steady(self) -> None:
@@ -375,6 +376,7 @@ class Scenario:
             1 for p in sampler.passes if figures.steady_from <= p.at <= figures.steady_until
             and p.shared
         )  # fmt: skip
+        figures.scale_up_passes = sampler.passes_between(figures.scale_up_from, figures.steady_from)
         start, end = figures.slow_window
         figures.slow_passes = sampler.passes_between(start, end)
         figures.rss_peak = sampler.peak_rss()

@@ -599,13 +599,17 @@ class Reconciler:
         while they go out (`sending`: the refusals by pod): a thousand plans take seconds,
         and `kubectl get wsync` need not wait to name the new members. Refusals (each
         refuser sits out, and the next pass plans without it) are written if every plan
-        was answered within `PLANS_WAIT_SECONDS`; later ones show in their Events and the
-        generation planned next. The status last written."""
+        was answered within `PLANS_WAIT_SECONDS` of the write's start; later ones show in
+        their Events and the generation planned next. The status last written."""
         new = observed_status(old, observation, utc_now())
+        began = time.monotonic()
         written = await self._write(raw, old, new)
         if sending is None:
             return new
-        await asyncio.wait({sending}, timeout=PLANS_WAIT_SECONDS)
+        # The plans went out with the write: they have its time too.
+        await asyncio.wait(
+            {sending}, timeout=max(0.0, began + PLANS_WAIT_SECONDS - time.monotonic())
+        )
         if not sending.done() or sending.cancelled() or sending.exception() is not None:
             return new
         refusals = sending.result()

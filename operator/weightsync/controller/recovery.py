@@ -227,8 +227,9 @@ def plan_recoveries(
     now: float,
     default_port: int,
 ) -> list[Decision]:
-    """A decision for each joinable sink pod with something to start, wait on, report or
-    remember (a tracker); the others are admitted. None when recovery does not apply."""
+    """A decision for each joinable sink pod with something to start, wait on or report;
+    the others are admitted, their trackers as they were. None when recovery does not
+    apply."""
     if not enabled_for(spec, current):
         return []
     decisions = []
@@ -237,10 +238,9 @@ def plan_recoveries(
         if pod.role is not Role.SINK or not pod.joinable:
             continue
         status, tracker = statuses.get(pod.name), trackers.get(pod.uid)
-        # Every sink of every pass at a thousand pods: most have nothing to decide.
-        if tracker is None and (
-            status is None or not (_unreported(status, None) or behind(status, current))
-        ):
+        # Every sink of every pass at a thousand pods (each with a tracker once it
+        # recovered): most have nothing to decide.
+        if status is None or not (_unreported(status, tracker) or behind(status, current)):
             continue
         if holding is None:
             holding = holders_of(current, pods, statuses, default_port, excluding="")

@@ -191,7 +191,9 @@ def test_engine_containers_restarted_in_place_are_held_out_until_current(
 
             pod = eventually(back, timeout=ROUND_UP, message=f"{name} restarted and Ready")
             assert pod["status"]["podIP"] == victim["status"]["podIP"]  # in place
-            assert engine_digest(pod, ENGINE_PORT) == expected  # bit-identical, no round
+            served = engine_digest(pod, ENGINE_PORT)
+            # bit-identical, no round; else the victim's logs say how it got there
+            assert served == expected, victim_logs(cluster, namespace, name)
             if kill % 2:
                 joins_and_syncs(cluster, namespace, trainer_ip, name)
     # Every Ready the watcher saw served what the trainer held then (a watch may merge a
@@ -200,6 +202,15 @@ def test_engine_containers_restarted_in_place_are_held_out_until_current(
     assert [entry for entry in answered if entry[1] != entry[2]] == []
     assert ("Normal", "Recovered") in events(cluster, namespace)
     no_tracebacks(cluster, operator, namespace)
+
+
+def victim_logs(cluster: LocalCluster, namespace: str, pod: str, tail: int = 4000) -> str:
+    """The last lines of every log of `pod`'s containers, restarts included."""
+    return "\n".join(
+        f"--- {path}\n{text[-tail:]}"
+        for path, text in sorted(pod_logs(cluster, namespace).items())
+        if f"_{pod}_" in path
+    )
 
 
 def engine_health(pod: dict[str, Any]) -> dict[str, Any]:

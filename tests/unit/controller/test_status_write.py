@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,8 +22,9 @@ from weightsync.api.v1alpha1 import WeightSyncStatus
 from weightsync.controller import reconcile
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.memory import Memory
-from weightsync.controller.plan import desired_members
+from weightsync.controller.plan import Desired, Slot, desired_members
 from weightsync.controller.readiness import Current
+from weightsync.controller.reconcile import Reconciler
 from weightsync.controller.status import EventSpec, Observation
 
 WAIT = 10.0  # how long the slow member's plan waits for the status to arrive
@@ -34,10 +37,76 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
     return runner, runner.addresses[0][1]
 
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+@dataclass
+class Stage:
+    """A reconciler between a served API server and served agents (trainer-0, e-1, e-2),
+    generation 1 planned for them and its plans not sent yet."""
+
+    reconciler: Reconciler
+    raw: dict[str, Any]
+    desired: Desired
+    memory: Memory
+    planned: list[Slot]
+    observation: Observation
+
+    def send(self) -> asyncio.Task[dict[str, str]]:
+        """The pass's delivery of generation 1's plans, as `_pass` starts it."""
+        deliver = self.reconciler.planner.deliver(
+            self.raw, sync(), generation=1, desired=self.desired, token="t", memory=self.memory
+        )
+        return self.reconciler._send_plans(("ns", "sync"), deliver, self.memory)
+
+
+@contextlib.asynccontextmanager
+async def staged(
+    patch_status: Handler, put_plan: Handler, post_event: Callable[..., None]
+) -> AsyncIterator[Stage]:
+    api = web.Application()
+    api.router.add_patch(f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/sync/status",
+                         patch_status)  # fmt: skip
+    api_runner, api_port = await _serve(api)
+    agents_app = web.Application()
+    agents_app.router.add_put("/v1/plan", put_plan)
+    agents_runner, port = await _serve(agents_app)
+    agents = AgentClient(timeout_seconds=WAIT + 5)
+    api_url = f"http://127.0.0.1:{api_port}"
+    reconciler = make_reconciler(agents, api_url, post_event)  # type: ignore[arg-type]
+    raw = {"metadata": {"namespace": "ns", "name": "sync", "generation": 3, "uid": "u",
+                        "resourceVersion": "1"}}  # fmt: skip
+    pods = [
+        source_view(ip="127.0.0.1", agent_port=port),
+        sink_view("e-1", ip="127.0.0.1", agent_port=port),
+        sink_view("e-2", ip="127.0.0.1", agent_port=port, index=1),
+    ]
+    spec = sync().spec
+    desired = desired_members(spec, pods, {p.name for p in pods}, [])
+    memory = reconciler._memory[("ns", "sync")] = Memory()
+    planned, generation, fresh = reconciler.planner.plan(
+        raw, (WeightSyncStatus(), [], None), desired, {}, evidence={}, memory=memory,
+        generation=None,
+    )  # fmt: skip
+    assert (generation, fresh) == (1, True)
+    observation = Observation(
+        spec=spec, metadata_generation=3, pods=pods, statuses={},
+        desired=desired, planned=planned, planned_generation=1, current=Current(None),
+    )  # fmt: skip
+    try:
+        yield Stage(reconciler, raw, desired, memory, planned, observation)
+    finally:
+        await agents.close()
+        await reconciler.kube.writer.close()
+        await agents_runner.cleanup()
+        await api_runner.cleanup()
+
+
 def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refusals() -> None:
     written: list[dict[str, Any]] = []  # status bodies, in order
     status_arrived = asyncio.Event()
     answered: list[tuple[int, bool]] = []  # (rank, whether the status had arrived)
+    events: list[EventSpec] = []
 
     async def patch_status(request: web.Request) -> web.Response:
         body = await request.json()
@@ -59,55 +128,12 @@ def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refus
         return web.Response(status=202, text=accepted.model_dump_json())
 
     async def scenario() -> None:
-        api = web.Application()
-        path = f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/sync/status"
-        api.router.add_patch(path, patch_status)
-        api_runner, api_port = await _serve(api)
-        agents_app = web.Application()
-        agents_app.router.add_put("/v1/plan", put_plan)
-        agents_runner, port = await _serve(agents_app)
-
-        agents = AgentClient(timeout_seconds=WAIT + 5)
-        events: list[EventSpec] = []
-        reconciler = make_reconciler(
-            agents,
-            f"http://127.0.0.1:{api_port}",
-            lambda _, event: events.append(event),  # type: ignore[arg-type]
-        )
-        parsed = sync()
-        raw = {"metadata": {"namespace": "ns", "name": "sync", "generation": 3, "uid": "u",
-                            "resourceVersion": "1"}}  # fmt: skip
-        pods = [
-            source_view(ip="127.0.0.1", agent_port=port),
-            sink_view("e-1", ip="127.0.0.1", agent_port=port),
-            sink_view("e-2", ip="127.0.0.1", agent_port=port, index=1),
-        ]
-        desired = desired_members(parsed.spec, pods, {p.name for p in pods}, [])
-        memory = reconciler._memory[("ns", "sync")] = Memory()
-        old = WeightSyncStatus()
-        planned, generation, fresh = reconciler.planner.plan(
-            raw, (old, [], None), desired, {}, evidence={}, memory=memory, generation=None
-        )
-        assert (generation, fresh) == (1, True)
-        assert set(memory.deliveries[1].members) == {"trainer-0", "e-1", "e-2"}
-        observation = Observation(
-            spec=parsed.spec, metadata_generation=3, pods=pods, statuses={},
-            desired=desired, planned=planned, planned_generation=1, current=Current(None),
-        )  # fmt: skip
-        sending = reconciler._send_plans(
-            ("ns", "sync"),
-            reconciler.planner.deliver(
-                raw, parsed, generation=1, desired=desired, token="t", memory=memory
-            ),
-            memory,
-        )
-        try:
-            last = await reconciler._write_observed(raw, old, observation, sending)
-        finally:
-            await agents.close()
-            await reconciler.kube.writer.close()
-            await agents_runner.cleanup()
-            await api_runner.cleanup()
+        async with staged(patch_status, put_plan, lambda _, event: events.append(event)) as stage:
+            memory = stage.memory
+            assert set(memory.deliveries[1].members) == {"trainer-0", "e-1", "e-2"}
+            last = await stage.reconciler._write_observed(
+                stage.raw, WeightSyncStatus(), stage.observation, stage.send()
+            )
 
         # e-1 answered its plan after the status named it: the write did not wait.
         assert sorted(answered) == [(0, True), (1, True)]
@@ -156,68 +182,39 @@ def test_plans_answered_late_do_not_hold_the_pass_and_bring_one_once_sent(
         return web.Response(status=202, text=accepted.model_dump_json())
 
     async def scenario() -> None:
-        api = web.Application()
-        api.router.add_patch(f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/sync/status",
-                             patch_status)  # fmt: skip
-        api_runner, api_port = await _serve(api)
-        agents_app = web.Application()
-        agents_app.router.add_put("/v1/plan", put_plan)
-        agents_runner, port = await _serve(agents_app)
-        agents = AgentClient(timeout_seconds=WAIT)
-        reconciler = make_reconciler(agents, f"http://127.0.0.1:{api_port}", lambda *_: None)
-        requested: list[tuple[str, str]] = []
-        reconciler.request = lambda *key: requested.append(key)  # type: ignore[method-assign]
-        parsed = sync()
-        raw = {"metadata": {"namespace": "ns", "name": "sync", "generation": 3, "uid": "u",
-                            "resourceVersion": "1"}}  # fmt: skip
-        pods = [
-            source_view(ip="127.0.0.1", agent_port=port),
-            sink_view("e-1", ip="127.0.0.1", agent_port=port),
-            sink_view("e-2", ip="127.0.0.1", agent_port=port, index=1),
-        ]
-        desired = desired_members(parsed.spec, pods, {p.name for p in pods}, [])
-        memory = reconciler._memory[("ns", "sync")] = Memory()
-        old = WeightSyncStatus()
+        async with staged(patch_status, put_plan, lambda *_: None) as stage:
+            reconciler, memory, planned = stage.reconciler, stage.memory, stage.planned
+            requested: list[tuple[str, str]] = []
+            reconciler.request = lambda *key: requested.append(key)  # type: ignore[method-assign]
 
-        def plan(evidence: dict[str, Any]) -> tuple[Any, int | None, bool]:
-            return reconciler.planner.plan(
-                raw, (old, planned, None), desired, evidence, evidence=evidence,
-                memory=memory, generation=1,
-            )  # fmt: skip
+            def plan(evidence: dict[str, Any]) -> tuple[Any, int | None, bool]:
+                return reconciler.planner.plan(
+                    stage.raw, (WeightSyncStatus(), planned, None), stage.desired, evidence,
+                    evidence=evidence, memory=memory, generation=1,
+                )  # fmt: skip
 
-        planned, _, _ = reconciler.planner.plan(
-            raw, (old, [], None), desired, {}, evidence={}, memory=memory, generation=None
-        )
-        observation = Observation(
-            spec=parsed.spec, metadata_generation=3, pods=pods, statuses={},
-            desired=desired, planned=planned, planned_generation=1, current=Current(None),
-        )  # fmt: skip
-        deliver = reconciler.planner.deliver(
-            raw, parsed, generation=1, desired=desired, token="t", memory=memory
-        )
-        sending = reconciler._send_plans(("ns", "sync"), deliver, memory)
-        try:
-            written = await asyncio.wait_for(
-                reconciler._write_observed(raw, old, observation, sending), WAIT
-            )
-            # The pass went on without e-2's answer; the status names the new members.
-            assert not sending.done()
-            assert [m.pod for m in written.members] == ["trainer-0", "e-1", "e-2"]
-            # No newer generation while the plans go out, whatever the members said
-            # before theirs came (e-1 answered holding none).
-            assert plan({"e-1": agent("e-1")}) == (planned, 1, False)
-            release.set()
-            assert await sending == {"e-2": "HTTP 409 busy: another plan is being applied"}
-            await asyncio.sleep(0)  # the task's done callbacks
-        finally:
-            release.set()
-            await agents.close()
-            await reconciler.kube.writer.close()
-            await agents_runner.cleanup()
-            await api_runner.cleanup()
+            sending = stage.send()
+            try:
+                written = await asyncio.wait_for(
+                    reconciler._write_observed(
+                        stage.raw, WeightSyncStatus(), stage.observation, sending
+                    ),
+                    WAIT,
+                )
+                # The pass went on without e-2's answer; the status names the new members.
+                assert not sending.done()
+                assert [m.pod for m in written.members] == ["trainer-0", "e-1", "e-2"]
+                # No newer generation while the plans go out, whatever the members said
+                # before theirs came (e-1 answered holding none).
+                assert plan({"e-1": agent("e-1")}) == (planned, 1, False)
+                release.set()
+                assert await sending == {"e-2": "HTTP 409 busy: another plan is being applied"}
+                await asyncio.sleep(0)  # the task's done callbacks
+            finally:
+                release.set()
 
-        assert requested == [("ns", "sync")]  # their end brought a pass
-        assert set(memory.cooldown) == {"uid-e-2"}  # the refuser sits out
-        assert plan({"e-1": agent("e-1")})[2]  # planning goes on
+            assert requested == [("ns", "sync")]  # their end brought a pass
+            assert set(memory.cooldown) == {"uid-e-2"}  # the refuser sits out
+            assert plan({"e-1": agent("e-1")})[2]  # planning goes on
 
     asyncio.run(scenario())

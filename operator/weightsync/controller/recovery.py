@@ -173,7 +173,7 @@ def _unreported(status: AgentStatus, tracker: Tracker | None) -> RecoveryStatus 
 
 def decide(
     pod: PodView,
-    status: AgentStatus | None,
+    status: AgentStatus,
     current: Current,
     *,
     holders: Sequence[str],
@@ -181,11 +181,10 @@ def decide(
     tracker: Tracker | None,
     now: float,
 ) -> Decision:
-    """What to do about one joinable sink pod this pass (`holders`: who holds `current`,
-    `own` among them left out), and what the pod's tracker becomes."""
+    """What to do about one joinable sink pod whose agent answered, this pass (`holders`:
+    who holds `current`, `own` among them left out), and what its tracker becomes. One
+    not answering is not planned anyway (`plan_recoveries` skips it)."""
     before = tracker or Tracker()
-    if status is None:  # not answering: it is not planned anyway
-        return Decision(pod, Step.ADMIT, tracker=before.after(None, now))
     finished = _unreported(status, before)
     after = before.after(finished, now)
     if not behind(status, current):

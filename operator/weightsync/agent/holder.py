@@ -7,8 +7,9 @@ a pull.
 
 It is filled *while the round runs*. A source agent that maps the Publisher's tensors
 (GPU) calls `stage_tensors` once per round: every tensor is copied device-to-host on a
-side stream beside the broadcast, and the round's result waits for it (the trainer may
-write its tensors once `publish` returns). Otherwise the round calls `stage` once per
+side stream beside the broadcast; the round's result does not wait for it, and the copy
+is committed only once the Publisher fences (`SourceLoop.fence`: it has not written its
+tensors meanwhile). Otherwise the round calls `stage` once per
 bucket, right after the bucket was broadcast (source) or received (sink), and the
 bucket's bytes are copied out of the slot before the slot is reused:
 * on GPU, a non-blocking D2H copy into pinned memory on a side stream; the device's
@@ -19,6 +20,14 @@ bucket's bytes are copied out of the slot before the slot is reused:
 Each bucket's checksum (`held_checksum`, CRC-32 over the held host bytes of its tensors,
 so it is what a puller reads; the alignment padding between tensors is left out, since
 holders fill it differently) is computed by a background thread, off the round's path.
+
+Host buffers are allocated (page-locked a slice at a time, `agent.host_memory`) and
+registered off the round's path: `prepare` is
+called once the layout is known (the source's attach) and asks for two; a round that
+finds none ready stages nothing and is not held, instead of waiting seconds for a
+model-sized pinned allocation (15-21 s measured for 8B bf16 inside first rounds).
+Buffers of at most `_INLINE_ALLOCATION_BYTES` are still allocated in the round: that
+costs milliseconds, and a small model is then held from its first round.
 
 Two buffers, flipped on commit: the round stages into the spare buffer and `commit`
 makes it the held one, the old held buffer becoming the next round's spare. So a failed
@@ -34,13 +43,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.agent.host_copies import SideStream, checksum_after, copy_groups, within_slices
+from weightsync.agent.host_memory import PinnedBuffer, PinningError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
@@ -53,6 +65,8 @@ log = logging.getLogger(__name__)
 
 _HOLDING_WAIT_SECONDS = 60.0  # how long GET /v1/holding waits for a fresh commit's checksums
 _HOLD_QUEUE_BYTES = 64 << 20  # device-to-host bytes `stage_tensors` keeps queued at most
+_INLINE_ALLOCATION_BYTES = 64 << 20  # larger host buffers are allocated in the background
+_BUFFERS = 2  # the held copy and the next round's staging copy
 
 
 @dataclass(eq=False)
@@ -92,9 +106,13 @@ class Holder:
         self._held: _HostCopy | None = None
         self._staging: _HostCopy | None = None
         self._staging_failed = False  # a copy of this round failed: never commit it
-        self._spare: torch.Tensor | None = None  # a registered buffer neither held nor staging
+        self._round: tuple[int, str] | None = None  # (version, layout hash) being staged
+        self._free: list[torch.Tensor] = []  # registered buffers neither held nor staging
+        self._allocating: asyncio.Task[None] | None = None  # `prepare`'s background work
+        self._epoch = 0  # bumped by `release`: an allocation finishing later is dropped
+        self._pinned: dict[int, PinnedBuffer] = {}  # GPU agents' buffers, by address
         self._in_flight: deque[torch.cuda.Event] = deque()
-        self._side_stream: torch.cuda.Stream | None = None
+        self._copies = SideStream()
         self._checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holder-crc")
 
     # ------------------------------------------------------------------ state
@@ -139,24 +157,20 @@ class Holder:
     async def _stage(
         self, version: int, layout: BucketLayout, bucket: Bucket, slot: torch.Tensor, depth: int
     ) -> None:
+        if bucket.index == 0 or self._round != (version, layout.layout_hash):
+            await self._begin(version, layout)
         staging = self._staging
-        if (
-            staging is None
-            or bucket.index == 0
-            or staging.version != version
-            or staging.layout.layout_hash != layout.layout_hash
-        ):
-            staging = await self._begin(version, layout)
-        if self._staging_failed:
+        if staging is None or self._staging_failed:
             return
         offset = staging.offsets[bucket.index]
         target = staging.buffer[offset : offset + bucket.nbytes]
         source = slot[: bucket.nbytes]
-        if source.is_cuda:
-            done = self._copy_on_side_stream(target, source)
+        pieces = self._within_slices(staging, [(target, source)])
+        if source.is_cuda and pieces:
+            done = self._copies.after_current(pieces)
             self._in_flight.append(done)
             staging.checksums[bucket.index] = self._checksummer.submit(
-                _checksum_after, done, target, bucket
+                checksum_after, done, target, bucket
             )
             while len(self._in_flight) > depth - 1:
                 await asyncio.to_thread(self._in_flight.popleft().synchronize)
@@ -184,6 +198,8 @@ class Holder:
             return
         try:
             staging = await self._begin(version, layout)
+            if staging is None:
+                return
             queued: deque[tuple[torch.cuda.Event, int]] = deque()
             in_flight = 0  # bytes of `queued`
             for bucket in layout.buckets:
@@ -198,78 +214,119 @@ class Holder:
                     )
                     continue
                 done = None
-                for group in _copy_groups(targets, sources, _HOLD_QUEUE_BYTES // 2):
-                    done = await asyncio.to_thread(self._copies_on_side_stream, group)
+                pieces = self._within_slices(staging, zip(targets, sources, strict=True))
+                pairs = list(zip(*pieces, strict=True)) if pieces else [(), ()]
+                for group in copy_groups(pairs[0], pairs[1], _HOLD_QUEUE_BYTES // 2):
+                    done = await asyncio.to_thread(self._copies.queue, group)
                     queued.append((done, sum(t.nbytes for t, _ in group)))
                     in_flight += queued[-1][1]
                     while in_flight > _HOLD_QUEUE_BYTES:
                         event, nbytes = queued.popleft()
                         await asyncio.to_thread(event.synchronize)
                         in_flight -= nbytes
-                if done is not None:
-                    staging.checksums[bucket.index] = self._checksummer.submit(
-                        _checksum_after, done, region, bucket
-                    )
+                staging.checksums[bucket.index] = (
+                    self._checksummer.submit(checksum_after, done, region, bucket)
+                    if done is not None
+                    else self._checksummer.submit(held_checksum, region, bucket)  # no bytes
+                )
             if queued:
                 await asyncio.to_thread(queued[-1][0].synchronize)
         except (P2PError, RuntimeError, MemoryError, OSError, KeyError) as exc:
             log.warning("holder: staging version %d from its tensors failed: %s", version, exc)
             self._staging_failed = True
 
-    def _copies_on_side_stream(
-        self, group: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.cuda.Event:
-        """Queue device-to-host copies on the side stream; their done event. The sources
-        are complete: the Publisher synchronised its device before the round."""
-        device = group[0][1].device
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(self._side_stream):
-            for target, source in group:
-                target.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(self._side_stream)
-        return done
-
-    def _copy_on_side_stream(self, target: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event:
-        current = torch.cuda.current_stream(source.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(source.device)  # type: ignore[no-untyped-call]
-        side = self._side_stream
-        side.wait_stream(current)  # the bucket's bytes are complete on the current stream
-        with torch.cuda.stream(side):
-            target.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(side)
-        current.wait_event(done)  # the next write into this slot on this device waits
-        return done
-
-    async def _begin(self, version: int, layout: BucketLayout) -> _HostCopy:
-        """A fresh staging copy for `version`, in the spare buffer (allocated if too small)."""
+    async def _begin(self, version: int, layout: BucketLayout) -> _HostCopy | None:
+        """A fresh staging copy for `version` in a free buffer; None (the round is not
+        held) while a large enough buffer is still being allocated."""
         if self._staging is not None:
-            self._spare = self._staging.buffer
+            self._free.append(self._staging.buffer)
             self._staging = None
         self._staging_failed = False
+        self._round = (version, layout.layout_hash)
         self._in_flight.clear()
         need = max(layout.total_bytes, 1)
-        buffer = self._spare
-        if buffer is None or buffer.numel() < need:
-            self._spare = None
-            if buffer is not None and self._endpoint is not None:
-                self._endpoint.unregister(buffer)
+        buffer = self._take(need)
+        if buffer is None and need <= _INLINE_ALLOCATION_BYTES:
             buffer = await asyncio.to_thread(self._allocate, need)
-        self._spare = None
+        if buffer is None:
+            self.prepare(need)
+            log.info(
+                "holder: version %d is not held: its host buffers are being allocated", version
+            )
+            return None
         self._staging = _HostCopy(buffer, version, layout, held_offsets(layout))
         return self._staging
 
+    def _within_slices(
+        self, staging: _HostCopy, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`pairs` cut where the staging buffer's page-locked slices meet (GPU agents)."""
+        pinned = self._pinned.get(staging.buffer.data_ptr())
+        if pinned is None:
+            return list(pairs)
+        return within_slices(pairs, pinned.tensor.data_ptr(), pinned.slice_bytes)
+
+    def prepare(self, nbytes: int) -> None:
+        """Have `_BUFFERS` registered buffers of at least `nbytes` (the held one counts),
+        allocating the missing ones in the background; smaller free ones are dropped."""
+        if not self._enabled or (self._allocating is not None and not self._allocating.done()):
+            return
+        need = max(nbytes, 1)
+        for buffer in [b for b in self._free if b.numel() < need]:
+            self._free.remove(buffer)
+            self._unregister(buffer)
+        in_use = [c.buffer for c in (self._held, self._staging) if c is not None]
+        missing = _BUFFERS - sum(1 for b in [*self._free, *in_use] if b.numel() >= need)
+        if missing > 0:
+            self._allocating = asyncio.create_task(
+                self._allocate_free(need, missing, self._epoch), name="holder-allocate"
+            )
+
+    async def _allocate_free(self, nbytes: int, count: int, epoch: int) -> None:
+        for _ in range(count):
+            try:
+                buffer = await asyncio.to_thread(self._allocate, nbytes)
+            except (P2PError, PinningError, RuntimeError, MemoryError, OSError) as exc:
+                log.warning("holder: allocating %d B of host memory failed: %s", nbytes, exc)
+                return
+            if epoch != self._epoch or not self._enabled:  # released meanwhile
+                self._unregister(buffer)
+                return
+            self._free.append(buffer)
+
+    def _take(self, nbytes: int) -> torch.Tensor | None:
+        """A free buffer of at least `nbytes` (the smallest such), or None."""
+        fits = [b for b in self._free if b.numel() >= nbytes]
+        if not fits:
+            return None
+        buffer = min(fits, key=torch.Tensor.numel)
+        self._free.remove(buffer)
+        return buffer
+
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        """A registered host buffer (pinned for a GPU agent); runs off the event loop."""
+        """A registered host buffer (page-locked for a GPU agent: `host_memory`); runs
+        off the event loop."""
+        started = time.monotonic()
         if self._endpoint is None:
             self._endpoint = self._endpoints.get(self.protocol)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            pinned = PinnedBuffer(nbytes, self.device)
+            buffer = pinned.tensor
+            self._pinned[buffer.data_ptr()] = pinned
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
         self._endpoint.register(buffer)
-        log.info("holder: registered %d B of host memory", nbytes)
+        log.info(
+            "holder: registered %d B of host memory in %.2f s", nbytes, time.monotonic() - started
+        )
         return buffer
+
+    def _unregister(self, buffer: torch.Tensor) -> None:
+        if self._endpoint is not None:
+            self._endpoint.unregister(buffer)
+        pinned = self._pinned.pop(buffer.data_ptr(), None)
+        if pinned is not None:
+            pinned.release()
 
     # ------------------------------------------------------------------ round outcome
     def commit(self, version: int, lineage: str) -> bool:
@@ -284,7 +341,7 @@ class Holder:
         staging.lineage = lineage
         old, self._held, self._staging = self._held, staging, None
         if old is not None:
-            self._spare = old.buffer
+            self._free.append(old.buffer)
         self._metrics.held_version.set(version)
         log.info("holder: holding version %d (%d B)", version, staging.layout.total_bytes)
         return True
@@ -292,24 +349,21 @@ class Holder:
     def abandon(self) -> None:
         """The round failed: drop its staging copy; the held version stays as it was."""
         if self._staging is not None:
-            self._spare = self._staging.buffer
+            self._free.append(self._staging.buffer)
             self._staging = None
         self._staging_failed = False
+        self._round = None
 
     def release(self) -> None:
         """Hold nothing: unregister and free both buffers."""
-        buffers: Sequence[torch.Tensor | None] = (
-            self._held.buffer if self._held is not None else None,
-            self._staging.buffer if self._staging is not None else None,
-            self._spare,
-        )
-        if self._endpoint is not None:
-            for buffer in buffers:
-                if buffer is not None:
-                    self._endpoint.unregister(buffer)
+        copies = [c.buffer for c in (self._held, self._staging) if c is not None]
+        for buffer in [*copies, *self._free]:
+            self._unregister(buffer)
         self._held = self._staging = None
-        self._spare = None
+        self._free = []
+        self._epoch += 1
         self._staging_failed = False
+        self._round = None
         self._metrics.held_version.set(-1)
 
     # ------------------------------------------------------------------ serving
@@ -345,28 +399,3 @@ class Holder:
     def close(self) -> None:
         self.release()
         self._checksummer.shutdown(wait=False, cancel_futures=True)
-
-
-def _copy_groups(
-    targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], chunk: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(target, source) pieces in groups of about `chunk` bytes: large tensors split into
-    flat pieces of `chunk` bytes, small ones gathered into one group."""
-    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
-    size = 0
-    for target, source in zip(targets, sources, strict=True):
-        flat_target, flat_source = target.reshape(-1), source.reshape(-1)
-        step = max(chunk // max(target.element_size(), 1), 1)
-        for start in range(0, max(flat_target.numel(), 1), step):
-            piece = (flat_target[start : start + step], flat_source[start : start + step])
-            if size and size + piece[0].nbytes > chunk:
-                groups.append([])
-                size = 0
-            groups[-1].append(piece)
-            size += piece[0].nbytes
-    return [g for g in groups if g]
-
-
-def _checksum_after(done: torch.cuda.Event, target: torch.Tensor, bucket: Bucket) -> int:
-    done.synchronize()
-    return held_checksum(target, bucket)

@@ -9,7 +9,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from weightsync.agent.holder import Holder, _copy_groups
+from weightsync.agent import holder as holder_module
+from weightsync.agent.holder import Holder
+from weightsync.agent.host_copies import copy_groups, within_slices
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
@@ -235,7 +237,7 @@ def test_a_round_staged_from_the_published_tensors_holds_their_bytes(
 def test_copy_groups_cover_every_byte_once_in_bounded_groups() -> None:
     sources = [torch.arange(n, dtype=torch.float32) for n in (3, 5000, 7, 0, 2)]
     targets = [torch.zeros_like(t) for t in sources]
-    groups = _copy_groups(targets, sources, chunk=4096)
+    groups = copy_groups(targets, sources, chunk=4096)
     assert all(sum(t.nbytes for t, _ in g) <= 4096 for g in groups)
     for group in groups:
         for target, source in group:
@@ -272,3 +274,82 @@ def test_holders_that_fill_the_padding_differently_agree(endpoints: Endpoints) -
     assert held_checksum(region, LAYOUT.buckets[0]) != one.checksums[0]
     from_tensors.close()
     from_slots.close()
+
+
+def test_large_buffers_are_allocated_off_the_round_and_held_from_then_on(
+    endpoints: Endpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer over the inline limit (pinning 16 GB takes seconds) is allocated in the
+    background: the round that finds none ready is not held, and does not wait."""
+    monkeypatch.setattr(holder_module, "_INLINE_ALLOCATION_BYTES", 0)
+
+    async def scenario() -> None:
+        holder, _ = new_holder(endpoints)
+        first, second = version_bytes(LAYOUT, seed=1), version_bytes(LAYOUT, seed=2)
+        await stage_round(holder, LAYOUT, 1, first, len(LAYOUT.buckets))
+        assert not holder.commit(1, "L1"), "no buffer was ready: version 1 is not held"
+        assert holder.held_version is None
+        assert holder._allocating is not None
+        await holder._allocating
+        assert len(holder._free) == 2  # the staging copy and the next one
+        for version, buckets in ((2, second), (3, first)):
+            await stage_round(holder, LAYOUT, version, buckets, len(LAYOUT.buckets))
+            assert holder.commit(version, "L1")
+            held = holder.held_bytes()
+            assert held is not None
+            assert torch.equal(held[: buckets[0].numel()], buckets[0])
+        assert holder.held_version == 3
+        holder.close()
+
+    asyncio.run(scenario())
+
+
+def test_prepare_before_the_first_round_holds_it(
+    endpoints: Endpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(holder_module, "_INLINE_ALLOCATION_BYTES", 0)
+
+    async def scenario() -> None:
+        holder, _ = new_holder(endpoints)
+        holder.prepare(LAYOUT.total_bytes)  # as the source does at attach
+        assert holder._allocating is not None
+        await holder._allocating
+        buckets = version_bytes(LAYOUT, seed=4)
+        await stage_round(holder, LAYOUT, 1, buckets, len(LAYOUT.buckets))
+        assert holder.commit(1, "L1")
+        # Released while allocating: the late buffers are dropped, nothing is kept.
+        holder.set_enabled(False)
+        holder.set_enabled(True)
+        holder.prepare(LAYOUT.total_bytes * 4)
+        task = holder._allocating
+        holder.release()
+        assert task is not None
+        await task
+        assert holder._free == []
+        holder.close()
+
+    asyncio.run(scenario())
+
+
+def test_copies_into_sliced_host_memory_never_cross_a_slice() -> None:
+    """A GPU holder's buffer is page-locked in slices; the driver refuses a copy that
+    crosses from one into the next, so copies are cut at the slices' edges."""
+    host = torch.zeros(1000, dtype=torch.uint8)
+    origin, slice_bytes = host.data_ptr(), 64
+    sources = [torch.arange(n, dtype=torch.int16) for n in (40, 0, 3, 90)]
+    offsets = [6, 86, 86, 100]  # int16 views at these byte offsets
+    targets = [
+        host[o : o + s.nbytes].view(torch.int16) for o, s in zip(offsets, sources, strict=True)
+    ]
+    pieces = within_slices(zip(targets, sources, strict=True), origin, slice_bytes)
+    covered = []
+    for target, source in pieces:
+        start = target.data_ptr() - origin
+        assert start // slice_bytes == (start + target.numel() - 1) // slice_bytes, start
+        covered += range(start, start + target.numel())
+        target.copy_(source)
+    assert sorted(covered) == sorted(
+        b for o, s in zip(offsets, sources, strict=True) for b in range(o, o + s.nbytes)
+    )
+    for target, source in zip(targets, sources, strict=True):
+        assert torch.equal(target, source)

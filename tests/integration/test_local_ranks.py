@@ -26,7 +26,7 @@ from tests.support.plans import local_plan
 from weightsync.api import agent_env
 from weightsync.api.control import Backend, TransferOptions
 from weightsync.client import Publisher, PublishResult
-from weightsync.client.publisher import agent_socket
+from weightsync.client.connection import agent_socket
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,6 +11,7 @@ from weightsync.transfer.buffers import SlotError, SlotHandles
 from weightsync.transfer.handoff import (
     Abandon,
     Attach,
+    Fence,
     Fill,
     Filled,
     HandoffError,
@@ -68,6 +69,7 @@ async def serve_publisher(
             try:
                 message = await read_message(reader)
             except (ProtocolError, ConnectionError):
+                await source.publisher_left()
                 return
             if isinstance(message, Attach):
                 try:
@@ -84,6 +86,8 @@ async def serve_publisher(
                     message, SocketFillChannel(reader, writer, source.fill_timeout)
                 )
                 await write_message(writer, result)
+            elif isinstance(message, Fence):
+                await write_message(writer, await source.fence(message.version, message.clean))
             else:
                 await write_message(
                     writer,
@@ -91,6 +95,7 @@ async def serve_publisher(
                 )
     except (ConnectionError, ProtocolError) as exc:
         log.info("Publisher connection closed: %s", exc)
+        await source.publisher_left()
     except asyncio.CancelledError:
         # The agent is shutting down. asyncio's start_unix_server asks a cancelled
         # connection task for its exception and logs a traceback unless the handler ends

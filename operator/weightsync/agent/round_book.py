@@ -35,13 +35,16 @@ class RoundBook:
             generation.state = GenerationState.ACTIVE
         self.metrics.generation.set(generation.number)
 
-    def finished(self, outcome: RoundOutcome, committed: bool = False) -> None:
+    def finished(
+        self, outcome: RoundOutcome, committed: bool = False, *, hold_pending: bool = False
+    ) -> None:
         """A round's end; `committed`: this agent's engine switched to its version (a
-        sink's engine may commit although a later vote failed the round elsewhere)."""
+        sink's engine may commit although a later vote failed the round elsewhere);
+        `hold_pending`: the holder's copy still runs, committed at the Publisher's fence."""
         self.round_in_progress = False
-        if outcome.ok:  # every rank committed: the staged copy is the group's version
+        if outcome.ok and not hold_pending:  # every rank committed: the group's version
             self.holder.commit(outcome.version, outcome.lineage)
-        else:
+        elif not outcome.ok:
             self.holder.abandon()
         if committed or outcome.ok:
             self.version, self.lineage = outcome.version, outcome.lineage

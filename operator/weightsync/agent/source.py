@@ -85,6 +85,7 @@ class SourceRound(RankRound):
         # The tensors being published, when this agent maps them: the holder copies from
         # them beside the broadcast instead of from each slot before its reuse.
         self.hold_from = hold_from
+        self.hold: asyncio.Task[None] | None = None  # that copy, while it runs
         self.checksum = generation.plan.transfer.checksum
         self.lane = (
             EngineLane(engine_timeout_seconds, self.trace, self.deadline) if local_engine else None
@@ -200,18 +201,22 @@ class SourceRound(RankRound):
         await lane.submit("finish", "engine_finish", lambda: engine.finish_update(self.version))
 
     async def run(self) -> RoundOutcome:
-        """The round; with `hold_from`, the holder's copy runs beside it, and the outcome
-        (its duration: until every engine serves) waits for that copy, so the Publisher
-        gets its tensors back only once nothing reads them."""
-        hold = None
+        """The round; with `hold_from`, the holder's copy runs beside it (`self.hold`).
+        An ok round returns without waiting for that copy (the Publisher fences before
+        it writes its tensors: `SourceLoop.fence`); a failed one waits for it, since the
+        Publisher may write its tensors as soon as it hears."""
         if self.holder is not None and self.hold_from is not None:
             copy = self.holder.stage_tensors(self.version, self.layout, self.hold_from)
-            hold = asyncio.create_task(copy, name=f"hold-v{self.version}")
+            self.hold = asyncio.create_task(copy, name=f"hold-v{self.version}")
         try:
-            return await self._run()
-        finally:
-            if hold is not None:
-                await hold
+            outcome = await self._run()
+        except BaseException:
+            if self.hold is not None:
+                await self.hold
+            raise
+        if self.hold is not None and not outcome.ok:
+            await self.hold
+        return outcome
 
     async def _run(self) -> RoundOutcome:
         started = time.monotonic()

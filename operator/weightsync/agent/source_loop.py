@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -41,13 +42,22 @@ from weightsync.transfer.buffers import (
     TensorSources,
     open_sources,
 )
-from weightsync.transfer.handoff import Attached, Boxes, Publish, PublishResult
+from weightsync.transfer.handoff import Attached, Boxes, Fenced, Publish, PublishResult
 from weightsync.transfer.layout import BucketLayout, LayoutError, TensorMeta, plan_layout
 from weightsync.transfer.shards import RankReport, plan_shards, staging_bound
 
 log = logging.getLogger(__name__)
 
 _SWITCH_NOTICE_SECONDS = 5.0  # the most a round waits to tell an old generation to switch
+
+
+@dataclass(frozen=True)
+class _PendingHold:
+    """An ok round's holder copy still reading the Publisher's tensors."""
+
+    version: int
+    lineage: str
+    copy: asyncio.Task[None]
 
 
 class SourceLoop:
@@ -78,6 +88,7 @@ class SourceLoop:
         self._lock = asyncio.Lock()  # one attach or round at a time
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
         self._packer: SourcePacker | None = None  # the Publisher's tensors, when shared
+        self._hold: _PendingHold | None = None
         # A Colocated plan's engine (in another pod on this GPU), its adapter, and the slot
         # epoch it attached.
         self._planned_engine: tuple[LocalEngine, EngineAdapter] | None = None
@@ -114,6 +125,8 @@ class SourceLoop:
             # plan puts them (plain tensors too: a rank owning whole experts).
             shared = sources if boxes is None and plan.source_count == 1 else None
             self._packer = await self._map_sources(layout, shared)
+            if plan.source_count == 1 or plan.rank == 0 or plan.holder:
+                self.holder.prepare(layout.total_bytes)  # off the first round's path
         log.info(
             "layout %s: %d tensors, %d buckets, %d bytes, packed by the %s",
             layout.layout_hash[:12],
@@ -151,10 +164,13 @@ class SourceLoop:
     async def publish(self, request: Publish, channel: FillChannel) -> PublishResult:
         """One round; whatever goes wrong, the Publisher gets a result that says what."""
         async with self._lock:
+            # A hold pending here was never fenced: the tensors may have been written.
+            await self._settle_hold(clean=False)
             started = time.monotonic()
+            hold: asyncio.Task[None] | None = None
             try:
                 self._check_version(request)
-                outcome = await self._round(request, channel, started)
+                outcome, hold = await self._round(request, channel, started)
             except (RoundFailed, TransferError) as exc:
                 # A TransferError here came before the round's own handling (the
                 # generation it selected closed under it: `generation_closed`).
@@ -179,8 +195,47 @@ class SourceLoop:
                     repr(exc),
                     lineage=request.lineage,
                 )
-            self.book.finished(outcome)
-        return outcome.result()
+            pending = outcome.ok and hold is not None and not hold.done()
+            if pending and hold is not None:
+                self._hold = _PendingHold(outcome.version, outcome.lineage, hold)
+            self.book.finished(outcome, hold_pending=pending)
+        result = outcome.result()
+        return result.model_copy(update={"holding": True}) if pending else result
+
+    async def fence(self, version: int, clean: bool) -> Fenced:
+        """The Publisher will write the tensors of round `version`: wait for the holder's
+        copy of them, and keep it as the held version if they were not written yet."""
+        async with self._lock:
+            if self._hold is not None and self._hold.version == version:
+                held = await self._settle_hold(clean)
+            else:
+                held = self.holder.held_version == version
+        return Fenced(version=version, held=held)
+
+    async def publisher_left(self) -> None:
+        """The Publisher's connection closed: a pending copy can no longer be vouched for."""
+        async with self._lock:
+            await self._settle_hold(clean=False)
+
+    async def _settle_hold(self, clean: bool) -> bool:
+        """End the pending hold: wait for its copy, commit it if `clean`; True if held."""
+        pending, self._hold = self._hold, None
+        if pending is None:
+            return False
+        try:
+            await asyncio.wait_for(asyncio.shield(pending.copy), self.fill_timeout)
+        except TimeoutError:
+            log.warning("holder: the copy of version %d did not finish", pending.version)
+            clean = False
+        if clean:
+            return self.holder.commit(pending.version, pending.lineage)
+        log.warning(
+            "holder: version %d is not held: the Publisher did not fence before writing its"
+            " tensors (call Publisher.fence() or guard(optimizer) before the optimizer step)",
+            pending.version,
+        )
+        self.holder.abandon()
+        return False
 
     def _member(self) -> str:
         """How a failure here names this rank: its rank in the newest plan."""
@@ -197,7 +252,9 @@ class SourceLoop:
                 " Publisher: versions must rise (a restarted trainer gets a new Publisher)",
             )
 
-    async def _round(self, request: Publish, channel: FillChannel, started: float) -> RoundOutcome:
+    async def _round(
+        self, request: Publish, channel: FillChannel, started: float
+    ) -> tuple[RoundOutcome, asyncio.Task[None] | None]:
         layout = self.layout
         if layout is None or request.layout_hash != layout.layout_hash:
             raise RoundFailed("layout_mismatch", "the tensor set changed: attach again")
@@ -252,7 +309,7 @@ class SourceLoop:
             hold_from=hold_from,
             deadline=deadline,
         )
-        return await runner.run()
+        return await runner.run(), runner.hold
 
     def _report(self, layout: BucketLayout, rank: int) -> RankReport:
         """This rank's report of what it holds, made once per attach and rank (its JSON and

@@ -1,12 +1,12 @@
 """weightsync.client: the trainer-side Publisher."""
 
-from weightsync.client.inputs import PublishInputError
-from weightsync.client.publisher import (
+from weightsync.client.connection import (
     AgentUnavailableError,
     LayoutChangedError,
-    Publisher,
     PublisherError,
 )
+from weightsync.client.inputs import PublishInputError
+from weightsync.client.publisher import Publisher
 from weightsync.transfer.handoff import PublishResult
 
 __all__ = [

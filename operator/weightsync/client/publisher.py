@@ -7,8 +7,13 @@
 The first publish sends the tensor metadata; the agent plans the bucket layout.
 * On GPU the tensors themselves are shared once (CUDA IPC); the agent packs each bucket
   in its own process, on the stream that broadcasts it, and a publish is one request
-  and its result. The Publisher synchronises the device first, and the agent is done
-  reading the tensors when `publish` returns; tensors that moved are shared again.
+  and its result. The Publisher synchronises the device first; tensors that moved are
+  shared again. `publish` returns once every engine serves the version; where the agent
+  also holds it for recovery, its copy of the tensors to host memory may still run
+  (about 0.3 s for 16 GB): call `fence()` before writing them, or once
+  `publisher.guard(optimizer)`, which fences before every optimizer step. Without a
+  fence the next `publish` finds the tensors written (their version counters moved),
+  the agent drops that copy, and from then on `publish` waits for the copy itself.
 * Otherwise (CPU, or tensors the agent cannot map) the agent answers with its bucket
   slots (shared memory, or CUDA IPC), which this process maps once, and every publish
   copies bucket after bucket into the slots the agent names, in step with its broadcast.
@@ -22,6 +27,7 @@ holds locally (`client.shards`), and packs its own pieces when its agent asks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -33,21 +39,24 @@ from pathlib import Path
 
 import torch
 
-from weightsync.api import agent_env
+from weightsync.client.connection import (
+    AgentUnavailableError,
+    LayoutChangedError,
+    PublisherError,
+    agent_socket,
+    connect,
+)
+from weightsync.client.filling import SlotFiller
 from weightsync.client.inputs import Accepted, PublishInputError, checked_tensors
 from weightsync.client.shards import ShardError, describe, is_sharded
-from weightsync.transfer.buffers import (
-    copy_tensors,
-    describe_sources,
-    dtype_name,
-    open_slots,
-    slot_views,
-)
+from weightsync.transfer.buffers import describe_sources, dtype_name
 from weightsync.transfer.handoff import (
     Abandon,
     Attach,
     Attached,
     Boxes,
+    Fence,
+    Fenced,
     Fill,
     Filled,
     HandoffError,
@@ -64,22 +73,6 @@ log = logging.getLogger(__name__)
 
 
 _NOT_YET = frozenset({"no_plan"})
-
-
-class PublisherError(RuntimeError):
-    """The publish could not even start or complete its exchange with the agent."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class AgentUnavailableError(PublisherError):
-    """The source agent's socket is missing, refused, or closed mid-exchange."""
-
-
-class LayoutChangedError(PublisherError):
-    """The agent no longer accepts this layout and renegotiation did not settle it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +93,16 @@ class _Kept:
 
 
 @dataclass(frozen=True, slots=True)
+class _Hold:
+    """A round whose tensors the agent's holder copy may still read, and the tensors'
+    version counters when it ended (an in-place write moves them)."""
+
+    version: int
+    tensors: list[torch.Tensor]
+    counters: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class PublishTimings:
     """Where the last `publish()` spent its time in the trainer's process, in seconds."""
 
@@ -111,27 +114,12 @@ class PublishTimings:
     # (Python work per tensor), then `sync`, waiting for the trainer's queued GPU work.
     prepare: float = 0.0
     sync: float = 0.0
+    fence: float = 0.0  # waiting for the agent's holder copy of the last round (`fence`)
 
     @property
     def waiting(self) -> float:
         """Time spent waiting on the agent (broadcast, engines, votes) rather than packing."""
         return self.total - self.pack
-
-
-def agent_socket(environ: Mapping[str, str]) -> str:
-    """The injected agent's socket: `WEIGHTSYNC_SOCKET`; in a trainer pod of several ranks
-    a template that this rank's `LOCAL_RANK` (as torchrun sets it) completes."""
-    path = environ.get(agent_env.SOCKET) or agent_env.SOCKET_PATH
-    if agent_env.LOCAL_RANK_PLACEHOLDER not in path:
-        return path
-    local = environ.get("LOCAL_RANK", "")
-    if not local.isdigit():
-        raise PublisherError(
-            "no_local_rank",
-            f"this trainer pod runs several ranks ({agent_env.SOCKET}={path}): set LOCAL_RANK"
-            " to this process's local rank, as torchrun does",
-        )
-    return path.replace(agent_env.LOCAL_RANK_PLACEHOLDER, local)
 
 
 class Publisher:
@@ -149,11 +137,7 @@ class Publisher:
         self._sock: socket.socket | None = None
         self._metas: list[TensorMeta] | None = None
         self._layout: BucketLayout | None = None
-        self._slots: list[torch.Tensor] = []
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-        # Sharded: per (slot, bucket), the pieces the agent asked for and their slot views.
-        self._piece_views: dict[tuple[int, int], tuple[list[tuple[str, int]], list[torch.Tensor]]]
-        self._piece_views = {}
+        self._filler = SlotFiller()
         self._signature: list[object] = []
         self._boxes: Boxes | None = None  # sharded: what this rank holds, as attached
         # Set when the agent packs from our tensors (GPU): where they lay when shared, and
@@ -161,8 +145,12 @@ class Publisher:
         self._shared_at: list[int] | None = None
         self._devices: set[torch.device] = set()
         self._kept: _Kept | None = None  # not for sharded sets: described every call
-        self._packed: list[float] = []
         self._sent_at, self._synced = 0.0, 0.0  # this call's Publish message, its GPU wait
+        self._fenced = 0.0  # this call's wait in `fence`
+        self._hold: _Hold | None = None
+        # Set once the trainer wrote published tensors before fencing: from then on each
+        # publish waits for the holder's copy itself.
+        self.fence_in_publish = False
         self.last_timings: PublishTimings | None = None
 
     # ------------------------------------------------------------------ public
@@ -179,8 +167,8 @@ class Publisher:
         version that is not a non-negative integer above the last published one.
         """
         started = time.perf_counter()
-        self._packed = []
-        self._sent_at, self._synced = started, 0.0
+        self._filler.packed = []
+        self._sent_at, self._synced, self._fenced = started, 0.0, 0.0
         version = self._checked_version(version)
         kept = self._kept
         tensors, again = checked_tensors(named_tensors, kept.accepted if kept else None)
@@ -196,15 +184,51 @@ class Publisher:
         finally:
             self.last_timings = PublishTimings(
                 total=time.perf_counter() - started,
-                pack=sum(self._packed),
-                longest_pack=max(self._packed, default=0.0),
-                buckets=len(self._packed),
+                pack=sum(self._filler.packed),
+                longest_pack=max(self._filler.packed, default=0.0),
+                buckets=len(self._filler.packed),
                 prepare=self._sent_at - started,
                 sync=self._synced,
+                fence=self._fenced,
             )
         if result.ok:
             self.last_published = result.version
         return result
+
+    def fence(self) -> bool:
+        """Wait until the agent no longer reads the tensors of the last publish, before
+        the trainer writes them; True when the agent holds that version for recovery.
+        Cheap when nothing is pending (every call but the one after a holding round)."""
+        hold, self._hold = self._hold, None
+        if hold is None:
+            return False
+        started = time.perf_counter()
+        clean = [t._version for t in hold.tensors] == hold.counters
+        if not clean and not self.fence_in_publish:
+            log.warning(
+                "the tensors of version %d were written before fence(): the agent does not"
+                " hold it, and from now on publish() waits for the agent's copy; call"
+                " publisher.guard(optimizer) (or fence() before writing) to avoid the wait",
+                hold.version,
+            )
+            self.fence_in_publish = True
+        try:
+            reply = self._exchange(Fence(version=hold.version, clean=clean))
+        finally:
+            self._fenced += time.perf_counter() - started
+        if isinstance(reply, HandoffError):
+            raise PublisherError(reply.reason, reply.message)
+        if not isinstance(reply, Fenced):
+            raise PublisherError("protocol", f"expected Fenced, got {reply.type}")
+        return reply.held
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> object:
+        """Fence before every `optimizer.step()`; the hook's handle (`.remove()`)."""
+
+        def before_step(*_: object) -> None:
+            self.fence()
+
+        return optimizer.register_step_pre_hook(before_step)
 
     def _checked_version(self, version: object) -> int:
         if isinstance(version, bool) or not isinstance(version, int):
@@ -243,6 +267,7 @@ class Publisher:
         return _Described([p.meta for p in pieces], boxes, local, signature)
 
     def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
+        self.fence()  # the last round's copy, if the trainer did not fence
         kept = self._kept
         if kept is not None:  # the tensors accepted last time, unchanged
             described = _Described(kept.metas, None, tensors, kept.signature)
@@ -273,6 +298,11 @@ class Publisher:
                         message=str(exc),
                     )
             result = self._round(local, version)
+            if result.holding:
+                held = list(local.values())
+                self._hold = _Hold(result.version, held, [t._version for t in held])
+                if self.fence_in_publish:
+                    self.fence()
             if result.reason != "layout_mismatch":
                 return result
             log.info("agent asked to renegotiate the layout (attempt %d)", attempt + 1)
@@ -280,6 +310,9 @@ class Publisher:
         raise LayoutChangedError("layout_mismatch", "the agent rejected the layout twice")
 
     def close(self) -> None:
+        if self._hold is not None and self._sock is not None:
+            with contextlib.suppress(PublisherError):
+                self.fence()  # the agent may keep the last copy
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -291,22 +324,10 @@ class Publisher:
         self.close()
 
     # ------------------------------------------------------------------ protocol
-    def _connect(self) -> socket.socket:
+    def _exchange(self, message: Attach | Publish | Filled | Abandon | Fence | None) -> Message:
         if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout)
-            try:
-                sock.connect(str(self.socket_path))
-            except OSError as exc:
-                sock.close()
-                raise AgentUnavailableError(
-                    "agent_unavailable", f"no weightsync agent at {self.socket_path}: {exc}"
-                ) from exc
-            self._sock = sock
-        return self._sock
-
-    def _exchange(self, message: Attach | Publish | Filled | Abandon | None) -> Message:
-        sock = self._connect()
+            self._sock = connect(self.socket_path, self.timeout)
+        sock = self._sock
         try:
             if message is not None:
                 send_message(sock, message)
@@ -337,9 +358,7 @@ class Publisher:
             raise LayoutChangedError("layout_hash_mismatch", "the agent planned another layout")
         self._shared_at = _addresses(tensors) if reply.agent_packs else None
         self._devices = {t.device for t in tensors.values()} if reply.agent_packs else set()
-        self._slots = [] if reply.agent_packs else open_slots(reply.slots)
-        self._views.clear()
-        self._piece_views.clear()
+        self._filler.open(None if reply.agent_packs else reply.slots)
         self._metas, self._layout, self._boxes = metas, layout, boxes
 
     def _round(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
@@ -349,7 +368,8 @@ class Publisher:
         if self._shared_at is not None:  # the agent reads the tensors: they must be written
             synced = time.perf_counter()
             for device in self._devices:
-                torch.cuda.synchronize(device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
             self._synced = time.perf_counter() - synced
         self._sent_at = time.perf_counter()
         message = self._exchange(
@@ -363,47 +383,12 @@ class Publisher:
             if not isinstance(message, Fill):
                 raise PublisherError("protocol", f"unexpected {message.type} during a round")
             try:
-                self._fill(layout, tensors, message)
+                self._filler.fill(layout, tensors, message)
             except Exception as exc:  # the agent still drives the round to its end
                 log.exception("filling bucket %d failed", message.bucket)
                 message = self._exchange(Abandon(reason="fill_failed", message=repr(exc)))
                 continue
             message = self._exchange(Filled(bucket=message.bucket))
-
-    @torch.no_grad()
-    def _fill(self, layout: BucketLayout, tensors: dict[str, torch.Tensor], fill: Fill) -> None:
-        started = time.perf_counter()
-        if fill.slots is not None:  # the agent grew its slots for this round's layout
-            self._slots = open_slots(fill.slots)
-            self._views.clear()
-            self._piece_views.clear()
-        slot = self._slots[fill.slot]
-        if fill.pieces is not None:  # sharded: this rank's blocks, where the agent says
-            names = [name for name, _ in fill.pieces]
-            key = (fill.slot, fill.bucket)
-            known = self._piece_views.get(key)
-            if known is None or known[0] != fill.pieces:  # built once: the same every round
-                views = [
-                    slot[offset : offset + tensors[name].nbytes]
-                    .view(tensors[name].dtype)
-                    .view(tensors[name].shape)
-                    for name, offset in fill.pieces
-                ]
-                self._piece_views[key] = (fill.pieces, views)
-            else:
-                views = known[1]
-        else:
-            bucket = layout.buckets[fill.bucket]
-            names = [t.name for t in bucket.tensors]
-            key = (fill.slot, fill.bucket)
-            if key not in self._views:
-                self._views[key] = slot_views(slot, bucket.tensors)
-            views = self._views[key]
-        # On the current stream, after whatever the trainer queued that writes the tensors.
-        copy_tensors(views, [tensors[name] for name in names])
-        if slot.is_cuda:  # the agent broadcasts from another process: the copy must be done
-            torch.cuda.current_stream(slot.device).synchronize()
-        self._packed.append(time.perf_counter() - started)
 
 
 def _addresses(tensors: dict[str, torch.Tensor]) -> list[int]:

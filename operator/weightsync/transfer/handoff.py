@@ -11,6 +11,8 @@ Tensor bytes travel through the shared bucket slots (`buffers.SlotHandles`).
     Filled(k)                ->                          (slot k now holds bucket k)
     ...                                                  (agent broadcasts k, frees slot)
                              <-  PublishResult(version, ok, duration, bytes, reason)
+    Fence(version, clean)    ->                      (only after a result with `holding`)
+                             <-  Fenced(version, held)
 
 On GPU the Publisher shares its tensors once in `Attach.sources` (CUDA IPC); when the agent
 can map them (`Attached.agent_packs`), it packs every bucket itself, in the process and on
@@ -18,6 +20,12 @@ the GPU stream that broadcasts it (two processes' kernels on one GPU are time-sl
 overlapped), and a round is just `Publish` -> `PublishResult`: the Publisher synchronises
 its device first, so the agent reads finished weights, and does not touch them until the
 result comes. A tensor set whose storages moved is attached again.
+
+Where that agent holds the version for recovery, its device-to-host copy of the tensors
+may outlast the round: the result then says `holding`, and the Publisher sends `Fence`
+before it writes the tensors again (an optimizer step, or its next publish). The agent
+answers once nothing reads them, and keeps the copy as the held version only if the
+Publisher says the tensors were not written meanwhile (`clean`).
 
 A trainer rank of a sharded model (several source ranks, each with its own Publisher and
 agent) attaches the global shape of every tensor it publishes and, in `Attach.boxes`, the
@@ -122,6 +130,23 @@ class PublishResult(_Msg):
     generation: int | None = None
     member: str = ""  # failed: "pod (rank r, role)" the failure is put down to
     stage: str = ""  # failed: prepare, transfer, timeout, engine_load or commit
+    # The agent's copy of the tensors for its holder still reads them: `Fence` first.
+    holding: bool = False
+
+
+class Fence(_Msg):
+    """The Publisher is about to write the tensors of round `version`; `clean`: it has
+    not written them since that round (else the agent drops its copy of them)."""
+
+    type: Literal["fence"] = "fence"
+    version: int
+    clean: bool
+
+
+class Fenced(_Msg):
+    type: Literal["fenced"] = "fenced"
+    version: int
+    held: bool  # the agent holds `version` for recovery pulls
 
 
 class HandoffError(_Msg):
@@ -131,7 +156,16 @@ class HandoffError(_Msg):
 
 
 Message = Annotated[
-    Attach | Attached | Publish | Fill | Filled | Abandon | PublishResult | HandoffError,
+    Attach
+    | Attached
+    | Publish
+    | Fill
+    | Filled
+    | Abandon
+    | PublishResult
+    | Fence
+    | Fenced
+    | HandoffError,
     Field(discriminator="type"),
 ]
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)

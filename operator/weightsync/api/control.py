@@ -39,7 +39,7 @@ class _Message(BaseModel):
 
 
 class TransferOptions(_Message):
-    bucket_size_bytes: int = Field(default=512 * MiB, gt=0)
+    bucket_size_bytes: int = Field(default=1024 * MiB, gt=0)  # as the CRD's default
     pipeline_depth: int = Field(default=2, ge=1, le=8)
     timeout_seconds: float = Field(default=60.0, gt=0)
     checksum: bool = False

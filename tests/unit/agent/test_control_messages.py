@@ -30,7 +30,7 @@ def test_valid_plan_defaults() -> None:
     parsed = MembershipPlan.model_validate(plan())
     assert parsed.world_size == 2
     assert parsed.me.pod == "infer-a"
-    assert parsed.transfer.bucket_size_bytes == 512 << 20
+    assert parsed.transfer.bucket_size_bytes == 1024 << 20
     assert parsed.transfer.pipeline_depth == 2
 
 

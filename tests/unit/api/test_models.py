@@ -51,7 +51,7 @@ def test_spec_defaults() -> None:
     spec = parse_weightsync(weightsync().build()).spec
     assert spec.trainer.source_ranks == [0]
     assert spec.mode is SyncMode.DISAGGREGATED
-    assert spec.transfer.bucket_size_bytes == 512 * 1024 * 1024
+    assert spec.transfer.bucket_size_bytes == 1024 * 1024 * 1024
     assert spec.transfer.pipeline_depth == 2
     assert spec.transfer.timeout_seconds == 60
     assert spec.transfer.checksum is False

@@ -63,6 +63,7 @@ from weightsync.transfer.buffers import torch_dtype
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]
 AGENT_ENV = {"WEIGHTSYNC_HOLDER": "false"}  # see the module doc
 WARMUP_ROUNDS = 2  # per configuration: new slots, staging arenas, and their mappings
+PINNING_ROUNDS = 400  # at most, before a holding source must hold (its buffers pinned)
 DISAGGREGATED_TARGET = 1.25
 COLOCATED_TARGET = 2.0
 
@@ -120,9 +121,12 @@ class Shape:
 class Config:
     label: str
     records: list[RoundRecord]
-    # The source agent's own round time (until every engine committed), per timed round:
-    # with a holder, publish() also waits for the holder's copy to finish.
+    # The source agent's own round time (until every engine committed), per timed round.
     served: list[float] = field(default_factory=list)
+    # With a holder: `fence()` right after each timed publish (the rest of the holder's
+    # copy, which a trainer waits for only if it writes its tensors that soon).
+    fences: list[float] = field(default_factory=list)
+    first: float = 0.0  # the configuration's first publish() after its group is warm
 
     @property
     def median(self) -> float:
@@ -291,19 +295,38 @@ def run_weightsync(
                     prewarm = None if millis is None else millis / 1000
                 records: list[RoundRecord] = []
                 served: list[float] = []
-                for rep in range(args.reps + WARMUP_ROUNDS):
+                fences: list[float] = []
+                first = 0.0
+                holding = "WEIGHTSYNC_HOLDER" not in env
+                pinning: list[float] = []  # untimed rounds while the holder pins its buffers
+                rep = held = 0
+                while rep < args.reps + WARMUP_ROUNDS:
                     version += 1
                     setup.sync()
                     wall, started = time.time(), time.perf_counter()
                     result = publisher.publish(state, version=version)
                     elapsed = time.perf_counter() - started
+                    first = first or elapsed
+                    fenced = time.perf_counter()
+                    publisher.fence()
+                    fenced = time.perf_counter() - fenced
                     check_served(engines, version, result)
                     timings = publisher.last_timings
+                    held = held + 1 if holding and source.status().holding == version else 0
+                    if rep == WARMUP_ROUNDS and holding and held < 2:
+                        pinning.append(elapsed)  # both buffers not ready: time steady rounds
+                        _bound(len(pinning), PINNING_ROUNDS, "rounds before the source held")
+                        continue
                     if rep >= WARMUP_ROUNDS and timings is not None:
                         records.append(RoundRecord(version, elapsed, wall, timings))
                         served.append(result.duration_seconds)
+                        fences.append(fenced)
+                    rep += 1
+                if pinning:
+                    print(f"{shape.label()}: {len(pinning)} rounds while the holder pinned its"
+                          f" buffers, {[round(p, 4) for p in pinning]}")  # fmt: skip
                 kind = ", HTTP hand-off" if http else ""
-                configs.append(Config(shape.label() + kind, records, served))
+                configs.append(Config(shape.label() + kind, records, served, fences, first))
         time.sleep(0.5)  # the sinks' last trace lines
         attach_logs(
             [r for c in configs for r in c.records],
@@ -318,6 +341,11 @@ def run_weightsync(
     return configs, prewarm
 
 
+def _bound(count: int, most: int, what: str) -> None:
+    if count > most:
+        raise RuntimeError(f"more than {most} {what}")
+
+
 def holder_rows(
     args: argparse.Namespace,
     setup: Setup,
@@ -326,7 +354,8 @@ def holder_rows(
     floor: float,
 ) -> list[Row]:
     """The rounds again with the source agent holding for P2P recovery, as it does by
-    default (needs Mooncake): when publish() returns, and when every engine serves."""
+    default (needs Mooncake): when publish() returns, when every engine serves, the
+    fence right after (the rest of the holder's copy), and the first round."""
     if not args.holder:
         return []
     held, _ = run_weightsync(args, setup, state, colocated=False, agent_env={})
@@ -334,12 +363,19 @@ def holder_rows(
     rows = []
     for config in held:
         walls = [round(r.seconds, 4) for r in config.records]
-        print(f"holding {config.label}: publish {walls}, engines serve {config.served}")
+        print(
+            f"holding {config.label}: publish {walls}, engines serve {config.served},"
+            f" fence {[round(f, 4) for f in config.fences]}, first {config.first:.4f}"
+        )
         rows += [
             Row(f"source holding, publish() returns, {config.label}", config.median,
                 nbytes, floor),
             Row(f"source holding, every engine serves, {config.label}",
                 statistics.median(config.served), nbytes, floor),
+            Row(f"source holding, fence() right after publish(), {config.label}",
+                statistics.median(config.fences), 0),
+            Row(f"source holding, first publish() after pre-warm, {config.label}",
+                config.first, nbytes, config.median),
         ]  # fmt: skip
     return rows
 
@@ -528,6 +564,8 @@ def weightsync_rows(
                 floor,
             )
         )
+        rows.append(Row(f"  first publish() after pre-warm, {config.label}", config.first,
+                        nbytes, config.median))  # fmt: skip
     if agent_prewarm is not None:
         rows.append(Row("agent pre-warm of generation 1", agent_prewarm, 0))
     http: list[Config] = []

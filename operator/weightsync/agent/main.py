@@ -53,6 +53,14 @@ def main() -> None:
         sys.exit(supervise(local_ranks))
     _nccl_defaults()
     asyncio.run(_run(settings))
+    # The agent has released its groups, slots and host buffers. Daemon threads may still
+    # block inside C++ calls (a doorbell's store wait, a detached abort); the interpreter's
+    # teardown would destroy their objects under them and abort the process ("terminate
+    # called without an active exception", exit -6). Exit without that teardown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ def test_helm_lint_strict_passes(args: list[str]) -> None:
         ({"prometheusRule.versionLag.for": '"ten minutes"'}, "does not match pattern"),
         ({"agent.image.digest": '"sha256:abc"'}, "does not match pattern"),
         ({"webhook.url": '"http://127.0.0.1:9443"'}, "does not match pattern"),
+        # A quantity that only ends like one: the pattern is anchored at both ends.
+        ({"agent.resources.requests.cpu": '"abc5"'}, "at '/agent/resources/requests/cpu'"),
     ],
 )
 def test_the_schema_refuses_typos_and_wrong_types(values: dict[str, str], message: str) -> None:

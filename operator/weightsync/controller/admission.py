@@ -45,6 +45,7 @@ from weightsync.controller.patches import JsonPatch
 from weightsync.controller.workloads import (
     WorkloadRef,
     claim_conflicts,
+    claims,
     controller_ref,
     select_target,
 )
@@ -184,4 +185,25 @@ def claim_errors(
         return []  # the schema and CEL rules answer for the spec itself
     name = (body.get("metadata") or {}).get("name")
     others = [o for o in listing if (o.get("metadata") or {}).get("name") != name]
-    return claim_conflicts(candidate, parse_all(older_than(body, others)))
+    older = older_than(body, others)
+    errors = claim_conflicts(candidate, parse_all(older))
+    # A workload this change newly names must be free of newer WeightSyncs too: an older
+    # one patched to name a newer one's workload would otherwise take it over, and the
+    # newer one would go `WorkloadClaimed` without a word to the user who patched.
+    added = claims(candidate) - _claims_of(old)
+    newer = parse_all([o for o in others if o not in older])
+    for other in sorted(newer, key=lambda s: s.metadata.name or ""):
+        errors.extend(
+            f"{ref.kind} {ref.name} is already synced by WeightSync {other.metadata.name}"
+            for ref in sorted(added & claims(other), key=lambda r: (r.kind, r.name))
+        )
+    return errors
+
+
+def _claims_of(raw: Mapping[str, Any] | None) -> set[WorkloadRef]:
+    if raw is None:
+        return set()
+    try:
+        return claims(parse_weightsync(raw))
+    except WeightSyncInvalidError:
+        return set()

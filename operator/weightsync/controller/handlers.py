@@ -273,5 +273,7 @@ def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> No
         errors = admission.claim_errors(dict(body), dict(old) if old else None, listing)
         if errors:
             metrics.ADMISSIONS.labels("validate-claims", "denied").inc()
-            raise kopf.AdmissionError("; ".join(errors), code=409)
+            # 403, a refusal: 409 would read as a field-manager conflict, and `kubectl
+            # apply --server-side` would suggest --force-conflicts, which cannot help.
+            raise kopf.AdmissionError("; ".join(errors), code=403)
         metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()

@@ -133,6 +133,29 @@ def test_validating_webhook_refuses_only_new_claims_on_taken_workloads() -> None
     assert claim_errors(deleting, None, [older]) == []
 
 
+def test_an_older_weightsync_patched_to_take_a_newer_ones_workload_is_refused() -> None:
+    first = weightsync("first").namespace("ns").set("spec.inference.0.deploymentRef.name", "a")
+    older = first.build()
+    older["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    second = weightsync("second").namespace("ns").set("spec.trainer.statefulSetRef.name", "t2")
+    newer = second.set("spec.inference.0.deploymentRef.name", "b").build()
+    newer["metadata"]["creationTimestamp"] = "2026-01-02T00:00:00Z"
+    grabbing = weightsync("first").namespace("ns").set("spec.inference.0.deploymentRef.name", "b")
+    patched = grabbing.build()
+    patched["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    assert claim_errors(patched, older, [older, newer]) == [
+        "Deployment b is already synced by WeightSync second"
+    ]
+    # What it named before stays its own, even where a newer one names it too (admitted
+    # while the webhook was away): an unrelated change is not refused for it.
+    squatter = weightsync("third").namespace("ns").set("spec.inference.0.deploymentRef.name", "a")
+    squatting = squatter.set("spec.trainer.statefulSetRef.name", "t3").build()
+    squatting["metadata"]["creationTimestamp"] = "2026-01-03T00:00:00Z"
+    retimed = first.set("spec.transfer.timeoutSeconds", 90).build()
+    retimed["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    assert claim_errors(retimed, older, [older, newer, squatting]) == []
+
+
 def test_only_opted_in_pods_the_webhook_missed_and_would_inject_now_are_recreated() -> None:
     made = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

@@ -18,6 +18,10 @@ shard unevenly over 4) as:
 Every engine serves, bit for bit, the trainer's full tensors (`DTensor.full_tensor()`).
 A source rank that never calls publish (the lead included), and a source agent killed
 mid-round, each fail the round on every trainer rank within the timeout, naming that rank.
+A round that cannot be planned (a rank leaves out its rows of a tensor, or two ranks
+disagree on a tensor's shape) fails on every rank, naming the tensor, and the next
+generation's round goes through; so does the first round after a sink agent is replaced
+by a fresh one, checksums on (the padding between tensors is not compared).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.stack import AgentProc, Engine, free_port, stack, wait_warm
+from tests.integration.stack import AgentProc, Engine, Stack, free_port, stack, wait_warm
+from tests.support.eventually import eventually
 from tests.support.plans import local_plan
 from weightsync.api.control import Backend, TransferOptions
 
@@ -73,6 +78,7 @@ def _trainer_rank(rank: int, port: int, socket: str, inbox: Any, outbox: Any) ->
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     from weightsync.client import Publisher
     from weightsync.engines.reference.engine import tensor_digest
@@ -88,10 +94,17 @@ def _trainer_rank(rank: int, port: int, socket: str, inbox: Any, outbox: Any) ->
         with Publisher(socket, timeout=60.0) as publisher:
             while (command := inbox.get()) is not None:
                 kind, version = command
-                if kind == "placed":
+                if kind in ("placed", "omit", "shape"):
                     randomize(model, seed=1000 + version)
                     tensors = _placed(model, rank, flat, grid)
                     full = dict(model.named_parameters())
+                    if kind == "omit" and rank == 1:  # its rows of the embedding are missing
+                        del tensors["model.embed_tokens.weight"]
+                    if kind == "shape" and rank == 2:  # another global shape for the norm
+                        shorter = full["model.norm.weight"].detach()[:-1]
+                        tensors["model.norm.weight"] = distribute_tensor(
+                            shorter, flat, [Replicate()], src_data_rank=None
+                        )
                 else:  # "fsdp": a real FSDP2 model, one optimizer step
                     torch.manual_seed(version)
                     trained = build_model(PRESETS[PRESET], seed=version)
@@ -182,6 +195,52 @@ def _served(engines: list[Engine], version: int, digests: dict[str, str] | None)
         assert served["tensors"] == digests, f"engine on port {engine.port} differs"
 
 
+def _unplannable_rounds(
+    trainer: Trainer, agents: list[AgentProc], engines: list[Engine], port: int, generation: int
+) -> int:
+    """Rounds that cannot be planned fail on every rank, naming the tensor, and the next
+    generation's round goes through (no member is left waiting on the failed one)."""
+    for version, (kind, tensor) in enumerate(
+        (("omit", "model.embed_tokens.weight"), ("shape", "model.norm.weight")), start=6
+    ):
+        _apply(agents, generation=generation, port=port)
+        for result, _ in trainer.publish(kind, version):
+            assert not result["ok"]
+            assert result["reason"] == "bad_shards", result
+            assert tensor in result["message"], result
+            assert result["duration_seconds"] < TIMEOUT_SECONDS + 5.0
+        generation += 1
+        _apply(agents, generation=generation, port=port)
+        replies = trainer.publish("placed", version)
+        for result, _ in replies:
+            assert result["ok"], result
+            assert result["generation"] == generation
+        _served(engines, version, replies[0][1])
+    return generation
+
+
+def _replaced_sink(
+    st: Stack,
+    trainer: Trainer,
+    *,
+    sources: list[AgentProc],
+    sinks: list[AgentProc],
+    engines: list[Engine],
+    port: int,
+    generation: int,
+) -> None:
+    """A sink agent replaced by a fresh one (fresh slots): with checksums on, the first
+    round agrees on every bucket, and engines serve it bit for bit."""
+    sinks[0].proc.kill()
+    sinks[0] = st.start_agent("sink-1b", role="sink", device="cpu", engine=engines[0])
+    eventually(sinks[0].status, timeout=30, interval=0.2, message="sink-1b up")
+    _apply([*sources, *sinks], generation=generation, port=port)
+    replies = trainer.publish("placed", 8)
+    for result, _ in replies:
+        assert result["ok"], result
+    _served(engines, 8, replies[0][1])
+
+
 def test_sharded_trainer_publishes_to_every_engine(tmp_path: Path) -> None:
     with stack(tmp_path) as st:
         engines = [
@@ -238,12 +297,22 @@ def test_sharded_trainer_publishes_to_every_engine(tmp_path: Path) -> None:
                 assert result["duration_seconds"] < TIMEOUT_SECONDS + 5.0
             for engine in engines:
                 assert engine.health()["version"] == 5
-            _apply(agents, generation=3, port=port)
+
+            generation = _unplannable_rounds(trainer, agents, engines, port, generation=3)
+            _replaced_sink(
+                st,
+                trainer,
+                sources=sources,
+                sinks=sinks,
+                engines=engines,
+                port=port,
+                generation=generation + 1,
+            )
 
             # ---- source agent 2 dies mid-round: every other rank fails, naming it
             victim = sources[2]
             for rank in range(WORLD):
-                trainer.inboxes[rank].put(("placed", 6))
+                trainer.inboxes[rank].put(("placed", 9))
             time.sleep(0.5)  # engines load a bucket per 50 ms: the round is under way
             victim.proc.kill()
             started = time.monotonic()
@@ -254,6 +323,6 @@ def test_sharded_trainer_publishes_to_every_engine(tmp_path: Path) -> None:
                 assert result["duration_seconds"] < TIMEOUT_SECONDS + 5.0
             assert time.monotonic() - started < TIMEOUT_SECONDS + 5.0
             for engine in engines:
-                assert engine.health()["version"] == 5
+                assert engine.health()["version"] == 8
         finally:
             trainer.close()

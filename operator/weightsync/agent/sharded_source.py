@@ -23,7 +23,7 @@ from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RoundFailed
 from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
 from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.engines.base import EngineAdapter
-from weightsync.transfer.broadcast import TransferError, bucket_checksum
+from weightsync.transfer.broadcast import TransferError, written_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
 from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.shards import RankReport, ShardPlan, staging_bound
@@ -86,7 +86,14 @@ class ShardedSourceRound(SourceRound):
                 # rank's name says who.
                 await self._announce(digests)
                 raise RoundFailed("timeout", missing.describe(), Stage.TIMEOUT)
-            plan = await self.plans.get(group, digests, transfer.bucket_size_bytes)
+            try:
+                plan = await self.plans.get(group, digests, transfer.bucket_size_bytes)
+            except RoundFailed:
+                # Rung anyway, as for a missing rank: every member takes this round's
+                # number and fails it planning the same reports, then follows the next
+                # generation's switch notice instead of waiting on an unrung doorbell.
+                await self._announce(digests)
+                raise
             self.layout = plan.layout
             await self._announce(digests)
         else:
@@ -138,7 +145,7 @@ class ShardedSourceRound(SourceRound):
                 await self.group.run(partial(routes.place, bucket.index, slot_index))
             view = self.slots.slots[slot_index][: bucket.nbytes]
             if self.checksum and rank == 0:
-                checksums.append(await self.group.run(partial(bucket_checksum, view)))
+                checksums.append(await self.group.run(partial(written_checksum, view, bucket)))
             if self.holder is not None:
                 await self.holder.stage(self.version, self.layout, bucket, view, depth)
 

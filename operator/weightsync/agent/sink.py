@@ -35,7 +35,7 @@ from weightsync.agent.sharded import ShardPlans
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.assembly import SlotRoutes
-from weightsync.transfer.broadcast import TransferError, bucket_checksum
+from weightsync.transfer.broadcast import TransferError, written_checksum
 from weightsync.transfer.layout import BucketLayout
 from weightsync.transfer.shards import ShardPlan, single_source, staging_bound
 
@@ -122,7 +122,7 @@ class SinkRound(RankRound):
             slot_index = bucket.index % depth
             if self.header.checksum:
                 view = slots[slot_index][: bucket.nbytes]
-                checksums.append(await self.group.run(partial(bucket_checksum, view)))
+                checksums.append(await self.group.run(partial(written_checksum, view, bucket)))
             load = self._engine(
                 f"load bucket {bucket.index}",
                 "engine_load",

@@ -36,7 +36,7 @@ from weightsync.agent.rounds import (
     naming_peers,
 )
 from weightsync.engines.base import EngineAdapter, EngineError
-from weightsync.transfer.broadcast import TransferError, bucket_checksum
+from weightsync.transfer.broadcast import TransferError, written_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
 from weightsync.transfer.handoff import Pieces
 from weightsync.transfer.layout import Bucket, BucketLayout
@@ -165,7 +165,7 @@ class SourceRound(RankRound):
                 load = lane.submit(f"load bucket {bucket.index}", "engine_load", call)
             loads.append(load)
             if self.checksum:
-                checksums.append(await self.group.run(partial(bucket_checksum, view)))
+                checksums.append(await self.group.run(partial(written_checksum, view, bucket)))
             started = self.trace.now()
             sends.append(await self.group.run(partial(transport.start_bucket, view)))
             self.trace.add("issue", started)

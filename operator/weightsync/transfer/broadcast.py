@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import functools
 import logging
 import time
 import zlib
@@ -33,6 +34,7 @@ from torch._C._distributed_c10d import (
 from torch._C._distributed_c10d import Backend as C10dBackend
 
 from weightsync.api.control import Backend
+from weightsync.transfer.layout import Bucket
 
 log = logging.getLogger(__name__)
 
@@ -230,3 +232,27 @@ def bucket_checksum(buffer: torch.Tensor) -> int:
     weights = torch.arange(1, rows + 1, dtype=torch.int64, device=buffer.device)
     total = head.sum(dim=1, dtype=torch.int64) * weights
     return int(total.sum().item()) ^ int(tail.sum().item()) ^ rows
+
+
+def written_checksum(buffer: torch.Tensor, bucket: Bucket) -> int:
+    """`bucket_checksum` of a bucket's slot with the alignment padding between its tensors
+    zeroed first. A round writes only tensor bytes (sharded pieces land tensor by tensor),
+    so the padding keeps whatever each rank's slot held before, which differs where an
+    agent was replaced; zeroed, every rank sums the same bytes for the same tensors."""
+    gaps = [buffer[start:end] for start, end in padding(bucket)]
+    if gaps:
+        torch._foreach_zero_(gaps)
+    return bucket_checksum(buffer)
+
+
+@functools.lru_cache(maxsize=4096)
+def padding(bucket: Bucket) -> tuple[tuple[int, int], ...]:
+    """The byte ranges of `bucket` that no tensor covers, in order."""
+    gaps, at = [], 0
+    for t in sorted(bucket.tensors, key=lambda t: t.offset):
+        if t.offset > at:
+            gaps.append((at, t.offset))
+        at = max(at, t.offset + t.nbytes)
+    if bucket.nbytes > at:
+        gaps.append((at, bucket.nbytes))
+    return tuple(gaps)

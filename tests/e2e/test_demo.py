@@ -25,10 +25,11 @@ def test_demo_scenario(tmp_path: Path, node_images: NodeImages) -> None:
         )
         try:
             result = demo.run(stack, rounds=6, kill_at=2)
-            # The operator reads no Secret of a workload namespace (its tokens are derived).
+            # The operator reads no Secret of a workload namespace (its tokens are derived),
+            # nor holds a verb that answers with one (patch, delete).
             reads = {
                 (verb, namespace): stack.operator_may(verb, "secrets", namespace)
-                for verb in ("get", "list", "watch")
+                for verb in ("get", "list", "watch", "patch", "delete")
                 for namespace in (demo.NAMESPACE, "kube-system")
             }
             token_key = stack.operator_may(

@@ -239,11 +239,12 @@ class Kube:
 
     # -- the agents' token ---------------------------------------------------------
 
-    FIELD_MANAGER = "weightsync-operator"
-
-    def apply_token(self, namespace: str, sync: Mapping[str, Any], token: str) -> None:
-        """Write the WeightSync's agent token Secret (owned by the WeightSync) by server-side
-        apply: idempotent, and never read back (`controller.tokens`)."""
+    def write_token(self, namespace: str, sync: Mapping[str, Any], token: str) -> None:
+        """Write the WeightSync's agent token Secret (owned by the WeightSync): created, or
+        replaced whole where one exists (a WeightSync deleted and created again before the
+        old Secret was collected: its owner is the new one now). Never read back
+        (`controller.tokens`): a PATCH answers with the whole Secret, dry run included, so
+        the operator may not patch Secrets; a replace answers with what it wrote."""
         name = names.token_secret_name(sync["metadata"]["name"])
         body = {
             "apiVersion": "v1",
@@ -256,11 +257,14 @@ class Kube:
             "type": "Opaque",
             "stringData": {names.TOKEN_KEY: token},
         }
-        self._call(
-            "apply", "secrets", self.core.patch_namespaced_secret, name, namespace, body,
-            field_manager=self.FIELD_MANAGER, force=True,
-            _content_type="application/apply-patch+yaml",
-        )  # fmt: skip
+        try:
+            self._call("create", "secrets", self.core.create_namespaced_secret, namespace, body)
+        except ApiException as error:
+            if error.status != CONFLICT:
+                raise
+            self._call(
+                "replace", "secrets", self.core.replace_namespaced_secret, name, namespace, body
+            )
 
     # -- pods ----------------------------------------------------------------------
 

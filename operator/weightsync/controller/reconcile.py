@@ -286,7 +286,7 @@ class Reconciler:
         token = tokens.derive(self.token_key, namespace, sync.metadata.name or "")
         uid = raw["metadata"]["uid"]
         if memory.token_written_for != uid:  # once per WeightSync object (and per restart)
-            await asyncio.to_thread(self.kube.apply_token, namespace, raw, token)
+            await asyncio.to_thread(self.kube.write_token, namespace, raw, token)
             memory.token_written_for = uid
         pods = sync_pods(sync, world)
         await pod_actions.recreate_uninjected(

@@ -5,7 +5,7 @@ Each WeightSync's token is an HMAC of its namespace and name under one operator-
 created again gets the token its running agents already hold (no window of 401s), an
 operator restarted with the same key agrees with every agent at once, and the operator
 needs no right to read Secrets outside its namespace: it writes each WeightSync's token
-Secret (server-side apply, idempotent) and never reads it.
+Secret (created, or replaced whole) and never reads it.
 """
 
 from __future__ import annotations

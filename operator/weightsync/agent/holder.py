@@ -22,10 +22,9 @@ so it is what a puller reads; the alignment padding between tensors is left out,
 holders fill it differently) is computed by a background thread, off the round's path.
 
 Host buffers are allocated (page-locked a slice at a time, `agent.host_memory`) and
-registered off the round's path: `prepare` is
-called once the layout is known (the source's attach) and asks for two; a round that
-finds none ready stages nothing and is not held, instead of waiting seconds for a
-model-sized pinned allocation (15-21 s measured for 8B bf16 inside first rounds).
+registered off the round's path: `prepare`, called once the layout is known (the
+source's attach), asks for two; a round that finds none ready is not held, instead of
+waiting for a model-sized pinned allocation (14-20 s for 8B bf16 in first rounds).
 Buffers of at most `_INLINE_ALLOCATION_BYTES` are still allocated in the round: that
 costs milliseconds, and a small model is then held from its first round.
 

@@ -59,10 +59,11 @@ from tests.bench.bench_broadcast import (
 from tests.bench.bench_sharded_workers import (
     RankReply,
     Trainers,
+    floor_worker,
     model_metas,
-    spawn_floors,
     uneven,
 )
+from tests.bench.bench_workers import spawn_workers
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, wait_warm
 from tests.support.plans import local_plan
 from weightsync.api.control import Backend, TransferOptions
@@ -261,7 +262,7 @@ def floor_rows(bench: Bench, nbytes: int) -> float | None:
     if bench.args.skip_floors:
         return None
     kwargs = {**bench.kwargs(), "sources": bench.sources, "reps": bench.args.reps}
-    floors = spawn_floors(bench.args.gpus, kwargs)
+    floors = spawn_workers(floor_worker, bench.args.gpus, kwargs)
     wire, s = bench.backend.value.upper(), bench.sources
     Row(f"{wire} one buffer per owner ({s} roots -> all) (floor)", floors["one_buffer"], nbytes)
     Row(

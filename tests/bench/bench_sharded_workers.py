@@ -261,15 +261,14 @@ class Trainers:
                 proc.kill()
 
 
-def floor_worker(rank: int, world: int, port: int, kwargs: dict[str, Any], results: Any) -> None:
+def floor_worker(
+    rank: int, world: int, store: TCPStore, kwargs: dict[str, Any]
+) -> dict[str, float]:
     """Each owner (trainer rank r < sources) broadcasts what it holds to all `world` ranks,
     root after root: as one buffer, then shard by shard. Every timing starts at a store
     barrier and ends with an all-reduce, so it covers the slowest rank."""
     nccl = kwargs["backend"] == "nccl"
     device = torch.device(f"cuda:{rank}" if nccl else "cpu")
-    if nccl:
-        torch.cuda.set_device(device)
-    store = TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=300))
     dist.init_process_group(
         "nccl" if nccl else "gloo", store=store, rank=rank, world_size=world,
         device_id=device if nccl else None,
@@ -303,31 +302,5 @@ def floor_worker(rank: int, world: int, port: int, kwargs: dict[str, Any], resul
             broadcast(pieces)
             times.append(time.perf_counter() - started)
         out[name] = statistics.median(times[1:])
-    if rank == 0:
-        results.put(out)
     dist.destroy_process_group()
-    store.add("exit", 1)  # rank 0 hosts the store: it leaves last
-    while rank == 0 and store.add("exit", 0) < world:
-        time.sleep(0.001)
-
-
-def spawn_floors(world: int, kwargs: dict[str, Any]) -> dict[str, float]:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    procs = [
-        context.Process(target=floor_worker, args=(rank, world, port, kwargs, results))
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        out: dict[str, float] = results.get(timeout=_REPLY_SECONDS)
-    finally:
-        for proc in procs:
-            proc.join(timeout=120)
-            if proc.is_alive():
-                proc.kill()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"a floor worker failed: exit codes {[p.exitcode for p in procs]}")
     return out

@@ -177,7 +177,8 @@ def _entry(  # noqa: PLR0917 - the positional target of multiprocessing.Process
     kwargs: dict[str, Any],
     results: multiprocessing.Queue[dict[str, float]],
 ) -> None:
-    torch.cuda.set_device(rank)
+    if kwargs.get("backend", "nccl") == "nccl":  # the sharded floors' smoke run: gloo
+        torch.cuda.set_device(rank)
     store = TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=300))
     out = worker(rank, world, store, kwargs)
     if rank == 0:

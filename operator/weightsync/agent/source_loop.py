@@ -195,12 +195,12 @@ class SourceLoop:
                     repr(exc),
                     lineage=request.lineage,
                 )
-            pending = outcome.ok and hold is not None and not hold.done()
-            if pending and hold is not None:
-                self._hold = _PendingHold(outcome.version, outcome.lineage, hold)
-            self.book.finished(outcome, hold_pending=pending)
+            pending = hold if outcome.ok and hold is not None and not hold.done() else None
+            if pending is not None:
+                self._hold = _PendingHold(outcome.version, outcome.lineage, pending)
+            self.book.finished(outcome, hold_pending=pending is not None)
         result = outcome.result()
-        return result.model_copy(update={"holding": True}) if pending else result
+        return result if pending is None else result.model_copy(update={"holding": True})
 
     async def fence(self, version: int, clean: bool) -> Fenced:
         """The Publisher will write the tensors of round `version`: wait for the holder's

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from weightsync.client.connection import (
     AgentUnavailableError,
@@ -222,7 +223,7 @@ class Publisher:
             raise PublisherError("protocol", f"expected Fenced, got {reply.type}")
         return reply.held
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> object:
+    def guard(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Fence before every `optimizer.step()`; the hook's handle (`.remove()`)."""
 
         def before_step(*_: object) -> None:

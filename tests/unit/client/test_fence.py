@@ -143,4 +143,4 @@ def test_guard_fences_before_every_optimizer_step(tmp_path: Path) -> None:
         assert agent.sent(Fence) == [Fence(version=1, clean=True)]
         assert publisher.publish({"w": param.detach()}, version=2).ok
         assert len(agent.sent(Fence)) == 1, "the step's fence came before the write"
-        handle.remove()  # type: ignore[attr-defined]
+        handle.remove()

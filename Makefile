@@ -1,10 +1,11 @@
-# weightsync: `make demo` runs the local demo, `make test` runs every CPU test tier.
+# weightsync: `make demo` runs the local demo, `make test` runs every CPU test tier,
+# `make images REGISTRY=registry.example.com/team TAG=0.1.0` publishes the images.
 SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-down setup test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
+.PHONY: demo demo-down setup images test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
         cluster-up cluster-down chaos scale test-engine-pods
 
 demo: setup  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
@@ -15,6 +16,14 @@ demo-down:  ## stop everything `make demo` started
 
 setup:  ## install Debian packages, the venv and the control plane's binaries
 	bash .ci/setup
+
+# `make images`' settings, each passed only when set (docs/install.md#images).
+IMAGES_FLAGS = $(if $(REGISTRY),--registry '$(REGISTRY)') $(if $(TAG),--tag '$(TAG)') \
+  $(if $(PYTHON_IMAGE),--build-arg 'PYTHON_IMAGE=$(PYTHON_IMAGE)') \
+  $(if $(CUDA_IMAGE),--build-arg 'CUDA_IMAGE=$(CUDA_IMAGE)') $(IMAGES_ARGS)
+
+images:  ## build every image with buildah; with REGISTRY=<registry>/<path> push them
+	python3 -m images.build $(strip $(IMAGES_FLAGS))
 
 lint: setup  ## ruff, mypy --strict, import boundaries, CRD drift
 	$(VENV)/bin/ruff check operator tests images

@@ -13,8 +13,10 @@ No registry is reachable, so nothing is pulled:
 * **Dependencies** come from a wheelhouse downloaded on the host with the host's pip
   configuration (so its cache and index settings apply) and mounted into the build
   (`WHEELS`): builds need no network and bake no index or proxy into an image.
-* **Builds** use buildah with `--layers` (overlay storage, chroot isolation: crun fails
-  on these hybrid cgroups), so a code change rebuilds only the project's own layer.
+* **Builds** run the `buildah bud` of `make images` (`images.build.build_argv`) with the
+  base and wheelhouse above as build arguments, in a storage of their own, with `--layers`
+  (overlay storage, chroot isolation: crun fails on these hybrid cgroups), so a code
+  change rebuilds only the project's own layer.
 * **Import**: an image goes into a node's containerd once per build: it is pushed to a
   transient uncompressed OCI archive, imported, and the archive deleted; the import is
   tagged with the build's image ID, and `ensure_images` skips images already there.
@@ -34,15 +36,22 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from images.build import SPECS, ImageBuildError, ImageSpec, build_argv
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync"))
 STORAGE = CACHE_DIR / "buildah"
 WHEELHOUSE = CACHE_DIR / "wheelhouse"
+BUILDAH = (
+    "buildah",
+    "--root", str(STORAGE / "storage"),
+    "--runroot", str(STORAGE / "run"),
+    "--storage-driver", "overlay",
+)  # fmt: skip
 SUITE = "bookworm"
 BASE_REPOSITORY = "weightsync.local/debian-base"
 # Python for the venvs, and the libraries the agent's Mooncake transfer engine links.
@@ -58,41 +67,6 @@ BASE_PACKAGES = (
 )
 # The torch images' APT_PACKAGES in Debian's names (the default names Ubuntu's).
 DEBIAN_APT_PACKAGES = "python3 python3-venv libibverbs1 ibverbs-providers libnuma1 libcurl4"
-
-
-class ImageBuildError(RuntimeError):
-    pass
-
-
-def version() -> str:
-    with (REPO_ROOT / "pyproject.toml").open("rb") as handle:
-        return str(tomllib.load(handle)["project"]["version"])
-
-
-@dataclass(frozen=True, slots=True)
-class ImageSpec:
-    name: str
-    dockerfile: str
-    target: str | None
-    base_arg: str
-    extra: str
-
-    @property
-    def ref(self) -> str:
-        return f"weightsync/{self.name}:{version()}"
-
-
-SPECS = {
-    spec.name: spec
-    for spec in (
-        ImageSpec("operator", "images/operator/Dockerfile", None, "PYTHON_IMAGE", "operator"),
-        ImageSpec("agent", "images/torch/Dockerfile", "agent", "CUDA_IMAGE", "agent"),
-        ImageSpec(
-            "reference-engine", "images/torch/Dockerfile", "reference-engine", "CUDA_IMAGE",
-            "agent",
-        ),
-    )
-}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,17 +91,8 @@ def _run(argv: Sequence[str], *, timeout: float = 3600, **kwargs: object) -> str
     return str(result.stdout)
 
 
-def buildah(*args: str, timeout: float = 3600) -> str:
-    return _run(
-        [
-            "buildah",
-            "--root", str(STORAGE / "storage"),
-            "--runroot", str(STORAGE / "run"),
-            "--storage-driver", "overlay",
-            *args,
-        ],
-        timeout=timeout,
-    )  # fmt: skip
+def buildah(*args: str, timeout: float = 3600, cwd: Path | None = None) -> str:
+    return _run([*BUILDAH, *args], timeout=timeout, cwd=cwd)
 
 
 def _digest(parts: Iterable[str | bytes]) -> str:
@@ -221,24 +186,17 @@ def wheelhouse(extra: str) -> Path:
 
 
 def build(spec: ImageSpec) -> ImageInfo:
-    """Build `spec` (layers cached), returning its image ID and size."""
-    base = base_image()
-    wheels = wheelhouse(spec.extra)
-    args = [
-        "bud", "--layers", "--isolation", "chroot",
-        "-f", spec.dockerfile,
-        "--build-arg", f"{spec.base_arg}={base}",
-        "--build-arg", "WHEELS=/wheels",
-        "--volume", f"{wheels}:/wheels:ro",
-        "-t", spec.ref,
-    ]  # fmt: skip
-    if spec.target:
-        args += ["--target", spec.target]
-    if spec.base_arg == "CUDA_IMAGE":
-        args += ["--build-arg", f"APT_PACKAGES={DEBIAN_APT_PACKAGES}"]
+    """Build `spec` (layers cached) on the local base from the local wheelhouse, returning
+    its image ID and size."""
+    build_args = {
+        spec.base_arg: base_image(),
+        "WHEELS": "/wheels",
+        "APT_PACKAGES": DEBIAN_APT_PACKAGES,  # the torch images' only
+    }
+    volume = f"{wheelhouse(spec.extra)}:/wheels:ro"
+    options = ("--isolation", "chroot", "--volume", volume)
     started = time.monotonic()
-    _run(["buildah", "--root", str(STORAGE / "storage"), "--runroot", str(STORAGE / "run"),
-          "--storage-driver", "overlay", *args, "."], cwd=REPO_ROOT)  # fmt: skip
+    buildah(*build_argv(spec, spec.ref, build_args, options), cwd=REPO_ROOT)
     image_id = _image_id(spec.ref)
     if image_id is None:
         raise ImageBuildError(f"{spec.ref}: built, but buildah does not list it")

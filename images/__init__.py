@@ -1,0 +1,1 @@
+"""Building and publishing weightsync's images (`python3 -m images.build`)."""

@@ -155,3 +155,53 @@ def test_invalid_references_and_claimed_workloads_are_reported_not_crashed_on(
     assert operator.popen is not None
     assert operator.popen.poll() is None  # still running: no crash loop
     assert "Traceback" not in operator.output()
+
+
+RESTRICTED = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+@pytest.mark.timeout(180)
+def test_injected_pods_meet_restricted_and_device_plugin_gpus_are_refused(
+    operator: OperatorProcess, namespace: str
+) -> None:
+    """Pod Security "restricted" enforced on the namespace admits an injected engine pod
+    (the sidecar's own context meets it); an engine asking the device plugin for a GPU is
+    refused, with the reason, because its sidecar could not be given that GPU."""
+    cluster = operator.cluster
+    cluster.kubectl(
+        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
+    restricted = engines("engine", replicas=1, local=False)
+    (container,) = restricted["spec"]["template"]["spec"]["containers"]
+    container["securityContext"] = RESTRICTED
+    device_plugin = engines("gpu-engine", replicas=1, local=False)
+    (gpu_container,) = device_plugin["spec"]["template"]["spec"]["containers"]
+    gpu_container["securityContext"] = RESTRICTED
+    gpu_container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    sync = weightsync()
+    sync["spec"]["inference"].append(
+        {"deploymentRef": {"name": "gpu-engine"}, "engine": "Reference", "port": 8000}
+    )
+    apply(cluster, namespace, sync, restricted, device_plugin)
+    (injected,) = eventually(
+        lambda: pods(cluster, namespace, "engine"), timeout=Timeouts.POD_READY, message="engine"
+    )
+    assert has_sidecar(injected)
+
+    def refused() -> str | None:
+        listed = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "reason=FailedCreate",
+            "-o", "jsonpath={.items[*].message}",
+        ).stdout  # fmt: skip
+        return listed if "device plugin" in listed else None
+
+    message = eventually(refused, timeout=Timeouts.API, message="FailedCreate: device plugin")
+    assert "container 'engine' gets its GPUs from a device plugin (nvidia.com/gpu: 1)" in message
+    assert "ResourceClaim" in message
+    assert pods(cluster, namespace, "gpu-engine") == []
+    assert "Traceback" not in operator.output()

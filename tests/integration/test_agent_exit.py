@@ -49,3 +49,23 @@ def test_sigterm_releases_the_group_and_slots_and_exits_zero(tmp_path: Path) -> 
             assert agent.proc.popen.wait(timeout=GRACE_SECONDS) == 0, agent.proc.tail()
             assert "terminate called" not in agent.proc.tail()
             assert not list(Path("/dev/shm").glob(f"weightsync-{pid}-*")), "slots left behind"
+
+
+def test_an_agent_without_its_gpu_exits_saying_how_the_sidecar_gets_one(tmp_path: Path) -> None:
+    """This machine has no GPU, as a sidecar given none has: the agent must not start a
+    group it cannot serve (nor fall back to a device it was not given)."""
+    import torch
+
+    assert torch.cuda.device_count() == 0, "a GPU machine: nothing to refuse here"
+    with stack(tmp_path) as st:
+        engine = {"WEIGHTSYNC_ENGINE": "Reference", "WEIGHTSYNC_ENGINE_URL": "http://127.0.0.1:1"}
+        one = st.start_agent("sink-1", role="sink", device="cuda:0", extra_env=engine)
+        several = st.start_agent(
+            "trainer-0", role="source", device="cuda:0",
+            extra_env={"WEIGHTSYNC_LOCAL_RANKS": "0,1", "WEIGHTSYNC_SOCKET": str(
+                tmp_path / "agent-{local_rank}.sock")},
+        )  # fmt: skip
+        for agent in (one, several):
+            assert agent.proc.popen.wait(timeout=60) == 2, agent.proc.tail()
+            assert "is not visible in this container, which sees 0 GPU(s)" in agent.proc.tail()
+            assert "ResourceClaims" in agent.proc.tail()

@@ -14,10 +14,36 @@ from pydantic import ValidationError
 from weightsync.agent.settings import AgentSettings
 
 
+def missing_gpu(device: str, count: int = 1) -> str | None:
+    """Why this container cannot run agents on `device` and the `count - 1` GPUs after it
+    (a trainer pod's local ranks), or None. The sidecar sees exactly the GPUs of the
+    ResourceClaims it shares with its workload; anything else is a configuration the
+    operator refuses, so say so instead of failing inside the first round."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    first = torch.device(device).index or 0
+    seen = torch.cuda.device_count()
+    if first + count <= seen:
+        return None
+    return (
+        f"{device} (and {count - 1} more) is not visible in this container, which sees"
+        f" {seen} GPU(s): the agent sidecar is given its workload's GPUs only through the"
+        " ResourceClaims the workload container names (docs/real-cluster.md, GPUs)"
+    )
+
+
 def _nccl_defaults() -> None:
     # CleanUpOnly: on a collective timeout the NCCL watchdog aborts the communicator but
     # leaves the agent alive; the round fails and the next generation takes over.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def _exit_without_gpu(problem: str | None) -> None:
+    if problem is not None:
+        print(f"weightsync-agent: {problem}", file=sys.stderr)
+        sys.exit(2)
 
 
 async def _run(settings: AgentSettings) -> None:
@@ -50,7 +76,9 @@ def main() -> None:
         except ValueError as exc:
             print(f"weightsync-agent: invalid configuration: {exc}", file=sys.stderr)
             sys.exit(2)
+        _exit_without_gpu(missing_gpu(settings.device, max(local_ranks) + 1))
         sys.exit(supervise(local_ranks))
+    _exit_without_gpu(missing_gpu(settings.device))
     _nccl_defaults()
     asyncio.run(_run(settings))
     # The agent has released its groups, slots and host buffers. Daemon threads may still

@@ -35,8 +35,10 @@ KEYWORD_ORDER = (
     "pattern",
     "minItems",
     "maxItems",
+    "maxProperties",
     "items",
     "properties",
+    "additionalProperties",
     "required",
     "x-kubernetes-int-or-string",
     "x-kubernetes-list-type",
@@ -47,8 +49,9 @@ RULE_KEY_ORDER = ("rule", "message", "fieldPath", "reason")
 # pydantic keywords with no place in a structural schema. `additionalProperties:
 # false` is what extra="forbid" writes; the API server prunes or (with strict field
 # validation) rejects unknown fields instead, and forbids the keyword next to
-# `properties`.
-DROPPED_KEYWORDS = frozenset({"title", "additionalProperties"})
+# `properties`. A map's (`dict[str, X]`) schema of X is kept: without it the API server
+# would prune every key.
+DROPPED_KEYWORDS = frozenset({"title"})
 
 
 class SchemaError(ValueError):
@@ -87,7 +90,7 @@ def _convert(node: Schema, definitions: dict[str, Schema], path: str) -> Schema:
     node = _resolve(node, definitions, path)
     result: Schema = {}
     for key, value in node.items():
-        if key in DROPPED_KEYWORDS:
+        if key in DROPPED_KEYWORDS or (key == "additionalProperties" and value is False):
             continue
         if key not in KEYWORD_ORDER:
             raise SchemaError(f"{path}: keyword {key!r} has no structural translation")
@@ -96,7 +99,7 @@ def _convert(node: Schema, definitions: dict[str, Schema], path: str) -> Schema:
                 name: _convert(child, definitions, f"{path}.{name}")
                 for name, child in value.items()
             }
-        elif key == "items":
+        elif key in ("items", "additionalProperties"):
             result[key] = _convert(value, definitions, f"{path}[]")
         elif key == "description":
             result[key] = _clean_description(value)

@@ -12,8 +12,10 @@ Design (why a webhook outage never blocks unrelated pods):
   (`SidecarMissing`), naming the pods to delete. Inside the webhook a labelled pod is
   matched to a WeightSync by its controller owner chain (StatefulSet, or ReplicaSet ->
   Deployment, one GET), never by labels alone; a labelled pod that no WeightSync
-  selects is admitted unchanged. The handler never raises: a mutating webhook's error
-  would *deny* the pod, which `Ignore` does not cover.
+  selects is admitted unchanged. The handler raises only to refuse a pod on purpose (an
+  error *denies* the pod, which `Ignore` does not cover): one whose GPUs come from a
+  device plugin, which its sidecar cannot share (`gpu_access`); the ReplicaSet's or
+  StatefulSet's FailedCreate Event carries the reason.
 * **WeightSyncs** - validating, CREATE and UPDATE, `failurePolicy: Fail`: only our own
   resource is affected by an outage. It checks what the CRD cannot: that no older
   WeightSync in the namespace already syncs one of the named workloads. It does not
@@ -39,9 +41,11 @@ from weightsync.api.v1alpha1 import WeightSync
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics
 from weightsync.controller.cache import Indexes
-from weightsync.controller.injection import AgentTemplate, injection_patch
+from weightsync.controller.gpu_access import GpusNotShareableError
+from weightsync.controller.injection import injection_patch
 from weightsync.controller.kube import Kube
 from weightsync.controller.patches import JsonPatch
+from weightsync.controller.sidecar import AgentTemplate
 from weightsync.controller.workloads import (
     WorkloadRef,
     claim_conflicts,
@@ -145,11 +149,16 @@ def inject(
     patch: Any,
     indexes: Indexes | None = None,
 ) -> None:
-    """The mutating handler's body. Never raises (an error would deny the pod)."""
+    """The mutating handler's body. Raises only to refuse a pod whose GPUs cannot reach
+    its sidecar; any other error admits the pod unchanged (the reconcile reports it)."""
     meta = body.get("metadata") or {}
     namespace = str(meta.get("namespace") or "")
     try:
         ops = pod_patch(kube, body, namespace, template, indexes)
+    except GpusNotShareableError as exc:
+        metrics.ADMISSIONS.labels("inject-agent", "denied").inc()
+        log.warning("refusing a pod in %s: %s", namespace, exc)
+        raise kopf.AdmissionError(f"weightsync: {exc}", code=403) from exc
     except Exception:
         log.exception(
             "could not decide injection for a pod in %s; admitting it unchanged", namespace

@@ -85,8 +85,6 @@ def slim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
             ],
             # `has_agent` reads names only; init containers stand in for all of them.
             "initContainers": [{"name": c.get("name")} for c in containers],
-            # `trainer_ranks.pod_gpus` reads the GPUs of a pod the webhook missed.
-            "containers": [_gpus(c) for c in spec.get("containers") or []],
         },
         "status": {
             "phase": status.get("phase"),
@@ -96,17 +94,6 @@ def slim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
                 for c in status.get("conditions") or []
                 if c.get("type") in _POD_CONDITIONS
             ],
-        },
-    }
-
-
-def _gpus(container: Mapping[str, Any]) -> dict[str, Any]:
-    resources = container.get("resources") or {}
-    return {
-        "name": container.get("name"),
-        "resources": {
-            kind: _pick(resources.get(kind), (names.GPU_RESOURCE,))
-            for kind in ("limits", "requests")
         },
     }
 

@@ -43,7 +43,6 @@ from weightsync.controller.cache import (
     slim_workload,
 )
 from weightsync.controller.events import EventPoster
-from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
 from weightsync.controller.podwatch import DELETED, PodWatch
 from weightsync.controller.reconcile import (
@@ -54,6 +53,7 @@ from weightsync.controller.reconcile import (
     log_pass_failure,
 )
 from weightsync.controller.settings import OperatorSettings
+from weightsync.controller.sidecar import AgentTemplate
 
 log = logging.getLogger(__name__)
 

@@ -2,13 +2,15 @@
 
 What a selected pod gets:
 * a native sidecar `weightsync-agent` (an init container with `restartPolicy: Always`,
-  Kubernetes >= 1.29): it starts before the workload's containers, so the trainer's
-  Publisher finds its socket, and it stops after them. Command `weightsync-agent`,
-  settings as `WEIGHTSYNC_*` env (role, pod name and IP from the downward API, the
-  control API bound to the pod IP, the token as a file from the per-WeightSync
-  Secret, the Publisher socket, the device, and for sinks the engine and its URL
-  `http://$(WEIGHTSYNC_POD_IP):<port>`), its ports, resources, and a TCP readiness
-  probe on the control port (the control API has no unauthenticated route);
+  Kubernetes >= 1.29; built by `sidecar.py`): it starts before the workload's
+  containers, so the trainer's Publisher finds its socket, and it stops after them.
+  Command `weightsync-agent`, settings as `WEIGHTSYNC_*` env (role, pod name and IP from
+  the downward API, the control API bound to the pod IP, the token as a file from the
+  per-WeightSync Secret, the Publisher socket, the device, and for sinks the engine and
+  its URL `http://$(WEIGHTSYNC_POD_IP):<port>`), its ports, resources, the workload
+  containers' ResourceClaims (its GPUs are theirs: `gpu_access`; a pod whose GPUs come
+  from a device plugin cannot share them and is refused), and a TCP readiness probe on
+  the control port (the control API has no unauthenticated route);
 * an emptyDir `weightsync-socket` at `/var/run/weightsync`, mounted into the sidecar and
   every workload container (trainer containers also get `WEIGHTSYNC_SOCKET`);
 * the token Secret as a read-only volume (a file, so rotation needs no restart; the
@@ -55,40 +57,17 @@ mutation is idempotent (the API server may call a webhook twice).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.api import agent_env
-from weightsync.api.engines import INJECTIONS, EngineOptions
+from weightsync.api.engines import INJECTIONS
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
 from weightsync.controller import names
+from weightsync.controller.gpu_access import gpu_access
 from weightsync.controller.patches import JsonPatch, add_to_map, append_to
+from weightsync.controller.sidecar import AgentTemplate, agent_container
 from weightsync.controller.trainer_ranks import ServedRanks
 from weightsync.controller.workloads import has_agent
-
-
-@dataclass(frozen=True, slots=True)
-class AgentTemplate:
-    """The operator-wide parts of the sidecar (from `OperatorSettings`)."""
-
-    image: str
-    pull_policy: str = "IfNotPresent"
-    requests: Mapping[str, str] = field(default_factory=dict)
-    limits: Mapping[str, str] = field(default_factory=dict)
-    http_port: int = 8470
-    metrics_port: int = 9470
-    log_level: str = "INFO"
-
-
-def agent_device(pod: Mapping[str, Any]) -> str:
-    """`cuda:0` if a workload container asks for a GPU, else `cpu`."""
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        resources = container.get("resources") or {}
-        for kind in ("limits", "requests"):
-            if str((resources.get(kind) or {}).get(names.GPU_RESOURCE, "0")) not in ("", "0"):
-                return "cuda:0"
-    return "cpu"
-
 
 GiB = 1 << 30
 
@@ -114,108 +93,6 @@ def _mounts_shm(pod: Mapping[str, Any]) -> bool:
         for c in containers
         for m in c.get("volumeMounts") or []
     )
-
-
-def _field_env(name: str, path: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-
-def agent_container(
-    sync: WeightSync,
-    role: Role,
-    inference_index: int | None,
-    device: str,
-    template: AgentTemplate,
-    *,
-    shm: bool = False,
-    served: ServedRanks | None = None,
-) -> dict[str, Any]:
-    """The sidecar container (a restartable init container); `shm`: mount the pod's
-    shared-memory volume at /dev/shm; `served`: a trainer pod of several ranks, whose
-    local source ranks the sidecar serves with an agent process each."""
-    locals_ = served.local if served is not None and served.per_pod > 1 else (0,)
-    env: list[dict[str, Any]] = [
-        {"name": agent_env.ROLE, "value": role.label},
-        _field_env(agent_env.POD_NAME, "metadata.name"),
-        _field_env(agent_env.POD_IP, "status.podIP"),
-        {"name": agent_env.HTTP_HOST, "value": f"$({agent_env.POD_IP})"},
-        {"name": agent_env.HTTP_PORT, "value": str(template.http_port)},
-        {"name": agent_env.METRICS_PORT, "value": str(template.metrics_port)},
-        {"name": agent_env.TOKEN_FILE, "value": f"{names.TOKEN_DIR}/{names.TOKEN_KEY}"},
-        {"name": agent_env.SOCKET, "value": agent_env.SOCKET_PATH},
-        {"name": agent_env.DEVICE, "value": device},
-        {"name": agent_env.LOG_LEVEL, "value": template.log_level},
-        # What holders serve and pulls use (P2P recovery).
-        {"name": agent_env.P2P_PROTOCOL, "value": sync.spec.recovery.protocol.value},
-        # Who holds is the plans' business (`plan.holder_ranks`): none when recovery is
-        # off or the group is Colocated, where a held copy would only cost PCIe time.
-        {"name": agent_env.HOLDER, "value": "false"},
-    ]
-    if served is not None and served.per_pod > 1:
-        local_ranks = ",".join(str(i) for i in served.local)
-        _set_env(env, agent_env.SOCKET, agent_env.SOCKET_TEMPLATE)
-        env.append({"name": agent_env.LOCAL_RANKS, "value": local_ranks})
-    if role is Role.SINK and inference_index is not None:
-        entry = sync.spec.inference[inference_index]
-        env.append({"name": agent_env.ENGINE, "value": entry.engine.value})
-        url = f"http://$({agent_env.POD_IP}):{entry.port}"
-        env.append({"name": agent_env.ENGINE_URL, "value": url})
-        options = EngineOptions.of(entry)
-        env.append({"name": agent_env.ENGINE_OPTIONS, "value": options.model_dump_json()})
-        if sync.spec.mode is SyncMode.COLOCATED:  # the trainer's agent loads its engine
-            env.append({"name": agent_env.ENGINE_LOADED_BY_PEER, "value": "true"})
-    mounts: list[dict[str, Any]] = [
-        {"name": names.SOCKET_VOLUME, "mountPath": agent_env.SOCKET_DIR},
-        {"name": names.TOKEN_VOLUME, "mountPath": names.TOKEN_DIR, "readOnly": True},
-    ]
-    if sync.spec.mode is SyncMode.COLOCATED:
-        mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
-    if shm:
-        mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
-        # CPU slots reach an engine (SGLang) as torch file-system shared memory, whose
-        # reader registers with the agent's torch_shm_manager through a socket under
-        # TMPDIR: in the default /tmp, another container cannot reach it and the engine's
-        # load fails; /dev/shm is the one directory the pod's containers share.
-        env.append({"name": agent_env.TMPDIR, "value": names.SHM_DIR})
-    ports = []
-    for local in locals_:  # named by local rank past the first (a name has <= 15 chars)
-        suffix = f"-{local}" if local else ""
-        port = template.http_port + local
-        ports.append({"name": f"ws-control{suffix}", "containerPort": port, "protocol": "TCP"})
-        if template.metrics_port:
-            port = template.metrics_port + local
-            ports.append({"name": f"ws-metrics{suffix}", "containerPort": port, "protocol": "TCP"})
-    resources: dict[str, Any] = {}
-    if template.requests:
-        resources["requests"] = dict(template.requests)
-    if template.limits:
-        resources["limits"] = dict(template.limits)
-    return {
-        "name": names.AGENT_CONTAINER,
-        "image": template.image,
-        "imagePullPolicy": template.pull_policy,
-        "command": list(names.AGENT_COMMAND),
-        "restartPolicy": "Always",
-        "env": env,
-        "ports": ports,
-        "volumeMounts": mounts,
-        "resources": resources,
-        "readinessProbe": {
-            "tcpSocket": {"port": template.http_port + locals_[0]},
-            "periodSeconds": 5,
-            "failureThreshold": 3,
-        },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-        },
-    }
-
-
-def _set_env(env: list[dict[str, Any]], name: str, value: str) -> None:
-    for item in env:
-        if item["name"] == name:
-            item["value"] = value
 
 
 def _volumes(sync: WeightSync, namespace: str, *, shm: bool) -> list[dict[str, Any]]:
@@ -348,13 +225,14 @@ def injection_patch(
     served: ServedRanks | None = None,
 ) -> JsonPatch:
     """The JSON patch that injects the agent into `pod`; empty if it already has one.
-    `served`: a trainer pod's ranks (`trainer_ranks.served_ranks`)."""
+    `served`: a trainer pod's ranks (`trainer_ranks.served_ranks`). Raises
+    `GpusNotShareableError` for a pod whose GPUs its sidecar cannot be given."""
     if has_agent(pod):
         return []
     sync_name = sync.metadata.name or ""
     spec = pod.get("spec") or {}
     meta = pod.get("metadata") or {}
-    device = agent_device(pod)
+    access = gpu_access(pod, sync.spec.agent.claims)  # raises GpusNotShareableError
     colocated = sync.spec.mode is SyncMode.COLOCATED
     containers = spec.get("containers") or []
     ops: JsonPatch = []
@@ -373,14 +251,23 @@ def injection_patch(
         {
             names.INJECTED_ANNOTATION: sync_name,
             names.AGENT_PORT_ANNOTATION: str(template.http_port),
-            names.AGENT_DEVICE_ANNOTATION: device,
+            names.AGENT_DEVICE_ANNOTATION: access.device,
             names.INJECTED_CONTAINERS_ANNOTATION: ",".join(c["name"] for c in containers),
             **(served.annotations() if served is not None else {}),
         },
     )
     shm = not colocated and not spec.get("hostIPC") and not _mounts_shm(pod)
     append_to(ops, spec, "/spec/volumes", _volumes(sync, namespace, shm=shm))
-    agent = agent_container(sync, role, inference_index, device, template, shm=shm, served=served)
+    agent = agent_container(
+        sync,
+        role,
+        inference_index,
+        access.device,
+        template,
+        shm=shm,
+        served=served,
+        claims=access.claims,
+    )
     append_to(ops, spec, "/spec/initContainers", [agent])
     several = served is not None and served.per_pod > 1
     socket = agent_env.SOCKET_TEMPLATE if several else agent_env.SOCKET_PATH

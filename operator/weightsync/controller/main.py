@@ -22,11 +22,11 @@ from weightsync.controller import events, handlers, metrics, names, taskdump, to
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.cache import Indexes
 from weightsync.controller.events import EventPoster
-from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube, load_config
 from weightsync.controller.podwatch import PodStore, PodWatch
 from weightsync.controller.reconcile import Reconciler
 from weightsync.controller.settings import OperatorSettings, SettingsError
+from weightsync.controller.sidecar import AgentTemplate
 from weightsync.controller.webhook import build_server
 
 log = logging.getLogger("weightsync.operator")
@@ -44,6 +44,7 @@ def agent_template(settings: OperatorSettings) -> AgentTemplate:
         http_port=settings.agent_http_port,
         metrics_port=settings.agent_metrics_port,
         log_level=settings.agent_log_level,
+        env=tuple(var.to_k8s() for var in settings.agent_env),
     )
 
 

@@ -101,7 +101,7 @@ CURRENT_VERSION = Gauge(
 for _result in ("ok", "waiting", "invalid", "gone", "error"):
     RECONCILES.labels(_result)
 for _webhook, _results in (
-    ("inject-agent", ("injected", "skipped", "error")),
+    ("inject-agent", ("injected", "skipped", "denied", "error")),
     ("validate-claims", ("allowed", "denied", "error")),
 ):
     for _result in _results:

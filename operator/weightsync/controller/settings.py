@@ -46,6 +46,9 @@ Injected agent sidecar
 * `AGENT_HTTP_PORT`           the agent's control API port. Default 8470.
 * `AGENT_METRICS_PORT`        the agent's metrics port. Default 9470.
 * `AGENT_LOG_LEVEL`           the agents' log level. Default INFO.
+* `AGENT_ENV`                 JSON list of `{"name", "value"}` added to every sidecar's env
+                              (the fabric's: NCCL_IB_HCA, ...); a WeightSync's
+                              `spec.agent.env` comes after it. Default [].
 * `RENDEZVOUS_PORT`           the TCPStore port on the source agent's pod IP. Default 29470.
 
 Agent control and reconcile pacing
@@ -62,6 +65,7 @@ Agent control and reconcile pacing
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from enum import StrEnum
@@ -70,6 +74,8 @@ from typing import Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from weightsync.api.v1alpha1 import EnvVar
 
 ENV_PREFIX = "WEIGHTSYNC_OPERATOR_"
 
@@ -120,6 +126,7 @@ class OperatorSettings(BaseModel):
     agent_http_port: int = Field(default=8470, ge=1, le=65535)
     agent_metrics_port: int = Field(default=9470, ge=0, le=65535)
     agent_log_level: str = "INFO"
+    agent_env: tuple[EnvVar, ...] = ()
     rendezvous_port: int = Field(default=29470, ge=1, le=65535)
 
     token_key_secret: str = "weightsync-token-key"  # noqa: S105 - a Secret's name
@@ -178,6 +185,13 @@ class OperatorSettings(BaseModel):
                 raise SettingsError(f"{key} is not a weightsync operator setting")
             if field == "watch_namespaces":
                 values[field] = tuple(part.strip() for part in value.split(",") if part.strip())
+            elif field == "agent_env":
+                try:
+                    values[field] = json.loads(value or "[]")
+                except json.JSONDecodeError as exc:
+                    raise SettingsError(
+                        f"{key}: not a JSON list of name/value pairs: {exc}"
+                    ) from None
             else:
                 values[field] = value
         try:

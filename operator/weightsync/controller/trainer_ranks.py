@@ -46,21 +46,10 @@ class ServedRanks:
         }
 
 
-def pod_gpus(pod: Obj) -> int:
-    """The nvidia.com/gpu limit (or request) of the pod's first container that has one."""
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        resources = container.get("resources") or {}
-        for kind in ("limits", "requests"):
-            value = str((resources.get(kind) or {}).get(names.GPU_RESOURCE, "0"))
-            if value.isdigit() and int(value) > 0:
-                return int(value)
-    return 0
-
-
-def served_ranks(sync: WeightSync, pod: Obj, ordinal: int) -> ServedRanks:
+def served_ranks(sync: WeightSync, ordinal: int) -> ServedRanks:
     """At admission: the ranks of trainer pod `ordinal` that publish (none: no sidecar)."""
     trainer = sync.spec.trainer
-    per_pod = trainer.ranks_per_pod or pod_gpus(pod) or 1
+    per_pod = trainer.ranks_per_pod or 1
     local = tuple(i for i in range(per_pod) if trainer.publishes(ordinal * per_pod + i))
     return ServedRanks(per_pod, local)
 

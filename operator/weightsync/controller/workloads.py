@@ -160,7 +160,7 @@ def select_target(workload: WorkloadRef, pod: Obj, syncs: Sequence[WeightSync]) 
             ordinal = statefulset_ordinal(pod, workload.name)
             if ordinal is None:
                 return None
-            served = served_ranks(sync, pod, ordinal)
+            served = served_ranks(sync, ordinal)
             return Target(sync, Role.SOURCE, None, ordinal, served) if served.local else None
         if workload.kind == "Deployment":
             for index, entry in enumerate(sync.spec.inference):
@@ -306,7 +306,7 @@ def trainer_views(sync: WeightSync, pod: Obj, workload: str, ordinal: int) -> li
     """One view per rank the trainer pod's sidecar serves and the spec still publishes
     (a pod without the sidecar: the ranks it would be given)."""
     base = pod_view(pod, Role.SOURCE, workload, None, ordinal)
-    served = recorded_ranks(pod) if base.has_agent else served_ranks(sync, pod, ordinal)
+    served = recorded_ranks(pod) if base.has_agent else served_ranks(sync, ordinal)
     views = []
     for local in served.local:
         rank = served.global_rank(ordinal, local)

@@ -12,6 +12,7 @@ from typing import Any
 
 from tests.unit.api.builders import weightsync
 from weightsync.api.cel import CelRule
+from weightsync.api.v1alpha1.agent import ENV_NOT_RESERVED, NO_GPU_OF_ITS_OWN
 from weightsync.api.v1alpha1.spec import (
     COLOCATED_ONE_INFERENCE,
     COLOCATED_ONE_SOURCE,
@@ -289,6 +290,22 @@ CREATE_CASES = [
         "spec.replicas",
         'unknown field "spec.replicas"',
         unknown_field=True,
+    ),
+    Invalid(
+        "agent-env-of-the-operator",
+        weightsync()
+        .set("spec.agent", {"env": [{"name": "WEIGHTSYNC_DEVICE", "value": "cuda:3"}]})
+        .build(),
+        "spec.agent.env[0].name",
+        "names starting with WEIGHTSYNC_",
+        rule=ENV_NOT_RESERVED,
+    ),
+    Invalid(
+        "agent-gpu-of-its-own",
+        weightsync().set("spec.agent", {"resources": {"limits": {"nvidia.com/gpu": "1"}}}).build(),
+        "spec.agent.resources.limits",
+        "the sidecar asks for no GPU of its own",
+        rule=NO_GPU_OF_ITS_OWN,
     ),
 ]
 

@@ -186,8 +186,8 @@ def test_pod_monitor_scrapes_the_port_and_label_the_webhook_injects() -> None:
     from weightsync.api.control import Role
     from weightsync.api.v1alpha1 import WeightSync
     from weightsync.controller import names
-    from weightsync.controller.injection import agent_container
     from weightsync.controller.main import agent_template
+    from weightsync.controller.sidecar import agent_container
 
     objects = render(api_versions=(MONITORING_API,))
     monitor = one(objects, "PodMonitor")["spec"]
@@ -318,3 +318,22 @@ def test_service_links_cannot_smuggle_settings_into_the_operator() -> None:
     env = {**resolved_env(pod["containers"][0]), **links}
     with pytest.raises(SettingsError, match="WEBHOOK_SERVICE_HOST is not a weightsync"):
         OperatorSettings.from_env(env)
+
+
+def test_the_charts_agent_env_reaches_every_sidecar_and_never_replaces_the_operators() -> None:
+    from weightsync.controller.main import agent_template
+    from weightsync.controller.settings import SettingsError
+
+    fabric = '[{"name": "NCCL_IB_HCA", "value": "mlx5_0"}, {"name": "NCCL_DEBUG"}]'
+    settings = settings_from_chart(render({"agent.env": fabric}))
+    assert agent_template(settings).env == (
+        {"name": "NCCL_IB_HCA", "value": "mlx5_0"},
+        {"name": "NCCL_DEBUG", "value": ""},
+    )
+    assert agent_template(settings_from_chart(render())).env == ()
+    reserved = '[{"name": "WEIGHTSYNC_DEVICE", "value": "cuda:3"}]'
+    with pytest.raises(SettingsError, match="operator's settings of the agent"):
+        settings_from_chart(render({"agent.env": reserved}))
+    from tests.unit.chart.helm import render_error
+
+    assert "/agent/env/0/name" in render_error({"agent.env": '[{"name": "NCCL IB"}]'})

@@ -12,8 +12,8 @@ from kubernetes import client
 from tests.unit.controller.builders import pod
 from weightsync.controller.admission import apply_patch, inject, set_patch
 from weightsync.controller.cache import REPLICASET_OWNERS_INDEX, Indexes, replicaset_owner
-from weightsync.controller.injection import AgentTemplate
 from weightsync.controller.kube import Kube
+from weightsync.controller.sidecar import AgentTemplate
 
 TEMPLATE = AgentTemplate(image="agent:1")
 

@@ -13,7 +13,8 @@ from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import PauseMode
 from weightsync.controller import names
-from weightsync.controller.injection import AgentTemplate, injection_patch
+from weightsync.controller.injection import injection_patch
+from weightsync.controller.sidecar import AgentTemplate
 
 TEMPLATE = AgentTemplate(
     image="agent:1", requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}
@@ -172,20 +173,6 @@ def test_the_patch_is_idempotent() -> None:
         patched, sync=sync(), role=Role.SINK, inference_index=0, namespace="ns", template=TEMPLATE
     )
     assert again == []
-
-
-def test_gpu_workloads_get_a_cuda_agent_and_disabled_gates_are_left_out() -> None:
-    raw = (
-        pod("engine-a-abc-x1")
-        .set(
-            "spec.containers", [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]
-        )
-        .build()
-    )
-    _, patched = inject(raw, Role.SINK, spec__readinessGate={"enabled": False})
-    assert env_of(agent_of(patched))["WEIGHTSYNC_DEVICE"] == "cuda:0"
-    assert patched["metadata"]["annotations"][names.AGENT_DEVICE_ANNOTATION] == "cuda:0"
-    assert "readinessGates" not in patched["spec"]
 
 
 @pytest.mark.parametrize("role", [Role.SOURCE, Role.SINK])

@@ -16,7 +16,6 @@ from weightsync.controller.injection import injection_patch
 from weightsync.controller.plan import desired_members
 from weightsync.controller.trainer_ranks import (
     ServedRanks,
-    pod_gpus,
     recorded_ranks,
     served_ranks,
     source_ranks,
@@ -31,48 +30,46 @@ from weightsync.controller.workloads import (
 )
 
 
-def trainer_pod(ordinal: int, gpus: int = 0) -> dict[str, Any]:
+def trainer_pod(ordinal: int, gpus: bool = False) -> dict[str, Any]:
+    """A trainer pod; `gpus`: its container's GPUs come from a ResourceClaim."""
     builder = (
         pod(f"trainer-{ordinal}")
         .owned_by("StatefulSet", "trainer", uid="sts-uid")
         .label(names.STATEFULSET_POD_INDEX_LABEL, str(ordinal))
     )
     if gpus:
+        builder.set("spec.resourceClaims", [{"name": "gpus", "resourceClaimTemplateName": "g"}])
         builder.set("spec.containers", [{"name": "main", "image": "trainer:1", "resources": {
-            "limits": {names.GPU_RESOURCE: str(gpus)}}}])  # fmt: skip
+            "claims": [{"name": "gpus"}]}}])  # fmt: skip
     return builder.build()
 
 
+FOUR = {"spec.trainer.ranksPerPod": 4}
+
+
 @pytest.mark.parametrize(
-    ("paths", "ordinal", "gpus", "expected"),
+    ("paths", "ordinal", "expected"),
     [
-        ({}, 0, 0, ServedRanks(1, (0,))),  # the default: rank 0 of one-rank pods
-        ({}, 1, 0, ServedRanks(1, ())),
-        ({}, 0, 4, ServedRanks(4, (0,))),  # ranks per pod from the GPUs
-        ({"spec.trainer.sourceRanks": ["all"]}, 1, 4, ServedRanks(4, (0, 1, 2, 3))),
-        ({"spec.trainer.sourceRanks": [5, 6, 9]}, 1, 4, ServedRanks(4, (1, 2))),
-        ({"spec.trainer.sourceRanks": ["all"], "spec.trainer.ranksPerPod": 2}, 1, 8,
-         ServedRanks(2, (0, 1))),  # the spec wins over the GPU count
+        ({}, 0, ServedRanks(1, (0,))),  # the default: rank 0 of one-rank pods
+        ({}, 1, ServedRanks(1, ())),
+        (FOUR, 0, ServedRanks(4, (0,))),
+        ({"spec.trainer.sourceRanks": ["all"], **FOUR}, 1, ServedRanks(4, (0, 1, 2, 3))),
+        ({"spec.trainer.sourceRanks": [5, 6, 9], **FOUR}, 1, ServedRanks(4, (1, 2))),
     ],
 )  # fmt: skip
 def test_served_ranks_follow_torchrun_numbering(
-    paths: dict[str, Any], ordinal: int, gpus: int, expected: ServedRanks
+    paths: dict[str, Any], ordinal: int, expected: ServedRanks
 ) -> None:
-    assert served_ranks(sync(**paths), trainer_pod(ordinal, gpus), ordinal) == expected
+    assert served_ranks(sync(**paths), ordinal) == expected
 
 
 def test_a_pod_of_no_source_rank_gets_no_sidecar() -> None:
-    syncs = [sync(**{"spec.trainer.sourceRanks": [4]})]
+    syncs = [sync(**{"spec.trainer.sourceRanks": [4], **FOUR})]
     workload = WorkloadRef("StatefulSet", "trainer")
-    assert select_target(workload, trainer_pod(0, gpus=4), syncs) is None
-    target = select_target(workload, trainer_pod(1, gpus=4), syncs)
+    assert select_target(workload, trainer_pod(0, gpus=True), syncs) is None
+    target = select_target(workload, trainer_pod(1, gpus=True), syncs)
     assert target is not None
     assert target.served == ServedRanks(4, (0,))
-
-
-def test_gpus_are_read_from_the_first_container_that_asks() -> None:
-    assert pod_gpus(trainer_pod(0)) == 0
-    assert pod_gpus(trainer_pod(0, gpus=8)) == 8
 
 
 def _inject(raw: dict[str, Any], **paths: Any) -> dict[str, Any]:
@@ -88,7 +85,8 @@ def _inject(raw: dict[str, Any], **paths: Any) -> dict[str, Any]:
 
 
 def test_a_pod_of_several_ranks_gets_one_sidecar_serving_each() -> None:
-    patched = _inject(trainer_pod(1, gpus=2), **{"spec.trainer.sourceRanks": ["all"]})
+    paths = {"spec.trainer.sourceRanks": ["all"], "spec.trainer.ranksPerPod": 2}
+    patched = _inject(trainer_pod(1, gpus=True), **paths)
     agent = agent_of(patched)
     env = env_of(agent)
     assert env[agent_env.LOCAL_RANKS] == "0,1"
@@ -108,7 +106,7 @@ def test_a_pod_of_several_ranks_gets_one_sidecar_serving_each() -> None:
 
 
 def test_a_pod_serving_one_of_its_ranks_listens_where_that_rank_does() -> None:
-    patched = _inject(trainer_pod(0, gpus=4), **{"spec.trainer.sourceRanks": [3]})
+    patched = _inject(trainer_pod(0, gpus=True), **{"spec.trainer.sourceRanks": [3], **FOUR})
     agent = agent_of(patched)
     assert env_of(agent)[agent_env.LOCAL_RANKS] == "3"
     assert agent["readinessProbe"]["tcpSocket"] == {"port": 8473}
@@ -137,8 +135,10 @@ def _running(raw: dict[str, Any], ip: str) -> dict[str, Any]:
 
 
 def test_each_served_rank_is_a_member_with_its_own_port_and_device() -> None:
-    paths = {"spec.trainer.sourceRanks": ["all"]}
-    pods = [_running(_inject(trainer_pod(i, gpus=2), **paths), f"10.0.0.{i + 1}") for i in (0, 1)]
+    paths = {"spec.trainer.sourceRanks": ["all"], "spec.trainer.ranksPerPod": 2}
+    pods = [
+        _running(_inject(trainer_pod(i, gpus=True), **paths), f"10.0.0.{i + 1}") for i in (0, 1)
+    ]
     for raw in pods:
         raw["metadata"]["annotations"][names.AGENT_DEVICE_ANNOTATION] = "cuda:0"
     spec = sync(**paths)
@@ -172,10 +172,10 @@ def test_all_ranks_counts_every_pod_of_the_statefulset() -> None:
 
 
 def test_an_uninjected_pod_of_several_ranks_is_recreated_once() -> None:
-    raw = trainer_pod(0, gpus=2)
+    raw = trainer_pod(0, gpus=True)
     raw["metadata"]["labels"][names.INJECT_LABEL] = names.INJECT_VALUE
     raw["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
-    spec = sync(**{"spec.trainer.sourceRanks": ["all"]})
+    spec = sync(**{"spec.trainer.sourceRanks": ["all"], "spec.trainer.ranksPerPod": 2})
     views = sync_pods(spec, _world(raw, replicas=1))
     assert len(views) == 2
     created = views[0].created
@@ -189,10 +189,10 @@ def test_an_uninjected_pod_of_several_ranks_is_recreated_once() -> None:
 def test_the_watch_keeps_what_the_ranks_of_a_pod_are_read_from() -> None:
     from weightsync.controller.cache import slim_pod
 
-    paths = {"spec.trainer.sourceRanks": ["all"]}
+    paths = {"spec.trainer.sourceRanks": ["all"], "spec.trainer.ranksPerPod": 2}
     spec = sync(**paths)
-    injected = _running(_inject(trainer_pod(0, gpus=2), **paths), "10.0.0.1")
-    missed = trainer_pod(1, gpus=2)  # the webhook was away: ranks from its GPUs
+    injected = _running(_inject(trainer_pod(0, gpus=True), **paths), "10.0.0.1")
+    missed = trainer_pod(1, gpus=True)  # the webhook was away: ranks from the spec
     whole = sync_pods(spec, _world(injected, missed))
     assert len(whole) == 4
     assert sync_pods(spec, _world(slim_pod(injected), slim_pod(missed))) == whole

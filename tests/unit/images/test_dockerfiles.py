@@ -179,7 +179,11 @@ def test_the_torch_images_share_every_layer_but_their_entry_point() -> None:
     agent, engine = chain("agent"), chain("reference-engine")
     assert agent[:-1] == engine[:-1]
     for stage in (agent[-1], engine[-1]):
-        assert {kw for kw, _ in stage.instructions} <= {"LABEL", "ENTRYPOINT"}
+        assert {kw for kw, _ in stage.instructions} <= {"LABEL", "ENTRYPOINT", "ENV"}
+    # The engine keeps what its GPUs' allocation sets; the sidecar, given no GPU of its
+    # own, must not inherit the CUDA base's `all` (every GPU of the node).
+    assert ("ENV", "NVIDIA_VISIBLE_DEVICES=void") in agent[-1].instructions
+    assert not [i for i in engine[-1].instructions if i[0] == "ENV"]
 
 
 @pytest.mark.parametrize("image", IMAGES)

@@ -1,5 +1,6 @@
 """The weightsync.io/v1alpha1 API: the WeightSync resource."""
 
+from weightsync.api.v1alpha1.agent import AgentResources, AgentSpec, EnvVar, VolumeMount
 from weightsync.api.v1alpha1.resource import API_VERSION, VERSION, ObjectMeta, WeightSync
 from weightsync.api.v1alpha1.spec import (
     DeploymentRef,
@@ -27,8 +28,11 @@ from weightsync.api.v1alpha1.status import (
 __all__ = [
     "API_VERSION",
     "VERSION",
+    "AgentResources",
+    "AgentSpec",
     "DeploymentRef",
     "Engine",
+    "EnvVar",
     "InferenceSpec",
     "Member",
     "ObjectMeta",
@@ -44,6 +48,7 @@ __all__ = [
     "SyncMode",
     "TrainerSpec",
     "TransferSpec",
+    "VolumeMount",
     "WeightSync",
     "WeightSyncSpec",
     "WeightSyncStatus",

@@ -17,6 +17,7 @@ from pydantic import (
 
 from weightsync.api.base import INT64_MAX, ApiModel, ObjectName
 from weightsync.api.cel import CelRule, RuleReason, located_error, validations
+from weightsync.api.v1alpha1.agent import AgentSpec
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -174,8 +175,8 @@ class TrainerSpec(ApiModel):
     ranks_per_pod: int | None = Field(default=None, strict=True, ge=1, le=MAX_RANKS_PER_POD)
     """ranksPerPod is how many trainer ranks (processes, as torchrun's --nproc-per-node)
     each trainer pod runs; the agent sidecar serves each of the pod's source ranks on its
-    own GPU (local rank i on cuda:i), socket and ports. Default: the nvidia.com/gpu limit
-    of the trainer pod's first container that has one, else 1."""
+    own GPU (local rank i on cuda:i, of the GPUs its ResourceClaims give the pod), socket
+    and ports. Default 1: set it to the GPUs of each trainer pod."""
 
     @field_validator("source_ranks")
     @classmethod
@@ -350,6 +351,10 @@ class WeightSyncSpec(ApiModel):
     )
     """readinessGate controls holding inference pods NotReady until they serve the current
     version."""
+
+    agent: AgentSpec = Field(default_factory=AgentSpec, json_schema_extra={"default": {}})
+    """agent adds to the injected sidecar what the cluster's fabric needs (env, resources,
+    claims, volume mounts, IPC_LOCK)."""
 
     @field_validator("inference")
     @classmethod

@@ -39,7 +39,7 @@ from pathlib import Path
 import yaml
 
 from tests.cluster import kwok_stages
-from tests.cluster.node.realnode import NODE_NAME, RealNode
+from tests.cluster.node.realnode import GPU_DRIVER, NODE_NAME, RealNode
 from tests.cluster.pki import CertificateAuthority, service_account_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -473,13 +473,23 @@ class LocalCluster:
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
         _wait_until(ready, NODE_READY_SECONDS, "the real node", self.log_dir / "kubelet.log")
-        # No device plugin: the node advertises GPUs for the scheduler only (the
-        # documented way to add an extended resource); nothing here uses a GPU.
-        patch = [
-            {"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": "4"},
-        ]
-        self.kubectl("patch", "node", NODE_NAME, "--subresource=status", "--type=json",
-                     "-p", json.dumps(patch))  # fmt: skip
+        # Its GPUs: a device class, and the DRA driver that publishes them and prepares
+        # the claims that name them (node/realnode.py).
+        device_class = {
+            "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+            "metadata": {"name": GPU_DRIVER},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{GPU_DRIVER}"'}}]},
+        }  # fmt: skip
+        self.kubectl("apply", "-f", "-", input=json.dumps(device_class))
+        node.start_gpu_driver(self._spawn, self.kubeconfig, self.gpus_per_node)
+
+        def published() -> bool:
+            result = self.kubectl("get", "resourceslices", "-o", "json", check=False)
+            slices = json.loads(result.stdout).get("items", []) if result.returncode == 0 else []
+            return any(s["spec"].get("nodeName") == NODE_NAME for s in slices)
+
+        log = self.log_dir / "fake-gpu-dra.log"
+        _wait_until(published, NODE_READY_SECONDS, "the GPU driver", log)
 
     def _start_kwok(self) -> None:
         config = self.state_dir / "kwok.yaml"

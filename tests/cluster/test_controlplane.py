@@ -19,6 +19,7 @@ from kubernetes import client
 
 from tests.cluster import kwok_stages
 from tests.cluster.controlplane import LocalCluster, free_port
+from tests.cluster.node.realnode import GPU_DRIVER, NODE_NAME
 from tests.cluster.pki import CertificateAuthority
 from tests.support.eventually import Timeouts, eventually
 from tests.support.kube import condition, deployment, watch_pods_until
@@ -57,8 +58,17 @@ def test_deployment_pods_become_ready_on_kwok_nodes_with_loopback_ips(
         nodes = client.CoreV1Api(k8s).list_node().items
         return {n.metadata.name: n.status.allocatable.get("nvidia.com/gpu") for n in nodes}
 
-    # The real node advertises them too (for the scheduler; it has no GPU).
-    eventually(lambda: set(gpus().values()) == {"4"}, timeout=Timeouts.API, message="GPUs")
+    # KWOK's nodes advertise GPUs as an extended resource (for the scheduler only); the
+    # real node's come from its DRA driver, as devices in a ResourceSlice.
+    kwok = {name: count for name, count in gpus().items() if name.startswith("gpu-node-")}
+    assert kwok, gpus()
+    assert set(kwok.values()) == {"4"}, kwok
+    slices = json.loads(cluster.kubectl("get", "resourceslices", "-o", "json").stdout)["items"]
+    (node_slice,) = [s for s in slices if s["spec"].get("nodeName") == NODE_NAME]
+    assert node_slice["spec"]["driver"] == GPU_DRIVER
+    assert sorted(d["name"] for d in node_slice["spec"]["devices"]) == [
+        "gpu-0", "gpu-1", "gpu-2", "gpu-3"
+    ]  # fmt: skip
 
 
 def test_deleted_pod_is_replaced(

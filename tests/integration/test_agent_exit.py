@@ -67,5 +67,5 @@ def test_an_agent_without_its_gpu_exits_saying_how_the_sidecar_gets_one(tmp_path
         )  # fmt: skip
         for agent in (one, several):
             assert agent.proc.popen.wait(timeout=60) == 2, agent.proc.tail()
-            assert "is not visible in this container, which sees 0 GPU(s)" in agent.proc.tail()
+            assert "not visible in this container, which sees 0 GPU(s)" in agent.proc.tail()
             assert "ResourceClaims" in agent.proc.tail()

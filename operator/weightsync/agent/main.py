@@ -27,10 +27,11 @@ def missing_gpu(device: str, count: int = 1) -> str | None:
     seen = torch.cuda.device_count()
     if first + count <= seen:
         return None
+    wanted = device if count == 1 else f"{device} and the {count - 1} GPU(s) after it"
     return (
-        f"{device} (and {count - 1} more) is not visible in this container, which sees"
-        f" {seen} GPU(s): the agent sidecar is given its workload's GPUs only through the"
-        " ResourceClaims the workload container names (docs/real-cluster.md, GPUs)"
+        f"{wanted}: not visible in this container, which sees {seen} GPU(s); the agent"
+        " sidecar is given its workload's GPUs only through the ResourceClaims the"
+        " workload container names (docs/real-cluster.md, GPUs)"
     )
 
 

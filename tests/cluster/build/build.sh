@@ -8,9 +8,11 @@
 # problem and builds from the same wrapper at the version Kubernetes itself names.
 set -euo pipefail
 
-K8S_VERSION=v1.33.13
-STAGING_VERSION=v0.33.13
-ETCD_VERSION=v3.5.21
+K8S_VERSION=v1.34.4
+STAGING_VERSION=v0.34.4
+ETCD_VERSION=v3.6.4
+# containerd 2: Debian's 1.6 cannot apply CDI specs, which DRA drivers hand GPUs out with.
+CONTAINERD_VERSION=v2.2.9
 KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.20.2
 
@@ -19,10 +21,10 @@ cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 go_version=$(go env GOVERSION)
 # The wrapper module's sums and tools are part of the key: a new binary means a new dir.
 wrapper=$(cat "$here/k8s/go.sum" "$here"/k8s/cmd/*/*.go | sha256sum | cut -c1-8)
-key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${go_version}_${wrapper}"
+key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_containerd-${CONTAINERD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${go_version}_${wrapper}"
 out="$cache/bin/$key"
 
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy crictl-lite kwok helm)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy crictl-lite fake-gpu-dra containerd containerd-shim-runc-v2 kwok helm)
 if [ "${1:-}" = "--print-dir" ]; then echo "$out"; exit 0; fi
 missing=0
 for b in "${binaries[@]}"; do [ -x "$out/$b" ] || missing=1; done
@@ -37,7 +39,7 @@ mkdir -p "$out.tmp"
 export GOFLAGS="-mod=readonly -buildvcs=false" GOSUMDB=off CGO_ENABLED=0
 ldflags_k8s="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  ldflags_k8s+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=33"
+  ldflags_k8s+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=34"
   ldflags_k8s+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
 
@@ -49,12 +51,20 @@ done
 # crictl-lite (cmd/ in the wrapper): the CRI calls the real node's teardown needs.
 log "go build crictl-lite"
 go build -trimpath -ldflags "-s -w" -o "$out.tmp/crictl-lite" ./cmd/crictl-lite
+# fake-gpu-dra (cmd/ in the wrapper): the real node's DRA driver for its fake GPUs.
+log "go build fake-gpu-dra"
+go build -trimpath -ldflags "-s -w" -o "$out.tmp/fake-gpu-dra" ./cmd/fake-gpu-dra
 log "go build etcd $ETCD_VERSION"
 go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3
 "$out.tmp/etcd" --version | grep -q "${ETCD_VERSION#v}" || { log "etcd is not $ETCD_VERSION"; exit 1; }
 
 export GOFLAGS="-buildvcs=false"
 gobin="$out.tmp/gobin"
+log "go install containerd $CONTAINERD_VERSION"
+GOBIN="$gobin" go install -trimpath -ldflags "-s -w" \
+  "github.com/containerd/containerd/v2/cmd/containerd@$CONTAINERD_VERSION" \
+  "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION"
+mv "$gobin/containerd" "$gobin/containerd-shim-runc-v2" "$out.tmp/"
 log "go install kwok $KWOK_VERSION"
 GOBIN="$gobin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 mv "$gobin/kwok" "$out.tmp/kwok"
@@ -67,7 +77,7 @@ chmod -R u+w "$out.tmp/kwok-stages"
 log "go install helm $HELM_VERSION"
 helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
-  helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=33"
+  helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=34"
 done
 GOBIN="$gobin" go install -trimpath -ldflags "$helm_ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 mv "$gobin/helm" "$out.tmp/helm"

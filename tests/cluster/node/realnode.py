@@ -1,4 +1,5 @@
-"""A real Kubernetes node on this machine: kubelet, containerd + runc, CNI, kube-proxy.
+"""A real Kubernetes node on this machine: kubelet, containerd + runc, CNI, kube-proxy, and
+a DRA driver for its fake GPUs.
 
     host network namespace                 node network namespace `wsnode<n>`
     kube-apiserver on 10.250.<n>.1  <-veth->  10.250.<n>.2  kubelet, kube-proxy,
@@ -20,6 +21,11 @@ Facts measured on these machines that the configuration answers:
 * No registry is reachable: the sandbox (pause) image is built here (`pause.c`, packed
   by `oci.py`) and every image is imported, so pods use `imagePullPolicy: Never` or
   `IfNotPresent`.
+* GPUs are fake, allocated for real: `fake-gpu-dra` (built beside the kubelet) is a
+  Dynamic Resource Allocation driver that publishes the node's GPUs as a ResourceSlice
+  and prepares claims with CDI specs that containerd applies (containerd 2, built with
+  the control plane: Debian's 1.6 predates CDI). A container naming a claim gets
+  `FAKE_GPU_<index>=<uuid>` for each allocated device, and nothing for the others.
 """
 
 from __future__ import annotations
@@ -37,12 +43,12 @@ from pathlib import Path
 
 import yaml
 
-from tests.cluster.node import host, oci
+from tests.cluster.node import configs, host, oci
 
 HERE = Path(__file__).resolve().parent
-CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
-PAUSE_IMAGE = "weightsync.local/pause:3.10"
 NODE_NAME = "node-0"
+GPU_DRIVER = "gpu.fake.weightsync.io"  # fake-gpu-dra's driver name and device class
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
 NODE_LABEL = "weightsync.io/local-node"  # on the real node, for pods that must run
 SERVICE_CIDR = "10.96.0.0/16"
 NETWORKS = 120  # node network slots on one machine
@@ -206,12 +212,15 @@ class RealNode:
 
     def start(self, spawn: Callable[[str, list[str]], None], pki: Path, server: str) -> None:
         """containerd, the pause image, the kubelet and kube-proxy (network_up first)."""
-        for sub in ("run", "containerd", "cni/net.d", "cni/ipam", "kubelet", "pod-logs"):
+        for sub in ("run", "containerd", "cni/net.d", "cni/ipam", "kubelet", "pod-logs", "cdi"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         self._write_cni_config()
         config = self._write_containerd_config()
         nsenter = ["nsenter", f"--net={self.network.netns_path}"]
-        spawn("containerd", [*nsenter, "containerd", "--config", str(config)])
+        # Its runc shim from the same build, found on PATH.
+        path = f"PATH={self.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+        containerd = [str(self.bin_dir / "containerd"), "--config", str(config)]
+        spawn("containerd", [*nsenter, "env", path, *containerd])
         self._wait(self._containerd_ready, CONTAINERD_READY_SECONDS, "containerd")
         self.import_archive(self._pause_archive())
         self.ledger.register(self.network.netns)
@@ -221,6 +230,26 @@ class RealNode:
         proxy_config = self._write_proxy_config(pki, server)
         spawn("kube-proxy", [*nsenter, str(self.bin_dir / "kube-proxy"), "--config",
                              str(proxy_config)])  # fmt: skip
+
+    def start_gpu_driver(self, spawn: Callable[[str, list[str]], None], kubeconfig: Path,
+                         gpus: int) -> None:  # fmt: skip
+        """The DRA driver of the node's `gpus` fake GPUs (the kubelet must be up: it
+        registers through the kubelet's plugin directory)."""
+        kubelet = self.dir / "kubelet"
+        for socket in (
+            kubelet / "plugins_registry" / "gpu-reg.sock",
+            self.dir / "dra" / "dra.sock",
+        ):
+            if len(str(socket)) > MAX_SOCKET_PATH:
+                raise NodeError(f"{socket}: longer than a Unix socket's {MAX_SOCKET_PATH} bytes;"
+                                " put the cluster's state in a shorter directory")  # fmt: skip
+        spawn("fake-gpu-dra", [
+            str(self.bin_dir / "fake-gpu-dra"), "--kubeconfig", str(kubeconfig),
+            "--node-name", NODE_NAME, "--gpus", str(gpus),
+            "--registrar-dir", str(kubelet / "plugins_registry"),
+            "--plugin-dir", str(self.dir / "dra"),
+            "--cdi-dir", str(self.dir / "cdi"),
+        ])  # fmt: skip
 
     def import_archive(self, archive: Path) -> None:
         self.ctr("images", "import", str(archive))
@@ -257,128 +286,31 @@ class RealNode:
             _run("gcc", "-Os", "-static", "-o", str(binary), str(source))
             _run("strip", str(binary))
             entries = [oci.Entry("pause", binary.read_bytes(), 0o755)]
-            oci.write_archive(archive.with_suffix(".tmp"), PAUSE_IMAGE, entries,
+            oci.write_archive(archive.with_suffix(".tmp"), configs.PAUSE_IMAGE, entries,
                               entrypoint=["/pause"], user="65535:65535")  # fmt: skip
             archive.with_suffix(".tmp").rename(archive)
             binary.unlink()
         return archive
 
     def _write_cni_config(self) -> None:
-        config = {
-            "cniVersion": "1.0.0",
-            "name": "weightsync-node",
-            "plugins": [
-                {
-                    "type": "bridge",
-                    "bridge": "cni0",
-                    "isGateway": True,
-                    "ipMasq": False,  # the host routes the pod CIDR back to this namespace
-                    "hairpinMode": True,  # a pod reaching itself through its Service
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": self.network.pod_cidr}]],
-                        "routes": [{"dst": "0.0.0.0/0"}],
-                        "dataDir": str(self.dir / "cni" / "ipam"),
-                    },
-                },
-                {"type": "loopback"},
-            ],
-        }
-        (self.dir / "cni" / "net.d" / "10-weightsync.conflist").write_text(json.dumps(config))
+        path = self.dir / "cni" / "net.d" / "10-weightsync.conflist"
+        path.write_text(json.dumps(configs.cni(self.network.pod_cidr, self.dir / "cni" / "ipam")))
 
     def _write_containerd_config(self) -> Path:
-        cri = {
-            "sandbox_image": oci.normalized(PAUSE_IMAGE),
-            "restrict_oom_score_adj": True,
-            "stream_server_address": "127.0.0.1",
-            "stream_server_port": "0",
-            "containerd": {
-                "snapshotter": "overlayfs",
-                "default_runtime_name": "runc",
-                "runtimes": {
-                    "runc": {
-                        "runtime_type": "io.containerd.runc.v2",
-                        "options": {"BinaryName": "runc", "SystemdCgroup": False},
-                    }
-                },
-            },
-            "cni": {"bin_dir": str(CNI_BIN_DIR), "conf_dir": str(self.dir / "cni" / "net.d")},
-        }
-        config = {
-            "version": 2,
-            "root": str(self.containerd_root),
-            "state": str(self.dir / "containerd" / "state"),
-            "grpc": {"address": str(self.containerd_address)},
-            "ttrpc": {"address": str(self.containerd_address) + ".ttrpc"},
-            "metrics": {"address": ""},
-            "plugins": {
-                "io.containerd.grpc.v1.cri": cri,
-                "io.containerd.internal.v1.opt": {"path": str(self.dir / "containerd" / "opt")},
-            },
-        }
         path = self.dir / "containerd.toml"
-        path.write_text(_toml(config))
+        path.write_text(configs.containerd(self.dir, self.containerd_root, self.containerd_address))
         return path
 
     def _kubeconfig(self, pki: Path, server: str, user: str) -> Path:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {"name": "local", "cluster": {"server": server,
-                                              "certificate-authority": str(pki / "ca.crt")}}
-            ],
-            "users": [
-                {"name": user, "user": {"client-certificate": str(pki / f"{user}.crt"),
-                                        "client-key": str(pki / f"{user}.key")}}
-            ],
-            "contexts": [{"name": "local", "context": {"cluster": "local", "user": user}}],
-            "current-context": "local",
-        }  # fmt: skip
         path = self.dir / f"{user}.kubeconfig"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump(configs.kubeconfig(pki, server, user)))
         return path
 
     def _write_kubelet_config(self, pki: Path, server: str) -> list[str]:
-        config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            "address": self.network.node_ip,
-            "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1",
-            "authentication": {
-                "x509": {"clientCAFile": str(pki / "ca.crt")},
-                "webhook": {"enabled": True},
-                "anonymous": {"enabled": False},
-            },
-            "authorization": {"mode": "Webhook"},
-            "tlsCertFile": str(pki / "kubelet-serving.crt"),
-            "tlsPrivateKeyFile": str(pki / "kubelet-serving.key"),
-            "cgroupDriver": "cgroupfs",
-            "cgroupRoot": f"/{self.cgroup_root}",
-            "failCgroupV1": False,  # these machines mount v1 controllers (hybrid)
-            "containerRuntimeEndpoint": self.endpoint,
-            "podLogsDir": str(self.pod_logs),
-            "failSwapOn": False,
-            "resolvConf": "/etc/resolv.conf",
-            # A shared test machine: never evict or collect images because of disk use.
-            "evictionHard": {
-                "memory.available": "100Mi",
-                "nodefs.available": "1%",
-                "imagefs.available": "1%",
-            },
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            "serializeImagePulls": False,
-            "maxPods": 110,
-            "syncFrequency": "5s",  # projected Secrets reach running pods within seconds
-            # A container killed again and again (the chaos run kills one agent up to 20
-            # times) comes back within 10 s, not after the default back-off that doubles
-            # to 5 min: the tests time weightsync's recovery, not the kubelet's back-off.
-            "featureGates": {"KubeletCrashLoopBackOffMax": True},
-            "crashLoopBackOff": {"maxContainerRestartPeriod": "10s"},
-        }
         path = self.dir / "kubelet.yaml"
+        config = configs.kubelet(
+            self.network.node_ip, pki, f"/{self.cgroup_root}", self.endpoint, self.pod_logs
+        )
         path.write_text(yaml.safe_dump(config))
         kubeconfig = self._kubeconfig(pki, server, "kubelet")
         return [
@@ -392,24 +324,8 @@ class RealNode:
         ]  # fmt: skip
 
     def _write_proxy_config(self, pki: Path, server: str) -> Path:
-        config = {
-            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
-            "kind": "KubeProxyConfiguration",
-            "mode": "nftables",
-            "clientConnection": {"kubeconfig": str(self._kubeconfig(pki, server, "kube-proxy"))},
-            "hostnameOverride": NODE_NAME,
-            "clusterCIDR": self.network.pod_cidr,
-            "bindAddress": self.network.node_ip,
-            "healthzBindAddress": "127.0.0.1:10256",
-            "metricsBindAddress": "127.0.0.1:10249",
-            # Conntrack limits are machine-wide sysctls: leave them alone.
-            "conntrack": {
-                "maxPerCore": 0,
-                "min": 0,
-                "tcpEstablishedTimeout": "0s",
-                "tcpCloseWaitTimeout": "0s",
-            },
-        }
+        kubeconfig = self._kubeconfig(pki, server, "kube-proxy")
+        config = configs.kube_proxy(kubeconfig, NODE_NAME, self.network)
         path = self.dir / "kube-proxy.yaml"
         path.write_text(yaml.safe_dump(config))
         return path
@@ -452,24 +368,3 @@ class RealNode:
         if keep_images:
             state = self.dir / "containerd" / "state"
             subprocess.run(["rm", "-rf", str(state)], check=False)
-
-
-def _toml(value: dict[str, object], prefix: str = "") -> str:
-    """Just enough TOML for containerd's config (strings, numbers, booleans, tables)."""
-    lines: list[str] = []
-    tables: list[tuple[str, dict[str, object]]] = []
-    for key, item in value.items():
-        if isinstance(item, dict):
-            tables.append((key, item))
-        elif isinstance(item, bool):
-            lines.append(f"{key} = {'true' if item else 'false'}")
-        elif isinstance(item, int):
-            lines.append(f"{key} = {item}")
-        else:
-            lines.append(f"{key} = {json.dumps(str(item))}")
-    out = "\n".join(lines) + "\n" if lines else ""
-    for key, table in tables:
-        name = f"{prefix}.{json.dumps(key) if '.' in key else key}".lstrip(".")
-        body = _toml(table, name)
-        out += f"\n[{name}]\n{body}"
-    return out

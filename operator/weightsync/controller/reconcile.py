@@ -67,8 +67,8 @@ from weightsync.controller.status import (
     Observation,
     observed_status,
     problem_status,
-    transition_events,
 )
+from weightsync.controller.transitions import transition_events
 from weightsync.controller.workloads import PodView, World, planned_sources, sync_pods
 
 log = logging.getLogger(__name__)

@@ -7,15 +7,15 @@ from datetime import UTC, datetime, timedelta
 from tests.unit.controller.builders import agent, round_report, sink_view, source_view, sync
 from weightsync.api import find_condition, reasons
 from weightsync.api.control import AgentStatus, GenerationState
-from weightsync.api.v1alpha1 import Role, WeightSyncStatus
+from weightsync.api.v1alpha1 import Role, RoundFailure, RoundSummary, WeightSyncStatus
 from weightsync.controller.plan import Slot, desired_members, slots
 from weightsync.controller.readiness import Current
 from weightsync.controller.status import (
     Observation,
     observed_status,
     problem_status,
-    transition_events,
 )
+from weightsync.controller.transitions import transition_events
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 W, A = GenerationState.WARM, GenerationState.ACTIVE
@@ -190,9 +190,8 @@ def test_transition_times_move_only_on_flips_and_events_follow_changes() -> None
     assert {(e.type, e.reason) for e in events} == {
         ("Normal", reasons.AWAITING_FIRST_VERSION),
         ("Normal", reasons.GROUP_WARM),
-        ("Normal", reasons.IDLE),
         ("Normal", reasons.AS_EXPECTED),
-    }
+    }  # Syncing's Idle is no transition worth an Event
     later = NOW + timedelta(minutes=1)
     second = observed_status(first, observe(warm_group(4, 4), current=4), later)
     ready_before = find_condition(first.conditions, "Ready")
@@ -255,3 +254,41 @@ def test_agents_that_refuse_the_token_make_the_sync_degraded() -> None:
     assert (degraded.status.value, degraded.reason) == ("True", reasons.AGENT_REFUSES_OPERATOR)
     assert "e-2" in degraded.message
     assert "e-1" not in degraded.message
+
+
+def test_events_mark_transitions_not_every_round() -> None:
+    def at(seconds: int) -> datetime:
+        return NOW + timedelta(seconds=seconds)
+
+    def synced(version: int, seconds: int) -> RoundSummary:
+        return RoundSummary(
+            version=version,
+            completion_time=at(seconds),
+            duration_millis=50,
+            bytes=1,
+            bandwidth_bytes_per_second=20,
+        )
+
+    def failed(version: int, seconds: int) -> RoundFailure:
+        return RoundFailure(version=version, time=at(seconds), reason="engine_timeout")
+
+    start = WeightSyncStatus()
+    one = start.model_copy(update={"last_round": synced(1, 1)})
+    two = one.model_copy(update={"last_round": synced(2, 2)})
+    fails = two.model_copy(update={"last_failure": failed(3, 3)})
+    fails_again = fails.model_copy(update={"last_failure": failed(4, 4)})
+    back = fails_again.model_copy(update={"last_round": synced(5, 5)})
+    steps = [(start, one), (one, two), (two, fails), (fails, fails_again), (fails_again, back)]
+    assert [[e.reason for e in transition_events(old, new)] for old, new in steps] == [
+        [reasons.VERSION_SYNCED],  # the first version
+        [],  # a healthy run's next round
+        [reasons.ROUND_FAILED],  # failing after a success
+        [],  # still failing
+        [reasons.VERSION_SYNCED],  # synced again
+    ]
+    busy = observed_status(WeightSyncStatus(), observe(warm_group(4, 4), current=4), NOW)
+    statuses = warm_group(4, 4)
+    statuses["trainer-0"] = statuses["trainer-0"].model_copy(update={"round_in_progress": True})
+    flipped = observed_status(busy, observe(statuses, current=4), NOW)
+    assert conditions(flipped)["Syncing"] == ("True", reasons.ROUND_IN_PROGRESS)
+    assert transition_events(busy, flipped) == []

@@ -18,6 +18,12 @@ TRAINER_NOT_FOUND: Final = "TrainerNotFound"
 TRAINER_NOT_FOUND_MESSAGE: Final = "StatefulSet {name} does not exist in this namespace."
 DEPLOYMENT_NOT_FOUND: Final = "DeploymentNotFound"
 DEPLOYMENT_NOT_FOUND_MESSAGE: Final = "Deployment {name} does not exist in this namespace."
+RANKS_BEYOND_TRAINER: Final = "SourceRanksBeyondTrainer"
+RANKS_BEYOND_TRAINER_MESSAGE: Final = (
+    "spec.trainer.sourceRanks lists {ranks}, but StatefulSet {name} runs ranks 0 to {last}"
+    " ({replicas} pod(s) x ranksPerPod {per_pod}): a rank that never runs would hold every"
+    " round back."
+)
 
 # Ready=False: the group is not complete yet.
 WAITING_FOR_MEMBERS: Final = "WaitingForMembers"

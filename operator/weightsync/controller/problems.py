@@ -1,5 +1,6 @@
 """What stops a pass before it reaches the agents: a status that does not parse, claims
-by older WeightSyncs, workloads that do not exist. Pure: (reason, message) or None."""
+by older WeightSyncs, workloads that do not exist, source ranks the trainer never runs.
+Pure: (reason, message) or None."""
 
 from __future__ import annotations
 
@@ -52,12 +53,14 @@ def claimed(
     return None
 
 
-def missing(
+def unmet(
+    sync: WeightSync,
     statefulset: Mapping[str, Any] | None,
     deployments: Mapping[str, Mapping[str, Any] | None],
-    trainer: str,
 ) -> Problem | None:
-    """The first named workload that does not exist."""
+    """The first named workload that does not exist, or listed source ranks the trainer
+    never runs."""
+    trainer = sync.spec.trainer.stateful_set_ref.name
     if statefulset is None:
         return (reasons.TRAINER_NOT_FOUND, reasons.TRAINER_NOT_FOUND_MESSAGE.format(name=trainer))
     for name, deployment in deployments.items():
@@ -66,4 +69,26 @@ def missing(
                 reasons.DEPLOYMENT_NOT_FOUND,
                 reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
             )
-    return None
+    return ranks_beyond(sync, statefulset)
+
+
+def ranks_beyond(sync: WeightSync, statefulset: Mapping[str, Any]) -> Problem | None:
+    """Listed source ranks the trainer StatefulSet never runs (its replicas x ranksPerPod):
+    the group would wait for them forever while every member it has looks healthy."""
+    trainer = sync.spec.trainer
+    if trainer.all_ranks:
+        return None
+    replicas = (statefulset.get("spec") or {}).get("replicas")
+    replicas = 1 if replicas is None else int(replicas)
+    per_pod = trainer.ranks_per_pod or 1
+    beyond = [rank for rank in trainer.listed_ranks() if rank >= replicas * per_pod]
+    if not beyond:
+        return None
+    message = reasons.RANKS_BEYOND_TRAINER_MESSAGE.format(
+        ranks=", ".join(str(rank) for rank in beyond),
+        name=trainer.stateful_set_ref.name,
+        last=replicas * per_pod - 1,
+        replicas=replicas,
+        per_pod=per_pod,
+    )
+    return reasons.RANKS_BEYOND_TRAINER, message

@@ -51,7 +51,7 @@ from weightsync.controller.plan import (
     newcomers_wait,
 )
 from weightsync.controller.pods import EventPoster
-from weightsync.controller.problems import Problem, claimed, missing, stored_status
+from weightsync.controller.problems import Problem, claimed, stored_status, unmet
 from weightsync.controller.readiness import (
     Current,
     GateDecision,
@@ -279,7 +279,7 @@ class Reconciler:
         deployments = [entry.deployment_ref.name for entry in spec.inference]
         world = await self._observe(namespace, trainer, deployments)
         laps("observe")
-        absent = missing(world.statefulset, world.deployments, trainer)
+        absent = unmet(sync, world.statefulset, world.deployments)
         if absent is not None:
             await self._problem(raw, old, generation, absent)
             return Result(Outcome.WAITING, absent[1])

@@ -48,6 +48,7 @@ USER_ERRORS = frozenset(
         reasons.TRAINER_NOT_FOUND,
         reasons.DEPLOYMENT_NOT_FOUND,
         reasons.WORKLOAD_CLAIMED,
+        reasons.RANKS_BEYOND_TRAINER,
     }
 )
 

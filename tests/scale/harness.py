@@ -169,7 +169,6 @@ class Scenario:
             overrides={
                 # The operator's defaults, as the figures were taken with...
                 "WEIGHTSYNC_OPERATOR_RESYNC_SECONDS": None,
-                "WEIGHTSYNC_OPERATOR_MISSING_REFERENCE_RETRY_SECONDS": None,
                 # ...but the agents are the load generator's stand-ins.
                 "WEIGHTSYNC_OPERATOR_AGENT_HTTP_PORT": str(self.loadgen.port),
                 # Another tree's operator (a before/after comparison), if asked for.

@@ -76,7 +76,6 @@ class OperatorProcess:
             "WEIGHTSYNC_OPERATOR_HEALTH_PORT": str(self.health_port),
             "WEIGHTSYNC_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "WEIGHTSYNC_OPERATOR_RESYNC_SECONDS": str(RESYNC_SECONDS),
-            "WEIGHTSYNC_OPERATOR_MISSING_REFERENCE_RETRY_SECONDS": "2",
             "WEIGHTSYNC_OPERATOR_RENDEZVOUS_PORT": str(free_port()),
             # The images are imported into the node; nothing can be pulled.
             "WEIGHTSYNC_OPERATOR_AGENT_IMAGE": SPECS["agent"].ref,

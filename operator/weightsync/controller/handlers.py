@@ -1,8 +1,10 @@
 """kopf registrations. Thin: each handler calls the reconciler or an admission function.
 
-* create / update / resume -> one reconcile pass (`reconcile.Reconciler.run`); a missing
-  workload is a slow `TemporaryError`, a spec the operator cannot act on a
-  `PermanentError` (its status already says why, with a Warning Event).
+* create / update / resume -> one reconcile pass (`reconcile.Reconciler.run`); a spec the
+  operator cannot act on is a `PermanentError` (its status already says why, with a
+  Warning Event). A missing workload is waited for: the status and a Warning Event say
+  so once, and the timer's pass finds it (a kopf `TemporaryError` logged an ERROR at
+  every retry for as long as the workload was missing).
 * a timer per WeightSync -> a sweep of its agents' status, then the same pass (drift);
   another asks only the trainer's agents, every second, and runs a pass when one of
   their answers changed (a version published, a round reported, a generation warm).
@@ -111,11 +113,12 @@ class Runtime:
             log_pass_failure("closing a gate at once", error)
 
 
-def _raise_for(result: Result, retry_seconds: float) -> None:
+def _raise_for(result: Result) -> None:
     if result.outcome in (Outcome.OK, Outcome.GONE):
         return
-    if result.outcome is Outcome.WAITING:
-        raise kopf.TemporaryError(result.message, delay=retry_seconds)
+    if result.outcome is Outcome.WAITING:  # the resync timer's next pass looks again
+        log.info("waiting: %s", result.message)
+        return
     raise kopf.PermanentError(result.message)
 
 
@@ -162,7 +165,7 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
     async def reconcile(namespace: str | None, name: str, **kwargs: Any) -> None:
         bind(kwargs)
         result = await reconciler.run(_namespaced(namespace), name)
-        _raise_for(result, settings.missing_reference_retry_seconds)
+        _raise_for(result)
 
     @kopf.timer(*resource, registry=registry, id="resync", interval=settings.resync_seconds)
     async def resync(namespace: str | None, name: str, **kwargs: Any) -> None:

@@ -59,8 +59,6 @@ Agent control and reconcile pacing
 * `RESYNC_SECONDS`            the drift timer: how often every WeightSync is reconciled even
                               without events (also how often every agent is polled; the
                               trainer's agents are asked every second besides). Default 5.
-* `MISSING_REFERENCE_RETRY_SECONDS`  how long a WeightSync that names a missing workload waits
-                              before its create/update handler retries. Default 30.
 """
 
 from __future__ import annotations
@@ -132,7 +130,6 @@ class OperatorSettings(BaseModel):
     token_key_secret: str = "weightsync-token-key"  # noqa: S105 - a Secret's name
     agent_timeout_seconds: float = Field(default=5.0, gt=0, le=60)
     resync_seconds: float = Field(default=5.0, gt=0, le=3600)
-    missing_reference_retry_seconds: float = Field(default=30.0, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _check(self) -> Self:

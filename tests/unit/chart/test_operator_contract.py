@@ -93,7 +93,6 @@ def test_values_reach_the_operator() -> None:
                 "operator.logLevel": '"DEBUG"',
                 "operator.resyncSeconds": "2.5",
                 "operator.agentTimeoutSeconds": "3",
-                "operator.missingReferenceRetrySeconds": "12",
                 "operator.metricsPort": "9191",
                 "agent.httpPort": "18470",
                 "agent.metricsPort": "19470",
@@ -109,7 +108,6 @@ def test_values_reach_the_operator() -> None:
     )
     assert settings.log_level == "DEBUG"
     assert (settings.resync_seconds, settings.agent_timeout_seconds) == (2.5, 3.0)
-    assert settings.missing_reference_retry_seconds == 12.0
     assert settings.metrics_port == 9191
     assert (settings.agent_http_port, settings.agent_metrics_port) == (18470, 19470)
     assert settings.rendezvous_port == 29999

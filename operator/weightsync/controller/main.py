@@ -56,12 +56,19 @@ class OwnKindsDiffBase(kopf.AnnotationsDiffBaseStorage):
     handlers use it. Ours are WeightSyncs; workloads are watched for indexes alone, and
     copying each pod's spec on each of a thousand events (when kopf watched pods too)
     was a sixth of the operator's time while a WeightSync scaled to 1,000 pods.
+
+    The essence is the spec alone: kopf's keeps the user's labels and annotations, so a
+    200 KB annotation was copied into the diff-base annotation beside it, the patch
+    exceeded the API server's 256 KB for annotations, and kopf's bookkeeping failed
+    with a traceback. A change of labels or annotations needs no handler (the timer's
+    pass reads the object anyway).
     """
 
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
         if not str(body.get("apiVersion", "")).startswith(f"{GROUP}/"):
             return kopf.BodyEssence()
         essence: kopf.BodyEssence = super().build(body=body, extra_fields=extra_fields)
+        essence.pop("metadata", None)
         return essence
 
 

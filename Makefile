@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 .PHONY: demo demo-down setup images test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
         cluster-up cluster-down chaos scale test-engine-pods
 
-demo: setup  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
+demo:  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
+	WEIGHTSYNC_SETUP_ENGINES=0 bash .ci/setup  # reference engines only: not vLLM's and SGLang's venvs
 	$(PY) -m tests.e2e.demo run $(DEMO_ARGS)
 
 demo-down:  ## stop everything `make demo` started

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import yaml
 from tests.cluster import kwok_stages
 from tests.cluster.node.realnode import GPU_DRIVER, NODE_NAME, RealNode
 from tests.cluster.pki import CertificateAuthority, service_account_keys
+from tests.support.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "tests" / "cluster" / "build" / "build.sh"
@@ -74,13 +74,6 @@ def binaries_dir() -> Path:
         ["bash", str(BUILD_SCRIPT), "--print-dir"], check=True, stdout=subprocess.PIPE, text=True
     )
     return Path(result.stdout.strip())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _wait_until(check: object, timeout: float, what: str, log: Path | None = None) -> None:

@@ -14,6 +14,7 @@ import pytest
 pytest.register_assert_rewrite("tests.engines_real.agents", "tests.engines_real.rig")
 
 from tests.engines_real import install, servers  # noqa: E402 (after the rewrite hook)
+from tests.support.ports import free_port  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -43,7 +44,7 @@ def engine_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _serve(name: str, model: Path, logs: Path) -> Iterator[servers.EngineServer]:
     python = install.install(install.ENGINES[name])
-    port = servers.free_port()
+    port = free_port()
     if name == "vllm":
         command, env = servers.vllm_command(python, model, port), servers.VLLM_ENV
     else:

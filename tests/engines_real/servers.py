@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -110,13 +109,6 @@ def write_model(directory: Path, config: ModelConfig = MODEL) -> Path:
         )
     )
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def vllm_command(python: Path, model: Path, port: int, host: str = "127.0.0.1") -> list[str]:

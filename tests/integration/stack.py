@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -22,16 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.eventually import eventually
+from tests.support.ports import free_port
 from weightsync.api.control import AgentStatus, MembershipPlan
 
 STARTUP_TIMEOUT = 120.0  # seven Python processes importing torch on two busy cores
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http_json(method: str, url: str, body: str | None = None, token: str | None = None) -> Any:

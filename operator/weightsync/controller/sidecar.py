@@ -19,6 +19,7 @@ from typing import Any
 from weightsync.api import agent_env
 from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
+from weightsync.api.v1alpha1.agent import RESERVED_ENV_PREFIX
 from weightsync.controller import names
 from weightsync.controller.trainer_ranks import ServedRanks
 
@@ -153,7 +154,7 @@ def _fabric_env(
     taken = {item["name"] for item in own}
     last: dict[str, dict[str, Any]] = {}
     for item in added:
-        if item["name"] not in taken and not str(item["name"]).startswith("WEIGHTSYNC_"):
+        if item["name"] not in taken and not str(item["name"]).startswith(RESERVED_ENV_PREFIX):
             last[item["name"]] = {"name": item["name"], "value": str(item.get("value", ""))}
     return list(last.values())
 

@@ -20,10 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.controller import names
-
-# Device plugins' GPU resources: allocated to one container, never shareable.
-DEVICE_PLUGIN_GPUS = (names.GPU_RESOURCE, "amd.com/gpu")
+from weightsync.api.v1alpha1.agent import GPU_RESOURCES
 
 
 class GpusNotShareableError(ValueError):
@@ -39,7 +36,7 @@ class GpuAccess:
 def _device_plugin_gpus(container: Mapping[str, Any]) -> str | None:
     resources = container.get("resources") or {}
     for kind in ("limits", "requests"):
-        for name in DEVICE_PLUGIN_GPUS:
+        for name in GPU_RESOURCES:  # device plugins' GPUs: one container's alone
             value = str((resources.get(kind) or {}).get(name, "0"))
             if value not in ("", "0"):
                 return f"{name}: {value}"

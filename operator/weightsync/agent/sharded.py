@@ -42,7 +42,9 @@ from weightsync.transfer.handoff import Boxes
 from weightsync.transfer.layout import BucketLayout, LayoutError
 from weightsync.transfer.shards import Box, RankReport, ShardPlan, plan_shards
 
-_POLL_SECONDS = 0.005
+# The lead's and followers' polls of the generation's store (a local TCP round trip
+# each): a round's start waits for them twice, so they are fine-grained.
+_POLL_SECONDS = 0.001
 
 _PLANS_KEPT = 4
 
@@ -150,8 +152,10 @@ async def gather_reports(
 
     def gather() -> list[str]:
         while True:
-            offered = [ctl.check([key]) for key in keys]
-            if all(offered) or time.monotonic() > deadline:
+            if ctl.check(keys):  # one round trip while waiting, not one per rank
+                return [ctl.get(k).decode() for k in keys]
+            if time.monotonic() > deadline:
+                offered = [ctl.check([key]) for key in keys]
                 return [
                     ctl.get(k).decode() if ok else "" for k, ok in zip(keys, offered, strict=True)
                 ]

@@ -138,8 +138,7 @@ class ShardedSourceRound(SourceRound):
         checksums: list[int] = []
 
         async def complete(bucket: Bucket, works: list[dist.Work | None]) -> None:
-            for work in works:
-                await self._wait_sent(work, "slot_wait")
+            await self._wait_sent(works, "slot_wait")
             slot_index = bucket.index % depth
             if routes.staged:
                 await self.group.run(partial(routes.place, bucket.index, slot_index))
@@ -163,10 +162,8 @@ class ShardedSourceRound(SourceRound):
                     self.error = exc
                 self.trace.add("fill", started)
             started = self.trace.now()
-            works = [
-                await self.group.run(partial(transport.start_bucket, view, owner))
-                for owner, view in routes.sends(bucket.index, slot_index)
-            ]
+            sends = routes.sends(bucket.index, slot_index)
+            works = await self.group.run(partial(transport.start_sends, sends))
             self.trace.add("issue", started)
             pending.append((bucket, works))
         while pending:

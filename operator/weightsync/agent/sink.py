@@ -88,11 +88,8 @@ class SinkRound(RankRound):
     async def _issue(self, routes: SlotRoutes, bucket: int, depth: int) -> list[dist.Work | None]:
         """Post the receives of every broadcast `bucket` travels in."""
         started = self.trace.now()
-        start = self.group.transport.start_bucket
-        works = [
-            await self.group.run(partial(start, view, owner))
-            for owner, view in routes.sends(bucket, bucket % depth)
-        ]
+        sends = routes.sends(bucket, bucket % depth)
+        works = await self.group.run(partial(self.group.transport.start_sends, sends))
         self.trace.add("issue", started)
         return works
 
@@ -107,11 +104,13 @@ class SinkRound(RankRound):
             pending.append(await self._issue(routes, issued, depth))
         for bucket in buckets:
             started = trace.now()
-            for work in pending.popleft():
-                wait = partial(
-                    transport.wait, work, deadline=self._deadline(), failure_key=self.failure_key
-                )
-                await self.group.run(wait)
+            wait = partial(
+                transport.wait_all,
+                pending.popleft(),
+                deadline=self._deadline(),
+                failure_key=self.failure_key,
+            )
+            await self.group.run(wait)
             if routes.staged:
                 await self.group.run(partial(routes.place, bucket.index, bucket.index % depth))
             trace.add("recv_wait", started)

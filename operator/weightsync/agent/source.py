@@ -149,7 +149,7 @@ class SourceRound(RankRound):
         for bucket in self.layout.buckets:
             slot_index = bucket.index % depth
             if len(sends) == depth:  # the slot's previous bucket must be off the wire...
-                await self._wait_sent(sends.popleft(), "slot_wait")
+                await self._wait_sent([sends.popleft()], "slot_wait")
                 load = loads.popleft()
                 if lane is not None and load is not None:  # ...and out of the engine's hands
                     await lane.wait(load)
@@ -172,7 +172,7 @@ class SourceRound(RankRound):
             if self.holder is not None and self.hold_from is None:  # for P2P recovery
                 await self.holder.stage(self.version, self.layout, bucket, view, depth)
         while sends:
-            await self._wait_sent(sends.popleft(), "drain")
+            await self._wait_sent([sends.popleft()], "drain")
         if lane is not None:
             started = self.trace.now()
             await lane.drain()
@@ -180,13 +180,14 @@ class SourceRound(RankRound):
         self.trace.mark("streamed")
         return checksums
 
-    async def _wait_sent(self, work: dist.Work | None, phase: str) -> None:
-        if work is None:
+    async def _wait_sent(self, works: list[dist.Work | None], phase: str) -> None:
+        """Wait for all of a bucket's sends, in one hop to the collective thread."""
+        if all(w is None for w in works):
             return
         started = self.trace.now()
         wait = partial(
-            self.group.transport.wait,
-            work,
+            self.group.transport.wait_all,
+            works,
             deadline=self._deadline(),
             failure_key=self.failure_key,
         )

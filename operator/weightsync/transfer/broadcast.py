@@ -21,6 +21,7 @@ import functools
 import logging
 import time
 import zlib
+from collections.abc import Sequence
 from typing import ClassVar, Protocol, cast
 
 import torch
@@ -52,6 +53,10 @@ class Collectives(Protocol):
     def barrier(self, opts: dist.BarrierOptions) -> dist.Work: ...
     def abort(self) -> None: ...
     def shutdown(self) -> None: ...
+    @property
+    def supports_coalescing(self) -> bool: ...
+    def _start_coalescing(self) -> None: ...
+    def _end_coalescing(self) -> dist.Work: ...
 
 
 class TransferError(RuntimeError):
@@ -74,6 +79,19 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def wait(self, pending: dist.Work | None, *, deadline: float, failure_key: str | None) -> None:
         """Return once `pending` is complete and its buffer may be read or reused."""
+
+    def start_sends(self, sends: Sequence[tuple[int, torch.Tensor]]) -> list[dist.Work | None]:
+        """Issue every transfer of one bucket, `(root, buffer)` each, in this order (the
+        same on every rank): one call, so a bucket of many segments costs one hop to the
+        collective thread, not one per segment."""
+        return [self.start_bucket(buffer, root) for root, buffer in sends]
+
+    def wait_all(
+        self, pending: Sequence[dist.Work | None], *, deadline: float, failure_key: str | None
+    ) -> None:
+        """`wait` for each of `pending`."""
+        for work in pending:
+            self.wait(work, deadline=deadline, failure_key=failure_key)
 
     @abc.abstractmethod
     def agree_max(self, flag: int, *, deadline: float, failure_key: str | None) -> int:
@@ -127,6 +145,21 @@ class BroadcastTransport(Transport):
         opts.rootRank = root
         opts.rootTensor = 0
         return self.pg.broadcast([buffer], opts)
+
+    def start_sends(self, sends: Sequence[tuple[int, torch.Tensor]]) -> list[dist.Work | None]:
+        """A sharded bucket's segments (hundreds of small broadcasts from alternating roots)
+        as one NCCL group: one launch, one completion, instead of a kernel and an event per
+        segment. Gloo cannot coalesce broadcasts: they go one by one."""
+        pg = self.pg
+        if len(sends) < 2 or not pg.supports_coalescing:
+            return super().start_sends(sends)
+        pg._start_coalescing()
+        try:
+            for root, buffer in sends:
+                self.start_bucket(buffer, root)
+        finally:
+            work = pg._end_coalescing()
+        return [work]
 
     def wait(self, pending: dist.Work | None, *, deadline: float, failure_key: str | None) -> None:
         if pending is None:

@@ -17,7 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from weightsync.client.shards import ShardError, check_placements
-from weightsync.transfer.layout import DTYPE_ITEMSIZE
+from weightsync.transfer.handoff import Boxes
+from weightsync.transfer.layout import DTYPE_ITEMSIZE, TensorMeta
 
 
 class PublishInputError(ValueError):
@@ -26,6 +27,16 @@ class PublishInputError(ValueError):
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+def held(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes this rank holds of `tensor`: a DTensor's own shard (the tensor `to_local()`
+    views, without a new view object per call), a plain tensor itself."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    assert isinstance(local, torch.Tensor)
+    return local
+
+
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -33,7 +44,9 @@ _DTYPE = operator.attrgetter("dtype")
 @dataclass(frozen=True, slots=True)
 class Accepted:
     """A call's tensors as they passed the checks: the same tensor objects, still at the
-    same addresses with the same shapes and dtypes, pass again without them.
+    same addresses with the same shapes and dtypes, pass again without them. A DTensor's
+    address is its own shard's: the same DTensor object (its mesh and placements fixed)
+    over a shard at the same address holds the same block.
 
     Compared by `map` over C functions, not a Python loop per tensor: a trainer publishes
     the same parameters every step, and the loop cost about 2 us a tensor (40 ms a call
@@ -53,7 +66,7 @@ class Accepted:
         return cls(
             list(tensors),
             list(map(weakref.ref, values)),
-            list(map(_DATA_PTR, values)),
+            list(map(_DATA_PTR, map(held, values))),
             list(map(_SHAPE, values)),
             list(map(_DTYPE, values)),
         )
@@ -64,7 +77,7 @@ class Accepted:
                 names == self.names
                 and len(values) == len(self.refs)
                 and all(map(operator.is_, values, map(operator.call, self.refs)))
-                and list(map(_DATA_PTR, values)) == self.addresses
+                and list(map(_DATA_PTR, map(held, values))) == self.addresses
                 and list(map(_SHAPE, values)) == self.shapes
                 and list(map(_DTYPE, values)) == self.dtypes
             )
@@ -149,3 +162,46 @@ def check_tensor(name: str, tensor: object) -> torch.Tensor:
         except ShardError as exc:
             raise PublishInputError(str(exc)) from None
     return tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """A tensor set as this rank publishes it."""
+
+    metas: list[TensorMeta]  # the global tensors
+    boxes: Boxes | None  # None: every tensor held whole
+    local: dict[str, torch.Tensor]  # this rank's bytes of each tensor it holds
+    signature: list[object]
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """The last tensors accepted and how they were described: the same again skip both."""
+
+    accepted: Accepted
+    metas: list[TensorMeta]
+    signature: list[object]
+    boxes: Boxes | None = None  # a sharded set's blocks, as attached
+    local: list[str] | None = None  # a sharded set: the names of the tensors with a block
+
+    def described(self, tensors: dict[str, torch.Tensor]) -> Described:
+        """The kept description of `tensors` (the accepted ones again): a sharded set's
+        local blocks are its DTensors' shards, which describing found contiguous."""
+        if self.local is None:
+            return Described(self.metas, None, tensors, self.signature)
+        local = {name: held(tensors[name]) for name in self.local}
+        return Described(self.metas, self.boxes, local, self.signature)
+
+
+def kept_of(tensors: dict[str, torch.Tensor], described: Described) -> Kept | None:
+    """What to keep of a call for the next: nothing for a sharded set whose blocks are
+    not their DTensors' own shards (a non-contiguous shard is copied when described)."""
+    accepted = Accepted.of(tensors)
+    if described.boxes is None:
+        return Kept(accepted, described.metas, described.signature)
+    local = list(described.local)
+    for name in local:  # `to_local()` views the shard; `.contiguous()` would have copied
+        block, shard = described.local[name], held(tensors[name])
+        if block.data_ptr() != shard.data_ptr() or block.shape != shard.shape:
+            return None
+    return Kept(accepted, described.metas, described.signature, described.boxes, local)

@@ -48,7 +48,7 @@ from weightsync.client.connection import (
     connect,
 )
 from weightsync.client.filling import SlotFiller
-from weightsync.client.inputs import Accepted, PublishInputError, checked_tensors
+from weightsync.client.inputs import Described, Kept, PublishInputError, checked_tensors, kept_of
 from weightsync.client.shards import ShardError, describe, is_sharded
 from weightsync.transfer.buffers import describe_sources, dtype_name
 from weightsync.transfer.handoff import (
@@ -74,23 +74,6 @@ log = logging.getLogger(__name__)
 
 
 _NOT_YET = frozenset({"no_plan"})
-
-
-@dataclass(frozen=True, slots=True)
-class _Described:
-    metas: list[TensorMeta]  # the global tensors
-    boxes: Boxes | None  # None: every tensor held whole
-    local: dict[str, torch.Tensor]  # this rank's bytes of each tensor it holds
-    signature: list[object]
-
-
-@dataclass(frozen=True, slots=True)
-class _Kept:
-    """The last tensors accepted and how they were described: the same again skip both."""
-
-    accepted: Accepted
-    metas: list[TensorMeta]
-    signature: list[object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +128,7 @@ class Publisher:
         # their devices (the same while the addresses are: a moved tensor has a new one).
         self._shared_at: list[int] | None = None
         self._devices: set[torch.device] = set()
-        self._kept: _Kept | None = None  # not for sharded sets: described every call
+        self._kept: Kept | None = None  # the last call's tensors and their description
         self._sent_at, self._synced = 0.0, 0.0  # this call's Publish message, its GPU wait
         self._fenced = 0.0  # this call's wait in `fence`
         self._hold: _Hold | None = None
@@ -247,15 +230,15 @@ class Publisher:
             )
         return version
 
-    def _described(self, tensors: dict[str, torch.Tensor]) -> _Described:
+    def _described(self, tensors: dict[str, torch.Tensor]) -> Described:
         """The tensor set as this rank publishes it; metadata is rebuilt only when names,
         shapes, dtypes or held blocks changed (then the Publisher attaches again)."""
         if not is_sharded(tensors.values()):
             signature: list[object] = [(name, t.shape, t.dtype) for name, t in tensors.items()]
             if self._metas is not None and signature == self._signature and self._boxes is None:
-                return _Described(self._metas, None, tensors, signature)
+                return Described(self._metas, None, tensors, signature)
             metas = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()]
-            return _Described(metas, None, tensors, signature)
+            return Described(metas, None, tensors, signature)
         try:
             pieces = [describe(name, t) for name, t in tensors.items()]
         except ShardError as exc:  # nothing was sent: the Publisher stays usable
@@ -264,20 +247,20 @@ class Publisher:
         local = {p.meta.name: p.local for p in pieces if p.local is not None}
         signature = [(p.meta, p.box) for p in pieces]
         if self._metas is not None and signature == self._signature:
-            return _Described(self._metas, self._boxes, local, signature)
-        return _Described([p.meta for p in pieces], boxes, local, signature)
+            return Described(self._metas, self._boxes, local, signature)
+        return Described([p.meta for p in pieces], boxes, local, signature)
 
     def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
         self.fence()  # the last round's copy, if the trainer did not fence
         kept = self._kept
         if kept is not None:  # the tensors accepted last time, unchanged
-            described = _Described(kept.metas, None, tensors, kept.signature)
-            addresses = kept.accepted.addresses
+            described = kept.described(tensors)
+            whole = kept.local is None
+            addresses = kept.accepted.addresses if whole else _addresses(described.local)
         else:
             described = self._described(tensors)
             addresses = _addresses(described.local)
-            if described.boxes is None:
-                self._kept = _Kept(Accepted.of(tensors), described.metas, described.signature)
+            self._kept = kept_of(tensors, described)
         local = described.local
         if self._shared_at is not None and self._shared_at != addresses:
             self._layout = None  # the tensors moved: share them again

@@ -107,6 +107,8 @@ class Config:
     served: list[float] = field(default_factory=list)  # the agents' own round times
     fences: list[float] = field(default_factory=list)  # fence() after each timed publish()
     spread: list[list[float]] = field(default_factory=list)  # per timed round, per rank
+    # The slowest rank's Publisher timings per timed round (`PublishTimings`, seconds)
+    timings: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -215,10 +217,14 @@ def run_sharded(bench: Bench) -> list[Config]:
                     config.served.append(max(r.duration_seconds for r in replies))
                     config.fences.append(max(r.fence for r in replies))
                     config.spread.append([round(r.elapsed, 4) for r in replies])
+                    slowest_reply = max(replies, key=lambda r: r.elapsed)
+                    config.timings.append(slowest_reply.timings or {})
             assert config is not None
             configs.append(config)
             print(f"{config.label}: first {config.first:.4f} s, per rank {config.spread}",
                   flush=True)  # fmt: skip
+            print(f"{config.label}: the slowest rank's Publisher (median ms) "
+                  f"{publisher_phases(config.timings)}", flush=True)  # fmt: skip
         check_bytes(trainers, engines, version)
     except BaseException:
         print(st.logs())
@@ -228,6 +234,14 @@ def run_sharded(bench: Bench) -> list[Config]:
             trainers.close()
         st.close()
     return configs
+
+
+def publisher_phases(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Each `PublishTimings` field's median over the rounds, in ms (counts as they are):
+    `prepare` is before the round's message, `pack` the Publisher's bucket copies."""
+    keys = sorted({k for t in timings for k in t})
+    scale = {k: 1.0 if k == "buckets" else 1e3 for k in keys}
+    return {k: round(statistics.median(t.get(k, 0.0) for t in timings) * scale[k], 2) for k in keys}
 
 
 def report(bench: Bench, configs: list[Config], buffer: float | None, nbytes: int) -> None:

@@ -56,6 +56,7 @@ from tests.bench.bench_broadcast import (
     engine_args,
     machine_lines,
 )
+from tests.bench.bench_phases import read_summaries
 from tests.bench.bench_sharded_workers import (
     RankReply,
     Trainers,
@@ -66,6 +67,7 @@ from tests.bench.bench_sharded_workers import (
 from tests.bench.bench_workers import spawn_workers
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, wait_warm
 from tests.support.plans import local_plan
+from weightsync.agent.trace import PHASES_LOG_PREFIX
 from weightsync.api.control import Backend, TransferOptions
 
 DIGEST_SECONDS = 900.0  # sha256 of a whole model, per engine
@@ -109,6 +111,7 @@ class Config:
     spread: list[list[float]] = field(default_factory=list)  # per timed round, per rank
     # The slowest rank's Publisher timings per timed round (`PublishTimings`, seconds)
     timings: list[dict[str, float]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # of the timed rounds
 
     @property
     def median(self) -> float:
@@ -219,12 +222,17 @@ def run_sharded(bench: Bench) -> list[Config]:
                     config.spread.append([round(r.elapsed, 4) for r in replies])
                     slowest_reply = max(replies, key=lambda r: r.elapsed)
                     config.timings.append(slowest_reply.timings or {})
+                    config.versions.append(version)
             assert config is not None
             configs.append(config)
             print(f"{config.label}: first {config.first:.4f} s, per rank {config.spread}",
                   flush=True)  # fmt: skip
             print(f"{config.label}: the slowest rank's Publisher (median ms) "
                   f"{publisher_phases(config.timings)}", flush=True)  # fmt: skip
+            order = sorted(range(len(config.rounds)), key=config.rounds.__getitem__)
+            median = config.versions[order[(len(order) - 1) // 2]]  # a round's, not a mean
+            for line in agent_phases(agents, median):
+                print(f"  {line}", flush=True)
         check_bytes(trainers, engines, version)
     except BaseException:
         print(st.logs())
@@ -234,6 +242,23 @@ def run_sharded(bench: Bench) -> list[Config]:
             trainers.close()
         st.close()
     return configs
+
+
+def agent_phases(agents: list[AgentProc], version: int) -> list[str]:
+    """Each agent's phase trace of round `version` (`agent.trace.PhaseTrace`): its spans
+    as total/max ms, its marks, and its GPU marks' last times."""
+    lines = []
+    for agent in agents:
+        for summary in read_summaries(agent.proc.log, PHASES_LOG_PREFIX):
+            if int(summary.get("version", -1)) != version:
+                continue
+            spans = {k: f"{v[1]:.1f}/{v[2]:.1f}" for k, v in summary.get("spans", {}).items()}
+            gpu = {k: v[-1] for k, v in summary.get("gpu_ms", {}).items()}
+            lines.append(
+                f"{agent.proc.name} v{version} total {summary.get('total_ms')} ms;"
+                f" spans total/max {spans}; marks {summary.get('marks')}; gpu {gpu}"
+            )
+    return lines
 
 
 def publisher_phases(timings: list[dict[str, float]]) -> dict[str, float]:

@@ -1,10 +1,11 @@
 """Sharded sources on NCCL: several trainer GPUs publish their `Shard(0)` pieces.
 
 The CPU tiers run this protocol on gloo, which cannot coalesce broadcasts; on NCCL each
-bucket's segments travel as one NCCL group. Three trainer ranks cut the "uneven" preset
-unevenly (pieces of odd sizes, segments of alternating roots in every bucket), KiB
-buckets make many buckets per round, and the engines must then serve every tensor bit
-for bit (`bench_sharded.check_bytes` raises otherwise).
+bucket's segments travel as one NCCL group. Three trainer ranks cut the models unevenly,
+and the engines must then serve every tensor bit for bit (`bench_sharded.check_bytes`
+raises otherwise): the "uneven" preset in KiB buckets (every piece staged, segments of
+alternating roots in every bucket), and one layer of Llama-3-8B's shapes in MiB buckets
+(its row blocks received straight into the slots, many direct segments a bucket).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 @pytest.mark.timeout(420)
-def test_sharded_sources_nccl_bit_identical() -> None:
+@pytest.mark.parametrize(
+    ("preset", "layers", "unit", "shapes"),
+    [
+        ("uneven", None, 1 << 10, [Shape(16, 2), Shape(64, 3)]),  # KiB: many buckets
+        ("llama3-8b", 1, 1 << 20, [Shape(256, 2)]),
+    ],
+)
+def test_sharded_sources_nccl_bit_identical(
+    preset: str, layers: int | None, unit: int, shapes: list[Shape]
+) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus < 3:
         pytest.skip(f"needs 3 GPUs (2 sources, 1 engine), found {gpus}")
@@ -33,11 +43,11 @@ def test_sharded_sources_nccl_bit_identical() -> None:
     args = argparse.Namespace(
         sources=sources,
         gpus=min(gpus, 4),
-        preset="uneven",
-        layers=None,
+        preset=preset,
+        layers=layers,
         reps=2,
         holder=False,
-        shapes=[Shape(16, 2), Shape(64, 3)],  # KiB: many buckets, two generations
+        shapes=shapes,
     )
-    configs = run_sharded(Bench(args, Backend.NCCL, unit=1 << 10))
-    assert [len(c.rounds) for c in configs] == [2, 2]
+    configs = run_sharded(Bench(args, Backend.NCCL, unit=unit))
+    assert [len(c.rounds) for c in configs] == [2] * len(shapes)

@@ -3,9 +3,9 @@
 The CPU tiers run this protocol on gloo, which cannot coalesce broadcasts; on NCCL each
 bucket's segments travel as one NCCL group. Three trainer ranks cut the models unevenly,
 and the engines must then serve every tensor bit for bit (`bench_sharded.check_bytes`
-raises otherwise): the "uneven" preset in KiB buckets (every piece staged, segments of
-alternating roots in every bucket), and one layer of Llama-3-8B's shapes in MiB buckets
-(its row blocks received straight into the slots, many direct segments a bucket).
+raises otherwise): the "uneven" preset in KiB buckets (many buckets, each with a
+segment from every root), and one layer of Llama-3-8B's shapes in MiB buckets (pieces of
+hundreds of MiB, whole tensors beside shards).
 """
 
 from __future__ import annotations

@@ -11,11 +11,9 @@ expert holds none of it). From every rank's report, `plan_shards` decides once:
 * **Buckets** are planned over whole tensors (`layout.plan_layout`), so engines see
   exactly what a single source would send them.
 * **Segments.** A bucket travels as a few broadcasts, each from one owner:
-  - a *direct* segment is a run of one owner's bytes that lie next to each other in the
-    bucket (whole tensors, and row blocks: a dim-0 shard, FSDP2's `Shard(0)`, is one
-    contiguous range of its tensor): it is received straight into the bucket slot, at
-    its place, and nobody copies it again;
-  - an owner's other pieces of the bucket (blocks of other dimensions, and runs too small
+  - a *direct* segment is a run of whole tensors of one owner that lie next to each
+    other in the bucket: it is received straight into the bucket slot, at its place;
+  - an owner's other pieces of the bucket (shards, and whole tensors in runs too small
     to be worth a broadcast of their own) travel in one *staged* segment, packed
     back to back, and receivers copy each piece into its box of the full tensor.
   With one source every bucket is one direct segment: the same single broadcast per
@@ -38,7 +36,6 @@ from itertools import combinations
 from weightsync.transfer.layout import (
     DEFAULT_ALIGNMENT,
     DTYPE_ITEMSIZE,
-    Bucket,
     BucketLayout,
     LayoutError,
     TensorMeta,
@@ -225,87 +222,57 @@ def _piece_bytes(meta: TensorMeta, box: Box) -> int:
     return box.numel * DTYPE_ITEMSIZE[meta.dtype]
 
 
-def _is_row_block(meta: TensorMeta, box: Box) -> bool:
-    """Whether `box` is whole rows of the tensor (a dim-0 shard, FSDP2's `Shard(0)`): its
-    bytes are one contiguous range of the full tensor's."""
-    return len(meta.shape) > 0 and box.shape[1:] == meta.shape[1:] and not any(box.offset[1:])
-
-
-@dataclass(slots=True)
-class _Span:
-    """Contiguous bytes of a bucket slot with one owner: a run of its whole tensors and
-    row blocks, in bucket order."""
-
-    owner: int
-    start: int
-    end: int
-    ends_tensor: bool  # the last piece ends its tensor: alignment padding may follow
-    pieces: list[Piece]
-
-    def extends(self, owner: int, start: int, alignment: int) -> bool:
-        if owner != self.owner:
-            return False
-        return start == self.end or (self.ends_tensor and start == align_up(self.end, alignment))
-
-
-def _bucket_segments(
-    bucket: Bucket,
-    metas: dict[str, TensorMeta],
-    owners: dict[str, list[tuple[int, Box]]],
-    alignment: int,
-) -> tuple[list[Segment], int]:
-    """One bucket's segments, and the staging bytes they need."""
-    spans: list[_Span] = []
-    staged: dict[int, list[tuple[str, Box]]] = {}
-    for item in bucket.tensors:
-        meta, held = metas[item.name], owners[item.name]
-        if not all(_is_row_block(meta, box) or box.is_whole(meta.shape) for _, box in held):
-            for owner, box in held:
-                staged.setdefault(owner, []).append((item.name, box))
-            continue
-        row_bytes = item.nbytes // meta.shape[0] if meta.shape and meta.shape[0] else 0
-        for owner, box in sorted(held, key=lambda h: h[1].offset):
-            start = item.offset + (box.offset[0] * row_bytes if meta.shape else 0)
-            nbytes = _piece_bytes(meta, box)
-            piece = Piece(item.name, item.dtype, box, start, nbytes)
-            ends = start + nbytes == item.offset + item.nbytes
-            if spans and spans[-1].extends(owner, start, alignment):
-                spans[-1].end, spans[-1].ends_tensor = start + nbytes, ends
-                spans[-1].pieces.append(piece)
-            else:
-                spans.append(_Span(owner, start, start + nbytes, ends, [piece]))
-    segments: list[Segment] = []
-    alone = len(spans) == 1 and not staged
-    for span in spans:
-        end = align_up(span.end, alignment) if span.ends_tensor else span.end
-        if end - span.start < DIRECT_MIN_BYTES and not alone:
-            staged.setdefault(span.owner, []).extend((p.name, p.box) for p in span.pieces)
-            continue
-        segments.append(Segment(span.owner, True, span.start, end - span.start, tuple(span.pieces)))
-    cursor = 0
-    for owner in sorted(staged):
-        start = cursor
-        pieces = []
-        for name, box in staged[owner]:
-            nbytes = _piece_bytes(metas[name], box)
-            pieces.append(Piece(name, metas[name].dtype, box, cursor, nbytes))
-            cursor = align_up(cursor + nbytes, alignment)
-        segments.append(Segment(owner, False, start, cursor - start, tuple(pieces)))
-    segments.sort(key=lambda s: (s.owner, not s.direct, s.offset))
-    return segments, cursor
-
-
 def _segments(
     layout: BucketLayout,
     metas: dict[str, TensorMeta],
     owners: dict[str, list[tuple[int, Box]]],
 ) -> tuple[tuple[tuple[Segment, ...], ...], int]:
+    alignment = layout.alignment
     plan: list[tuple[Segment, ...]] = []
     staging = 0
     for bucket in layout.buckets:
-        segments, staged = _bucket_segments(bucket, metas, owners, layout.alignment)
+        # Runs of consecutive whole tensors with one owner, in bucket order.
+        runs: list[tuple[int, list[int]]] = []
+        staged: dict[int, list[tuple[str, Box]]] = {}
+        for index, item in enumerate(bucket.tensors):
+            held = owners[item.name]
+            whole = len(held) == 1 and held[0][1].is_whole(item.shape)
+            if whole:
+                owner = held[0][0]
+                if runs and runs[-1][0] == owner and runs[-1][1][-1] == index - 1:
+                    runs[-1][1].append(index)
+                else:
+                    runs.append((owner, [index]))
+                continue
+            for owner, box in held:
+                staged.setdefault(owner, []).append((item.name, box))
+        segments: list[Segment] = []
+        for owner, indices in runs:
+            first, last = bucket.tensors[indices[0]], bucket.tensors[indices[-1]]
+            end = align_up(last.offset + last.nbytes, alignment)
+            alone = len(runs) == 1 and not staged
+            if end - first.offset < DIRECT_MIN_BYTES and not alone:
+                for index in indices:
+                    name = bucket.tensors[index].name
+                    staged.setdefault(owner, []).append((name, Box.whole(metas[name].shape)))
+                continue
+            pieces = tuple(
+                Piece(t.name, t.dtype, Box.whole(t.shape), t.offset, t.nbytes)
+                for t in (bucket.tensors[i] for i in indices)
+            )
+            segments.append(Segment(owner, True, first.offset, end - first.offset, pieces))
+        cursor = 0
+        for owner in sorted(staged):
+            start = cursor
+            pieces_list = []
+            for name, box in staged[owner]:
+                nbytes = _piece_bytes(metas[name], box)
+                pieces_list.append(Piece(name, metas[name].dtype, box, cursor, nbytes))
+                cursor = align_up(cursor + nbytes, alignment)
+            segments.append(Segment(owner, False, start, cursor - start, tuple(pieces_list)))
+        staging = max(staging, cursor)
+        segments.sort(key=lambda s: (s.owner, not s.direct, s.offset))
         plan.append(tuple(segments))
-        staging = max(staging, staged)
     return tuple(plan), staging
 
 
@@ -354,7 +321,7 @@ def plan_shards(
     segments, staging = _segments(layout, by_name, owners)
     canonical = json.dumps(
         {
-            "v": 2,  # 2: row blocks travel direct
+            "v": 1,
             "layout": layout.layout_hash,
             "owners": [
                 [name, [[rank, *box.to_json()] for rank, box in owners[name]]] for name in by_name

@@ -156,35 +156,6 @@ def test_small_runs_of_whole_tensors_join_the_staged_segment() -> None:
     simulate(plan, full, reports)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_row_blocks_travel_straight_into_the_slot(ranks: int) -> None:
-    """FSDP2's dim-0 shards are contiguous in their tensor: each owner's rows are received
-    at their place, nothing is staged or copied again; an owner's rows that end a tensor
-    and its whole tensor that follows are one broadcast."""
-    gen = torch.Generator().manual_seed(ranks)
-    shapes = {"a": (4096, 1024), "b": (4097, 1024)}  # 16 MiB fp32; b cuts unevenly
-    full = {n: torch.randn(sh, generator=gen) for n, sh in shapes.items()}
-    full["c"] = torch.randn(1024, 1024, generator=gen)  # whole, held by the last rank
-    metas = {n: TensorMeta(n, tuple(t.shape), "float32") for n, t in full.items()}
-    last = ranks - 1
-    reports = [
-        report(
-            rank,
-            [(metas[n], dim_shards(metas[n].shape, 0, ranks)[rank]) for n in ("a", "b")]
-            + [(metas["c"], Box.whole(metas["c"].shape) if rank == last else None)],
-        )
-        for rank in range(ranks)
-    ]
-    plan = plan_shards(reports, 64 * MiB)
-    simulate(plan, full, reports)
-    assert plan.staging_bytes == 0
-    (segments,) = plan.segments
-    assert all(s.direct for s in segments)
-    assert len(segments) == 2 * ranks  # a and b per rank; b's last rows and c are one
-    merged = next(s for s in segments if len(s.pieces) == 2)
-    assert (merged.owner, [p.name for p in merged.pieces]) == (last, ["b", "c"])
-
-
 def test_plan_hash_tells_ownerships_apart() -> None:
     meta = TensorMeta("w", (4, 4), "float32")
     halves = dim_shards(meta.shape, 0, 2)

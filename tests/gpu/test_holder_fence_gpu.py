@@ -54,7 +54,10 @@ def trainer_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 def holding(agent: AgentProc) -> Holding:
-    return Holding.model_validate(http_json("GET", f"{agent.url}/v1/holding", None, agent.token))
+    """The held version; the agent answers once its checksums are done (CRC-32 of 7.3 GB
+    of host memory: seconds), and waits up to 60 s for them, so the client does too."""
+    url = f"{agent.url}/v1/holding"
+    return Holding.model_validate(http_json("GET", url, None, agent.token, timeout=70))
 
 
 def expected_checksums(layout: BucketLayout, tensors: dict[str, torch.Tensor]) -> list[int]:
@@ -69,7 +72,7 @@ def expected_checksums(layout: BucketLayout, tensors: dict[str, torch.Tensor]) -
 
 
 def served(engine: Engine, version: int, tensors: dict[str, torch.Tensor]) -> None:
-    body = engine.digests()
+    body = engine.digests(timeout=120)  # sha256 of 7.3 GB
     assert body["version"] == version
     assert body["tensors"] == {n: tensor_digest(t) for n, t in tensors.items()}
 

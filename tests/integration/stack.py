@@ -27,13 +27,15 @@ from weightsync.api.control import AgentStatus, MembershipPlan
 STARTUP_TIMEOUT = 120.0  # seven Python processes importing torch on two busy cores
 
 
-def http_json(method: str, url: str, body: str | None = None, token: str | None = None) -> Any:
+def http_json(
+    method: str, url: str, body: str | None = None, token: str | None = None, timeout: float = 10
+) -> Any:
     data = body.encode() if body else None
     request = urllib.request.Request(url, method=method, data=data)  # noqa: S310 - our own URL
     request.add_header("Content-Type", "application/json")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - our own URL
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - our own URL
         return json.loads(response.read())
 
 
@@ -78,8 +80,10 @@ class Engine:
         body: dict[str, Any] = http_json("GET", f"{self.url}/health")
         return body
 
-    def digests(self) -> dict[str, Any]:
-        body: dict[str, Any] = http_json("GET", f"{self.url}/v1/weights/digest")
+    def digests(self, timeout: float = 10) -> dict[str, Any]:
+        """Every tensor's sha256 (about 1 s a GB of weights: a large model needs a longer
+        `timeout`)."""
+        body: dict[str, Any] = http_json("GET", f"{self.url}/v1/weights/digest", timeout=timeout)
         return body
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:

@@ -24,9 +24,9 @@ RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 
 
 @pytest.fixture
-def scoped_release(cluster: LocalCluster, namespace: str) -> Iterator[tuple[str, str, str]]:
+def scoped_release(cluster: LocalCluster, namespace: str) -> Iterator[tuple[str, str, str, str]]:
     """The chart's RBAC objects for a release in `namespace` watching one other namespace:
-    (account, watched namespace, unwatched namespace)."""
+    (account, watched namespace, unwatched namespace, its webhook configurations' name)."""
     release = f"rbac{secrets.token_hex(3)}"
     watched, unwatched = f"{namespace}-watched", f"{namespace}-other"
     for name in (watched, unwatched):
@@ -35,12 +35,16 @@ def scoped_release(cluster: LocalCluster, namespace: str) -> Iterator[tuple[str,
         "template", release, str(CHART), "--namespace", namespace,
         "--set-json", f'operator.watchNamespaces=["{watched}"]',
     ).stdout  # fmt: skip
-    objects = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in RBAC_KINDS]
+    everything = [o for o in yaml.safe_load_all(rendered) if o]
+    objects = [o for o in everything if o["kind"] in RBAC_KINDS]
+    (configuration,) = [
+        o["metadata"]["name"] for o in everything if o["kind"] == "MutatingWebhookConfiguration"
+    ]
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
     (account,) = [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"
                   and "test" not in o["metadata"]["name"]]  # fmt: skip
     try:
-        yield f"system:serviceaccount:{namespace}:{account}", watched, unwatched
+        yield f"system:serviceaccount:{namespace}:{account}", watched, unwatched, configuration
     finally:
         for obj in objects:
             if obj["kind"].startswith("Cluster"):
@@ -50,9 +54,9 @@ def scoped_release(cluster: LocalCluster, namespace: str) -> Iterator[tuple[str,
 
 
 def test_a_scoped_operator_has_pod_and_secret_rights_only_where_it_watches(
-    cluster: LocalCluster, scoped_release: tuple[str, str, str]
+    cluster: LocalCluster, scoped_release: tuple[str, str, str, str]
 ) -> None:
-    account, watched, unwatched = scoped_release
+    account, watched, unwatched, configuration = scoped_release
 
     def may(verb: str, resource: str, namespace: str) -> bool:
         kind, _, sub = resource.partition("/")  # `pods/status`: a subresource, asked as such
@@ -82,13 +86,24 @@ def test_a_scoped_operator_has_pod_and_secret_rights_only_where_it_watches(
         for verb in ("get", "list", "watch", "patch", "delete"):
             assert not may(verb, "secrets", namespace), (verb, namespace)
 
+    # Webhook configurations: its own two patched by name, none created or patched by
+    # any other name (a webhook of its own making would see every object in the cluster).
+    def may_cluster(verb: str, what: str) -> bool:
+        answer = cluster.kubectl("auth", "can-i", verb, what, "--as", account, check=False)
+        return answer.stdout.strip() == "yes"
+
+    for kind in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
+        assert may_cluster("patch", f"{kind}/{configuration}"), (kind, configuration)
+        assert not may_cluster("patch", f"{kind}/another.example.com"), kind
+        assert not may_cluster("create", kind), kind
+
 
 def test_no_secret_content_comes_back_to_the_operator(
-    cluster: LocalCluster, scoped_release: tuple[str, str, str]
+    cluster: LocalCluster, scoped_release: tuple[str, str, str, str]
 ) -> None:
     """Another party's Secret in a watched namespace, asked for every way the operator's
     rights allow, dry runs included: its value never comes back."""
-    account, watched, _ = scoped_release
+    account, watched, _, _ = scoped_release
     value = secrets.token_hex(16)
     cluster.kubectl(
         "create", "secret", "generic", "database", f"--from-literal=password={value}",

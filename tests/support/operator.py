@@ -92,6 +92,7 @@ class OperatorProcess:
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        self.create_configurations()
         with self.log.open("ab") as output:
             self.popen = subprocess.Popen(
                 [str(OPERATOR), "--namespace", self.namespace],
@@ -144,6 +145,17 @@ class OperatorProcess:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def create_configurations(self) -> None:
+        """The two webhook configurations, without webhooks, as the chart creates them:
+        the operator only patches its webhooks into them."""
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            body = {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": kind,
+                "metadata": {"name": self.configuration},
+            }
+            self.cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
 
     def delete_configurations(self) -> None:
         for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration"):

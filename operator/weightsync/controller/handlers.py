@@ -56,6 +56,7 @@ from weightsync.controller.reconcile import (
 )
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.sidecar import AgentTemplate
+from weightsync.controller.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
 
 log = logging.getLogger(__name__)
 
@@ -240,13 +241,12 @@ def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
 def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
     """The pod webhook (inject the agent) and the WeightSync webhook (claims)."""
     bind = runtime.indexes.bind
-    resource = (GROUP, VERSION, PLURAL)
+    inject, claims = INJECT_AGENT, VALIDATE_CLAIMS  # their configuration: webhook_config
 
     @kopf.on.mutate(
-        "v1", "pods",
-        registry=registry, id="inject-agent", operations=["CREATE"],
-        labels={names.INJECT_LABEL: names.INJECT_VALUE},
-        ignore_failures=True, persistent=False, side_effects=False,
+        inject.version, inject.plural,
+        registry=registry, id=inject.id, operations=list(inject.operations),
+        labels=inject.labels, ignore_failures=inject.ignore_failures, side_effects=False,
     )  # fmt: skip
     def inject_agent(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
         bind(kwargs)
@@ -256,9 +256,9 @@ def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> No
         admission.inject(runtime.kube, runtime.template, body, patch, runtime.indexes)
 
     @kopf.on.validate(
-        *resource,
-        registry=registry, id="validate-claims", operations=["CREATE", "UPDATE"],
-        ignore_failures=False, persistent=False, side_effects=False,
+        claims.group, claims.version, claims.plural,
+        registry=registry, id=claims.id, operations=list(claims.operations),
+        ignore_failures=claims.ignore_failures, side_effects=False,
     )  # fmt: skip
     def validate_claims(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
         bind(kwargs)

@@ -28,6 +28,7 @@ from weightsync.controller.reconcile import Reconciler
 from weightsync.controller.settings import OperatorSettings, SettingsError
 from weightsync.controller.sidecar import AgentTemplate
 from weightsync.controller.webhook import build_server
+from weightsync.controller.webhook_config import Configurations
 
 log = logging.getLogger("weightsync.operator")
 
@@ -105,7 +106,9 @@ def configure_kopf(
     # terminationGracePeriodSeconds is longer).
     kopf_settings.process.ultimate_exiting_timeout = 20
     kopf_settings.admission.server = server
-    kopf_settings.admission.managed = settings.webhook_configuration
+    # Not kopf's: it creates configurations before patching them, a right that cannot be
+    # limited to a name. The server writes them (`controller.webhook_config`).
+    kopf_settings.admission.managed = None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     selector = f"{names.INJECT_LABEL}={names.INJECT_VALUE}"
     pod_watch = PodWatch(kube.api, selector, namespaces, pods, runtime.pod_changed)
     handlers.register(registry, runtime, pod_watch)
-    server = build_server(kube.core, settings)
+    configurations = Configurations(kube.api, settings.webhook_configuration)
+    server = build_server(kube.core, settings, configurations)
 
     @kopf.on.startup(registry=registry)
     async def dump_tasks_on_sigusr1(**_: Any) -> None:

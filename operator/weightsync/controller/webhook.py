@@ -1,7 +1,7 @@
 """The HTTPS server kopf serves admission reviews on, and its certificates.
 
-kopf's `WebhookServer` serves TLS and yields the `clientConfig` that kopf writes into
-the webhook configurations it manages. It derives the URL from its listening address;
+kopf's `WebhookServer` serves TLS and yields the `clientConfig` that goes into the webhook
+configurations (`webhook_config` writes them). It derives the URL from its listening address;
 this subclass replaces that with what the API server must really call: the configured
 `WEBHOOK_URL` (URL mode: local control planes, the demo, an operator outside the
 cluster), or a `service` reference (Service mode: real clusters). The caBundle is
@@ -10,6 +10,7 @@ kopf's, i.e. the CA of whichever certificates the server was given.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import copy
 import logging
@@ -26,23 +27,38 @@ from kubernetes.client.exceptions import ApiException
 from weightsync.controller import certs
 from weightsync.controller.kube import CONFLICT, NOT_FOUND
 from weightsync.controller.settings import CertMode, OperatorSettings
+from weightsync.controller.webhook_config import Configurations
 
 log = logging.getLogger(__name__)
 
 
 class WeightsyncWebhookServer(kopf.WebhookServer):
-    """kopf's server with the client config the API server needs (URL or Service)."""
+    """kopf's server with the client config the API server needs (URL or Service),
+    written into the webhook configurations by `configurations` (kopf manages none)."""
 
-    def __init__(self, *, client_config: dict[str, Any], **kwargs: Any) -> None:
+    def __init__(
+        self, *, client_config: dict[str, Any], configurations: Configurations, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._client_config = client_config
+        self._configurations = configurations
 
     async def __call__(self, fn: Any) -> AsyncIterator[kopf.WebhookClientConfig]:
-        async for config in super().__call__(fn):
-            rewritten: kopf.WebhookClientConfig = copy.deepcopy(self._client_config)  # type: ignore[assignment]
-            if "caBundle" in config:
-                rewritten["caBundle"] = config["caBundle"]
-            yield rewritten
+        written = False
+        try:
+            async for config in super().__call__(fn):
+                rewritten: kopf.WebhookClientConfig = copy.deepcopy(self._client_config)  # type: ignore[assignment]
+                if "caBundle" in config:
+                    rewritten["caBundle"] = config["caBundle"]
+                await asyncio.to_thread(self._configurations.apply, dict(rewritten))
+                written = True
+                yield rewritten
+        finally:
+            if written:  # a stopped operator blocks nothing: its webhooks go with it
+                try:
+                    await asyncio.to_thread(self._configurations.apply, None)
+                except Exception as error:  # exiting anyway: say so, do not mask the cause
+                    log.warning("could not remove the webhooks on exit: %s", error)
 
 
 def client_config(settings: OperatorSettings) -> dict[str, Any]:
@@ -107,7 +123,9 @@ def managed_bundle(core: client.CoreV1Api, settings: OperatorSettings) -> certs.
     return bundle
 
 
-def build_server(core: client.CoreV1Api, settings: OperatorSettings) -> WeightsyncWebhookServer:
+def build_server(
+    core: client.CoreV1Api, settings: OperatorSettings, configurations: Configurations
+) -> WeightsyncWebhookServer:
     """The webhook server with certificates per `WEBHOOK_CERTS` (blocks: API calls)."""
     if settings.webhook_certs is CertMode.DIRECTORY:
         directory = settings.webhook_cert_dir or Path()
@@ -121,6 +139,7 @@ def build_server(core: client.CoreV1Api, settings: OperatorSettings) -> Weightsy
         paths = bundle.write(directory)
     return WeightsyncWebhookServer(
         client_config=client_config(settings),
+        configurations=configurations,
         addr=settings.webhook_listen_host,
         port=settings.webhook_listen_port,
         certfile=paths[0],

@@ -37,15 +37,22 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
 
 
+CLUSTER_SCOPED = {
+    "ClusterRole", "ClusterRoleBinding",
+    "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
+}  # fmt: skip
+
+
 def test_defaults_render_the_operator_and_nothing_optional() -> None:
     objects = render()
     assert kinds(objects) == {
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
         "Service", "Deployment", "ConfigMap", "Pod", "Job",
+        "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
     }  # fmt: skip
     assert not kinds(objects) & {"Certificate", "Issuer", "NetworkPolicy", *MONITORS}
     for obj in objects:
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if obj["kind"] not in CLUSTER_SCOPED:
             assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
 
 
@@ -348,7 +355,7 @@ def test_rbac_covers_what_the_operator_does() -> None:
         ("", "secrets", "get"),
         ("", "events", "create"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
-        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "create"),
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch"),
         ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch"),
     }
     assert needed <= granted, sorted(needed - granted)
@@ -380,9 +387,12 @@ def test_webhook_configuration_rights_are_limited_to_the_operators_own() -> None
     rules = one(objects, "ClusterRole", "ws-weightsync")["rules"]
     webhook_rules = [r for r in rules if r["apiGroups"] == ["admissionregistration.k8s.io"]]
     assert {tuple(r["verbs"]): r.get("resourceNames") for r in webhook_rules} == {
-        ("create",): None,
-        ("get", "patch", "delete"): [name],
+        ("get", "patch", "delete"): [name],  # no create: it cannot be limited to a name
     }
+    # The chart creates both configurations, with no webhooks for upgrades to reset.
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        configuration = one(objects, kind, name)
+        assert "webhooks" not in configuration
     # The helm test reads exactly those, and nothing else.
     test_role = next(r for r in find(objects, "ClusterRole") if is_test(r))
     assert test_role["rules"] == [

@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: demo demo-down setup images test lint test-unit test-cluster test-e2e test-gpu bench crds verify-crds \
-        cluster-up cluster-down chaos scale test-engine-pods
+        cluster-up cluster-down chaos chaos-restarts scale test-engine-pods
 
 demo:  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
 	WEIGHTSYNC_SETUP_ENGINES=0 bash .ci/setup  # reference engines only: not vLLM's and SGLang's venvs
@@ -45,9 +45,14 @@ test-cluster: setup
 test-e2e: setup
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
-chaos: setup  ## the fault matrix (100 faults; CI runs 10) and the recovery scenarios (10 kills each; CI 4)
+chaos: setup  ## the fault matrix (100 faults; CI runs 10), the recovery scenarios (10 kills each; CI 4), then chaos-restarts
 	CHAOS_FAULTS=$${CHAOS_FAULTS:-100} RECOVERY_KILLS=$${RECOVERY_KILLS:-10} \
 	$(PY) -m pytest -m e2e tests/e2e/test_chaos.py tests/e2e/test_recovery.py -s $(PYTEST_ARGS)
+	$(MAKE) chaos-restarts
+
+chaos-restarts: setup  ## engines restarted in place 200 times under CPU contention: 0 stale Ready
+	CHAOS_KINDS=engine_restart CHAOS_FAULTS=$${CHAOS_RESTARTS:-200} CHAOS_LOAD=$${CHAOS_LOAD:-2} \
+	$(PY) -m pytest -m e2e tests/e2e/test_chaos.py -s $(PYTEST_ARGS)
 
 test-engine-pods: setup  ## real vLLM and SGLang engine pods on the real node: synced, killed, recovered
 	$(PY) -m pytest tests/e2e/test_real_engines.py $(PYTEST_ARGS)

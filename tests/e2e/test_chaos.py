@@ -53,6 +53,7 @@ from tests.e2e.test_recovery import (
 )
 from tests.support.eventually import eventually
 from tests.support.kube import condition
+from tests.support.load import cpu_load
 from tests.support.operator import (
     ENGINE_PORT,
     PODS_UP,
@@ -103,6 +104,9 @@ ALL_KINDS = (
 )
 # `CHAOS_KINDS=a,b` draws from those kinds only (to chase one kind's failure).
 KINDS = tuple(os.environ.get("CHAOS_KINDS", ",".join(ALL_KINDS)).split(","))
+# `CHAOS_LOAD=n`: n busy processes beside the cluster while faults run (`make
+# chaos-restarts`: hundreds of engine restarts in place under contention).
+LOAD = int(os.environ.get("CHAOS_LOAD", "0"))
 
 
 @dataclass
@@ -464,38 +468,8 @@ def test_fault_matrix(
     try:
         eventually(lambda: converged(cluster, namespace, publisher), timeout=CONVERGE_SECONDS,
                    message="synced before the first fault")  # fmt: skip
-        for number, kind in enumerate(schedule(rng, FAULTS), start=1):
-            started, stepped, seen = time.monotonic(), publisher.uid, len(report.rounds)
-            at = time.strftime("%H:%M:%S")
-            inject(kind, cluster, namespace, operator, rng, token=token)
-            injected = time.monotonic() - started
-            report.faults[kind] += 1
-            if kind == "bucket_corrupt":
-                window = report.rounds[seen:]
-                report.corruption_caught.append(any(not r["ok"] for r in window))
-            time.sleep(2.0)  # let the fault be seen before asking for convergence
-            if kind == "trainer_replace":  # converged: to what the replacement publishes
-                eventually(
-                    lambda before=stepped: publisher.uid not in ("", before),
-                    timeout=CONVERGE_SECONDS,
-                    message="stepping the new trainer pod",
-                )
-            try:
-                eventually(
-                    lambda: converged(cluster, namespace, publisher),
-                    timeout=CONVERGE_SECONDS,
-                    interval=0.5,
-                    message=f"converged after {kind}",
-                )
-            except AssertionError:
-                print(diagnosis(cluster, namespace, operator, publisher))
-                raise
-            report.converge[kind].append(time.monotonic() - started)
-            print(f"[chaos] {number}/{FAULTS} {kind}: converged in"
-                  f" {report.converge[kind][-1]:.1f} s (from {at}; the fault itself"
-                  f" took {injected:.1f} s of it)", flush=True)  # fmt: skip
-            assert publisher.error is None, publisher.error
-            time.sleep(rng.uniform(0.0, 3.0))
+        with cpu_load(LOAD):
+            run_faults(cluster, namespace, operator, publisher, rng=rng, token=token)
     finally:
         publisher.stop.set()
         watch.stop.set()
@@ -503,6 +477,7 @@ def test_fault_matrix(
         watch.join(timeout=30)
     report.stale_ready = watch.stale()
     summary = report.summary()
+    summary["cpu_load"] = LOAD
     print("chaos report:", json.dumps(summary, sort_keys=True))  # docs/reliability.md
     assert publisher.error is None, publisher.error
     assert report.stale_ready == [], report.stale_ready
@@ -512,3 +487,48 @@ def test_fault_matrix(
     assert summary["internal_errors"] == [], summary["internal_errors"]
     assert summary["ok"] > FAULTS, summary
     no_tracebacks(cluster, operator, namespace)
+
+
+def run_faults(
+    cluster: LocalCluster,
+    namespace: str,
+    operator: OperatorProcess,
+    publisher: Publisher,
+    *,
+    rng: random.Random,
+    token: str,
+) -> None:
+    """`FAULTS` faults, each followed by convergence (timed into the report)."""
+    report = publisher.report
+    for number, kind in enumerate(schedule(rng, FAULTS), start=1):
+        started, stepped, seen = time.monotonic(), publisher.uid, len(report.rounds)
+        at = time.strftime("%H:%M:%S")
+        inject(kind, cluster, namespace, operator, rng, token=token)
+        injected = time.monotonic() - started
+        report.faults[kind] += 1
+        if kind == "bucket_corrupt":
+            window = report.rounds[seen:]
+            report.corruption_caught.append(any(not r["ok"] for r in window))
+        time.sleep(2.0)  # let the fault be seen before asking for convergence
+        if kind == "trainer_replace":  # converged: to what the replacement publishes
+            eventually(
+                lambda before=stepped: publisher.uid not in ("", before),
+                timeout=CONVERGE_SECONDS,
+                message="stepping the new trainer pod",
+            )
+        try:
+            eventually(
+                lambda: converged(cluster, namespace, publisher),
+                timeout=CONVERGE_SECONDS,
+                interval=0.5,
+                message=f"converged after {kind}",
+            )
+        except AssertionError:
+            print(diagnosis(cluster, namespace, operator, publisher))
+            raise
+        report.converge[kind].append(time.monotonic() - started)
+        print(f"[chaos] {number}/{FAULTS} {kind}: converged in"
+              f" {report.converge[kind][-1]:.1f} s (from {at}; the fault itself"
+              f" took {injected:.1f} s of it)", flush=True)  # fmt: skip
+        assert publisher.error is None, publisher.error
+        time.sleep(rng.uniform(0.0, 3.0))

@@ -38,6 +38,8 @@ class Loaded:
     incarnation: str | None
     lineage: str
     version: int
+    at: float  # wall-clock time of the load: the operator checks the engine container
+    # has not started since (`readiness.loaded_before_start`)
 
 
 class EngineWatch:
@@ -57,7 +59,7 @@ class EngineWatch:
         vouched version must not wait for the next background poll to show.
         """
         incarnation = self.adapter.attached_to
-        self.loaded = Loaded(incarnation, lineage, version)
+        self.loaded = Loaded(incarnation, lineage, version, time.time())
         # An engine that names no incarnation is vouched for by the version it reports
         # (`vouched`): the commit read it back, so the last poll's older one must not
         # close the pod's gate until the next poll.
@@ -101,7 +103,7 @@ class EngineWatch:
             self._started_with = (health.incarnation, health.version)
             return
         if health.version is not None and health.version != started[1] and not health.torn:
-            self.loaded = Loaded(health.incarnation, "", health.version)
+            self.loaded = Loaded(health.incarnation, "", health.version, time.time())
 
     async def run_forever(self) -> None:
         while True:
@@ -142,4 +144,5 @@ class EngineWatch:
             lineage=(vouched.lineage or None) if vouched else None,
             incarnation=health.incarnation,
             reported_version=health.version,
+            loaded_unix=vouched.at if vouched else None,
         )

@@ -201,6 +201,9 @@ class EngineStatus(_Message):
     lineage: str | None = None
     incarnation: str | None = None
     reported_version: int | None = None
+    # When `version` was loaded (the agent's clock, the node's): a load older than the
+    # engine container's start was into a process that is gone.
+    loaded_unix: float | None = None
 
 
 class RoundReport(_Message):

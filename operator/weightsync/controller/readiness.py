@@ -9,7 +9,9 @@ An engine restarted in place is behind whatever it reports: its agent vouches on
 what it loaded into that engine process (`agent.engine_watch`). And the gate closes as
 soon as the pod's containers are not ready (a container restarting), without waiting
 for the agent to notice: the restarted engine must not turn the pod Ready on an
-earlier pass's word. It opens again only on the agent's word after the restart.
+earlier pass's word. It opens again only on the agent's word of a load after the
+container's start (`loaded_before_start`): the agent polls its engine once a second,
+and a second restart between two polls left it vouching for a process that was gone.
 
 A pod that serves the current version but that the trainer's next round would not
 reach (a recovered pod whose generation is not warm yet on the source: the next round
@@ -208,6 +210,18 @@ def round_vouches(
     )
 
 
+def loaded_before_start(pod: PodView, status: AgentStatus) -> bool:
+    """Whether the agent's vouched load predates the start of the pod's running engine
+    container: then it went into a process that is gone, whatever the agent has polled
+    since (a second restart in place can come between two of its polls). The kubelet's
+    start is to the second, so a load within that second is not trusted either: the
+    next load is (an engine takes seconds to start, a load more)."""
+    engine, started = status.engine, pod.workload_started
+    if engine is None or engine.loaded_unix is None or started is None:
+        return False
+    return engine.loaded_unix < started.timestamp() + 1.0
+
+
 def decide(  # noqa: PLR0911 - one return per reason, in the order they are checked
     pod: PodView,
     status: AgentStatus | None,
@@ -234,6 +248,14 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
     version = current.version
     if version is None:
         return GateDecision(pod.name, False, reasons.NO_VERSION_YET, reasons.NO_VERSION_YET_MESSAGE)
+    if loaded_before_start(pod, status):
+        return GateDecision(
+            pod.name,
+            False,
+            reasons.BEHIND_CURRENT_VERSION,
+            reasons.BEHIND_CURRENT_VERSION_MESSAGE.format(served="no version", version=version)
+            + " (its container started after its agent last loaded it)",
+        )
     # An open gate of a sink the last round vouches for stays open (`round_vouches`), and
     # of one ahead of the source's word (`ahead`).
     if serves(status, current) or (

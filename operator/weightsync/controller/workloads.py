@@ -68,6 +68,7 @@ class PodView:
     created: datetime | None
     labelled: bool  # carries weightsync.io/inject=true, i.e. opted in to injection
     finished: bool = False  # phase Failed or Succeeded: it will never take part again
+    workload_started: datetime | None = None  # its containers' (not the agent's) last start
     pod: str = ""  # the pod's name ("": the member's name is the pod's)
     rank: int | None = None  # trainer pods: the global trainer rank this member publishes
     ranks_per_pod: int = 1  # trainer pods: ranks the pod runs
@@ -299,7 +300,18 @@ def _pod_view(
         created=parse_time(meta.get("creationTimestamp")),
         labelled=(meta.get("labels") or {}).get(names.INJECT_LABEL) == names.INJECT_VALUE,
         finished=status.get("phase") in ("Failed", "Succeeded"),
+        workload_started=_workload_started(status),
     )
+
+
+def _workload_started(status: Obj) -> datetime | None:
+    """The latest start (to the second) of a running container other than the agent."""
+    running = [
+        ((c.get("state") or {}).get("running") or {}).get("startedAt")
+        for c in status.get("containerStatuses") or []
+        if c.get("name") != names.AGENT_CONTAINER
+    ]
+    return max((t for t in map(parse_time, running) if t is not None), default=None)
 
 
 def trainer_views(sync: WeightSync, pod: Obj, workload: str, ordinal: int) -> list[PodView]:

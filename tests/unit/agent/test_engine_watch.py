@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import torch
@@ -66,3 +67,21 @@ def test_an_engine_restarted_at_its_start_up_label_is_not_vouched_for() -> None:
     adapter.reply = EngineHealth(True, 3)
     asyncio.run(watch.poll())
     assert watch.status().version == 3
+
+
+def test_the_status_says_when_the_vouched_version_was_loaded() -> None:
+    """The operator compares it with the engine container's start: a second restart in
+    place between two of the agent's polls leaves it vouching for a process that is gone
+    (`controller.readiness.loaded_before_start`)."""
+    adapter = Says()
+    watch = EngineWatch(adapter)
+    before = time.time()
+    watch.committed("lineage-a", 4)
+    adapter.reply = EngineHealth(True, 4)
+    asyncio.run(watch.poll())
+    loaded = watch.status().loaded_unix
+    assert loaded is not None
+    assert before <= loaded <= time.time()
+    adapter.reply = EngineHealth(True, None)  # restarted: nothing vouched, no load time
+    asyncio.run(watch.poll())
+    assert watch.status().loaded_unix is None

@@ -8,6 +8,7 @@ from tests.unit.controller.builders import agent, pod, round_report, sink_view
 from weightsync.api import reasons
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
+from weightsync.controller import names
 from weightsync.controller.readiness import (
     Current,
     current_version,
@@ -44,6 +45,45 @@ def test_a_pod_with_a_container_not_ready_is_held_whatever_its_agent_said() -> N
     view = sink_view("e", containers_ready=False)
     decision = decide(view, agent("e", engine_version=5), None, Current(5))
     assert (decision.status, decision.reason) == (False, reasons.CONTAINERS_NOT_READY)
+
+
+def test_a_load_older_than_the_engine_containers_start_opens_no_gate() -> None:
+    """The agent polls its engine once a second: restarted twice between two polls, the
+    engine's container starts after the load the agent still vouches for. The kubelet's
+    start is to the second, so a load in that same second is not trusted either."""
+    raw = pod("e").owned_by("ReplicaSet", "engine-a-abc").running("10.0.1.1")
+    raw = raw.injected(gate=True).set(
+        "status.containerStatuses",
+        [
+            {"name": "engine", "state": {"running": {"startedAt": "2026-11-28T02:00:10Z"}}},
+            {"name": names.AGENT_CONTAINER,
+             "state": {"running": {"startedAt": "2026-11-28T02:00:30Z"}}},
+        ],
+    )  # fmt: skip
+    view = pod_view(raw.build(), Role.SINK, "engine-a", 0, None)
+    assert view.workload_started is not None  # the engine's, not the agent's later one
+    started = view.workload_started.timestamp()
+
+    def loaded(at: float) -> AgentStatus:
+        status = agent("e", engine_version=5)
+        assert status.engine is not None
+        return status.model_copy(
+            update={"engine": status.engine.model_copy(update={"loaded_unix": at})}
+        )
+
+    for at, expected in [
+        (started - 5.0, (False, reasons.BEHIND_CURRENT_VERSION)),  # into the last process
+        (started + 0.5, (False, reasons.BEHIND_CURRENT_VERSION)),  # the same second
+        (started + 1.0, (True, reasons.SERVES_CURRENT_VERSION)),
+    ]:
+        decision = decide(view, loaded(at), None, Current(5))
+        assert (decision.status, decision.reason) == expected, at
+    assert (
+        "started after its agent last loaded it"
+        in decide(view, loaded(started - 5.0), None, Current(5)).message
+    )
+    # No load time (an older agent) or no running start: the agent's word decides alone.
+    assert decide(view, agent("e", engine_version=5), None, Current(5)).status
 
 
 def test_unreachable_names_the_error() -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
+from weightsync.agent.packing import PiecePacker
 from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RoundFailed
 from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
 from weightsync.agent.source import FillChannel, SourceRound
@@ -51,6 +52,7 @@ class ShardedSourceRound(SourceRound):
         holder: Holder | None = None,
         hold_from: Mapping[str, torch.Tensor] | None = None,
         deadline: float | None = None,
+        packer: PiecePacker | None = None,
     ) -> None:
         super().__init__(
             generation,
@@ -68,6 +70,7 @@ class ShardedSourceRound(SourceRound):
         self.report = report  # what this rank holds
         self.plans = plans  # where the round's plan is made, once per set of reports
         self.resize = resize
+        self.packer = packer  # this rank's blocks mapped here: the agent packs its pieces
 
     async def _start_sharded(self, report: RankReport) -> ShardPlan:
         """Offer this rank's report; the lead gathers every rank's, plans, and rings the
@@ -130,8 +133,12 @@ class ShardedSourceRound(SourceRound):
             raise TransferError(exc.reason, str(exc)) from exc
         new_handles = None
         if self.resize is not None:
+            if self.packer is not None:
+                self.packer.forget()  # its views keep the slots a resize would free
             staging = staging_bound(self.layout, self.generation.plan.source_count)
             self.slots, new_handles = self.resize(self.layout, staging)
+        if self.packer is not None:
+            self.channel = self.packer.channel(self.slots.slots, self.group.run)
         routes = self.plans.routes(plan, self.slots.slots)
         transport, depth, rank = self.group.transport, len(self.slots.slots), self.me.rank
         pending: deque[tuple[Bucket, list[dist.Work | None]]] = deque()

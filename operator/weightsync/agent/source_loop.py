@@ -25,7 +25,7 @@ from weightsync.agent.engine_adapter import adapter_for
 from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation, Generations
 from weightsync.agent.holder import Holder
-from weightsync.agent.packing import SourcePacker
+from weightsync.agent.packing import PiecePacker, SourcePacker, held_blocks, map_packer
 from weightsync.agent.round_book import RoundBook
 from weightsync.agent.rounds import RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans, report_of
@@ -35,13 +35,7 @@ from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.control import GenerationState, LocalEngine
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError
-from weightsync.transfer.buffers import (
-    BucketSlots,
-    SlotError,
-    SlotHandles,
-    TensorSources,
-    open_sources,
-)
+from weightsync.transfer.buffers import BucketSlots, SlotHandles, TensorSources
 from weightsync.transfer.handoff import Attached, Boxes, Fenced, Publish, PublishResult
 from weightsync.transfer.layout import BucketLayout, LayoutError, TensorMeta, plan_layout
 from weightsync.transfer.shards import RankReport, plan_shards, staging_bound
@@ -87,7 +81,7 @@ class SourceLoop:
         self._kept_report: tuple[BucketLayout, RankReport] | None = None
         self._lock = asyncio.Lock()  # one attach or round at a time
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
-        self._packer: SourcePacker | None = None  # the Publisher's tensors, when shared
+        self._packer: SourcePacker | PiecePacker | None = None  # the Publisher's tensors
         self._hold: _PendingHold | None = None
         # A Colocated plan's engine (in another pod on this GPU), its adapter, and the slot
         # epoch it attached.
@@ -121,10 +115,15 @@ class SourceLoop:
             slots = self.pool.ensure(layout, plan.transfer.pipeline_depth, staging)
             self.layout, self.boxes = layout, boxes
             self._publisher_epoch = self.pool.epoch
-            # With several source ranks every rank packs its own pieces where the round's
-            # plan puts them (plain tensors too: a rank owning whole experts).
-            shared = sources if boxes is None and plan.source_count == 1 else None
-            self._packer = await self._map_sources(layout, shared)
+            # One source packs whole buckets; with several every rank packs its own pieces
+            # where the round's plan puts them (plain tensors too: a rank owning whole
+            # experts). Here if the agent can map the Publisher's tensors, else there.
+            sharded = plan.source_count > 1
+            self._packer = None
+            if sources is not None and self.device.type == "cuda" and (sharded or not boxes):
+                self._packer = await asyncio.to_thread(
+                    map_packer, layout, held_blocks(metas, boxes), sources, self.device, sharded
+                )
             if plan.source_count == 1 or plan.rank == 0 or plan.holder:
                 self.holder.prepare(layout.total_bytes)  # off the first round's path
         log.info(
@@ -142,23 +141,6 @@ class SourceLoop:
             slots=slots.handles,
             agent_packs=self._packer is not None,
         )
-
-    async def _map_sources(
-        self, layout: BucketLayout, sources: TensorSources | None
-    ) -> SourcePacker | None:
-        """The Publisher's tensors mapped here, if shared and on this agent's GPU."""
-        if sources is None or self.device.type != "cuda":
-            return None
-        names = [(m.name, m.shape, m.dtype) for m in layout.tensors]
-        try:
-            tensors = await asyncio.to_thread(open_sources, sources, names)
-        except (SlotError, RuntimeError, SystemError) as exc:  # torch's IPC open: SystemError
-            log.warning("cannot map the Publisher's tensors, it packs them itself: %s", exc)
-            return None
-        if any(t.device != self.device for t in tensors):
-            log.warning("the Publisher's tensors are not on %s: it packs them itself", self.device)
-            return None
-        return SourcePacker(layout, tensors)
 
     # ---------------------------------------------------------------- a round
     async def publish(self, request: Publish, channel: FillChannel) -> PublishResult:
@@ -275,18 +257,19 @@ class SourceLoop:
             except (EngineError, TimeoutError) as exc:
                 raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
             self._engine_epoch = self.pool.epoch
-        if self._packer is not None and sources > 1:
-            raise RoundFailed("layout_mismatch", "the plan has several source ranks: attach again")
+        packer = self._packer
+        if packer is not None and (sources > 1) != isinstance(packer, PiecePacker):
+            raise RoundFailed("layout_mismatch", "the plan's source ranks changed: attach again")
         group = generation.group
-        packer = self._packer if self._packer and self._packer.layout is layout else None
-        if packer is not None and group is not None:
-            channel = packer.channel(slots.slots, group.run)
+        whole = packer if isinstance(packer, SourcePacker) and packer.layout is layout else None
+        if whole is not None and group is not None:
+            channel = whole.channel(slots.slots, group.run)
         self.book.started(generation)
         # Several source ranks each see the whole version; the lead holds it (by default),
         # the others only when the plan asks.
         holds = sources == 1 or generation.plan.rank == 0 or generation.plan.holder
         holder = self.holder if holds else None
-        hold_from = packer.by_name if packer is not None else None
+        hold_from = whole.by_name if whole is not None else None
         # Several source ranks: the same round, plus the report exchange and owners' sends.
         make: Callable[..., SourceRound] = SourceRound
         if sources > 1:
@@ -295,6 +278,7 @@ class SourceLoop:
                 report=self._report(layout, generation.plan.rank),
                 plans=self.plans,
                 resize=partial(self._resize, transfer.pipeline_depth),
+                packer=packer if isinstance(packer, PiecePacker) else None,
             )
         runner = make(
             generation,

@@ -329,8 +329,11 @@ class Publisher:
         tensors: dict[str, torch.Tensor],
         boxes: Boxes | None,
     ) -> None:
-        # A sharded rank packs its own pieces (the agent maps whole tensors only).
-        sources = None if boxes else describe_sources([tensors[m.name] for m in metas])
+        # What this rank holds, for the agent to map and pack from on its GPU: every
+        # tensor whole, or a sharded rank's blocks (`tensors` holds those, in `metas`
+        # order). Where it cannot map them, it asks for each bucket (Fill).
+        held = list(tensors.values()) if boxes else [tensors[m.name] for m in metas]
+        sources = describe_sources(held)
         names = [(m.name, list(m.shape), m.dtype) for m in metas]
         reply = self._exchange(Attach(tensors=names, sources=sources, boxes=boxes))
         if isinstance(reply, HandoffError):

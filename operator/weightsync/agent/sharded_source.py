@@ -133,8 +133,6 @@ class ShardedSourceRound(SourceRound):
             raise TransferError(exc.reason, str(exc)) from exc
         new_handles = None
         if self.resize is not None:
-            if self.packer is not None:
-                self.packer.forget()  # its views keep the slots a resize would free
             staging = staging_bound(self.layout, self.generation.plan.source_count)
             self.slots, new_handles = self.resize(self.layout, staging)
         if self.packer is not None:

@@ -308,6 +308,8 @@ class SourceLoop:
     ) -> tuple[BucketSlots, SlotHandles | None]:
         """A sharded round's slots, for the whole model's layout (this rank attached only
         what it publishes); their handles when they are new to the Publisher."""
+        if isinstance(self._packer, PiecePacker) and not self.pool.fits(layout, depth, staging):
+            self._packer.forget()  # its views would keep the old slots alive
         slots = self.pool.ensure(layout, depth, staging)
         if self.pool.epoch == self._publisher_epoch:
             return slots, None

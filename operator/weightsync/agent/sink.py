@@ -144,9 +144,10 @@ class SinkRound(RankRound):
         return checksums
 
     async def _load(self, replica: Replica, slot: int, bucket: Bucket) -> None:
-        started = self.trace.now()
-        await replica.wait()
-        self.trace.add("replica_wait", started)
+        if self.pool.copies:
+            started = self.trace.now()
+            await replica.wait()
+            self.trace.add("replica_wait", started)
         await self.adapter.load_bucket(slot, bucket.tensors)
 
     async def _verify_checksums(self, mine: list[int]) -> None:

@@ -150,7 +150,7 @@ class SinkLoop:
                     min(self.engine_timeout, runner.remaining()),
                 )
                 self._attached_epoch = self.pool.epoch
-            except (EngineError, TimeoutError) as exc:
+            except (EngineError, TimeoutError, ValueError) as exc:  # ValueError: slots refused
                 # Still take part in the round (the collectives must stay in step); vote no.
                 runner.error = RoundFailed("engine_attach_failed", f"attach: {exc!r}")
         return runner

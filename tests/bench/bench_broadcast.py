@@ -3,13 +3,15 @@
     python -m tests.bench.bench_broadcast [--gpus N] [--configs 512x2,1024x2,512x3]
                                           [--reps 5] [--skip naive|colocated|http]
                                           [--holder] [--preset llama3-8b|qwen3-30b-a3b]
-                                          [--layers N]
+                                          [--layers N] [--engine-tp N]
 
 `--preset qwen3-30b-a3b` sends a Qwen3-30B-A3B-shaped state dict instead (18,867 tensors,
 61.1 GB): the many-small-tensors case, where the one-buffer broadcast is the floor that
 counts (tensor by tensor, NCCL pays a launch per tensor). `--layers N` keeps the preset's
 first N layers: the same tensor shapes on GPUs too small for the whole model (a reference
-engine stages a second copy of its weights during a round).
+engine stages a second copy of its weights during a round). `--engine-tp N` serves the
+engine GPUs as engines of N tensor-parallel workers each (one sink agent per engine,
+receiving on its first GPU and copying each bucket to the others).
 
 One run measures, on the same GPUs:
 * floor:     NCCL broadcast tensor by tensor from a process that holds the tensors, and
@@ -92,6 +94,7 @@ class Setup:
     layers: int | None  # None: every layer of the preset
     backend: Backend
     devices: list[str]  # rank order: the trainer's first
+    engine_tp: int = 1  # engine GPUs per engine (tensor-parallel workers)
 
     def sync(self) -> None:
         if self.backend == Backend.NCCL:
@@ -232,12 +235,17 @@ def start_engines_and_agents(
             "source-0", role="source", device=trainer_device, engine=engine, extra_env=agent_env
         )
     else:
-        for i, device in enumerate(setup.devices[1:], start=1):
-            engine = st.start_engine(f"engine-{i}", preset=setup.preset, seed=0, device=device)
+        tp = setup.engine_tp
+        for i in range(1, len(setup.devices), tp):  # an engine on each group of tp GPUs
+            device = setup.devices[i]
+            engine = st.start_engine(
+                f"engine-{i}", preset=setup.preset, seed=0, device=device, tp=tp
+            )
             engines.append(engine)
+            env = {**agent_env, "WEIGHTSYNC_ENGINE_DEVICES": str(tp)}
             sinks.append(
                 st.start_agent(
-                    f"sink-{i}", role="sink", device=device, engine=engine, extra_env=agent_env
+                    f"sink-{i}", role="sink", device=device, engine=engine, extra_env=env
                 )
             )
         source = st.start_agent(
@@ -437,7 +445,7 @@ def print_breakdowns(title: str, configs: list[Config]) -> None:
 
 def smoke(args: argparse.Namespace) -> None:
     """The benchmark's machinery on CPU: stacks, rounds, logs, breakdown (no timing claims)."""
-    setup = Setup("small", None, Backend.GLOO, ["cpu"] * args.gpus)
+    setup = Setup("small", None, Backend.GLOO, ["cpu"] * args.gpus, args.engine_tp)
     state = trainer_state(setup)
     nbytes = sum(t.nbytes for t in state.values())
     configs, _ = run_weightsync(args, setup, state, colocated=False)
@@ -473,6 +481,9 @@ def main() -> None:
     parser.add_argument("--preset", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b"])
     parser.add_argument("--layers", type=int, default=None, help="only the first N layers")
     parser.add_argument("--smoke", action="store_true", help="CPU check of the bench itself")
+    parser.add_argument(
+        "--engine-tp", type=int, default=1, help="GPUs per engine (tensor-parallel workers)"
+    )
     args = parser.parse_args()
     args.shapes = Shape.parse(args.configs)
     if args.smoke:
@@ -483,7 +494,12 @@ def main() -> None:
     args.gpus = args.gpus or torch.cuda.device_count()
     if args.gpus < 1:
         raise SystemExit("needs a GPU")
-    setup = Setup(args.preset, args.layers, Backend.NCCL, [f"cuda:{i}" for i in range(args.gpus)])
+    if args.engine_tp < 1 or (args.gpus - 1) % args.engine_tp:
+        raise SystemExit(
+            f"--engine-tp {args.engine_tp} does not divide {args.gpus - 1} engine GPUs"
+        )
+    devices = [f"cuda:{i}" for i in range(args.gpus)]
+    setup = Setup(args.preset, args.layers, Backend.NCCL, devices, args.engine_tp)
     metas = state_dict_metas(preset(args.preset, args.layers), "bfloat16")
     nbytes = sum(m.nbytes for m in metas)
     for line in machine_lines(args.gpus):
@@ -491,7 +507,8 @@ def main() -> None:
     print(
         f"{args.preset}, {args.layers or 'all'} layers: {len(metas)} tensors, "
         f"{nbytes / 1e9:.2f} GB bf16; "
-        f"1 trainer GPU -> {args.gpus - 1} engines; configurations: {args.configs}",
+        f"1 trainer GPU -> {(args.gpus - 1) // args.engine_tp} engines of "
+        f"{args.engine_tp} GPU(s); configurations: {args.configs}",
         flush=True,
     )
     if args.gpus == 1:  # one GPU: the Colocated rows only (trainer and engine share it)

@@ -156,6 +156,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
         ("engine_begin", "engine begin (beside the first receives)", ""),
         ("recv_wait", "recv_wait: bucket not yet arrived", "wire-bound"),
         ("engine_load", "engine load: stage + copy (round trip)", ""),
+        ("replica_wait", "  of it: copies to the engine's other GPUs", "TP engines"),
         ("engine_wait", "slot still with the engine", "engine-bound"),
         ("issue", "issue a receive", ""),
         ("engine_drain", "after the last bucket arrived", ""),

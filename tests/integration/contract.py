@@ -101,13 +101,17 @@ def assert_packed_by_the_agent_on_gpu(publisher: Publisher, device: str) -> None
 
 
 def expect_served(trainer: LlamaForCausalLM, engines: list[Engine], version: int) -> None:
-    """Every engine serves `version`, bit-identical to the trainer, same greedy output."""
+    """Every engine serves `version`, bit-identical to the trainer, same greedy output;
+    an engine of tensor-parallel workers on every worker."""
     want = {name: tensor_digest(p) for name, p in trainer.named_parameters()}
     reference = greedy_generate(trainer, PROMPTS, NEW_TOKENS)
     for engine in engines:
         served = engine.digests()
         assert served["version"] == version
         assert served["tensors"] == want, f"engine on port {engine.port} differs from trainer"
+        for index, worker in enumerate(served.get("workers", [])):
+            assert worker["version"] == version
+            assert worker["tensors"] == want, f"worker {index} on {worker['device']} differs"
         generated = engine.generate(PROMPTS, NEW_TOKENS)
         assert generated == {"output_ids": reference, "weight_version": version}
 

@@ -145,15 +145,22 @@ class Stack:
         return proc
 
     def start_engine(
-        self, name: str, *, preset: str, seed: int, device: str, load_delay_seconds: float = 0.0
+        self,
+        name: str,
+        *,
+        preset: str,
+        seed: int,
+        device: str,
+        load_delay_seconds: float = 0.0,
+        tp: int = 1,
     ) -> Engine:
         """A reference engine; `load_delay_seconds` slows each bucket's load so a test can
-        act while a round or a recovery runs."""
+        act while a round or a recovery runs; `tp` workers from `device` on."""
         port = free_port()
         argv = [
             sys.executable, "-m", "weightsync.engines.reference.server",
             "--port", str(port), "--preset", preset, "--seed", str(seed), "--device", device,
-            "--load-delay-seconds", str(load_delay_seconds), *self.engine_args,
+            "--load-delay-seconds", str(load_delay_seconds), "--tp", str(tp), *self.engine_args,
         ]  # fmt: skip
         return Engine(self._spawn(name, argv, {}), port, argv)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.contract import ContractConfig, run_colocated, run_contract
+from tests.integration.tensor_parallel import TensorParallelConfig, run_tensor_parallel
 from weightsync.api.control import Backend
 
 
@@ -17,3 +18,14 @@ def test_rounds_gloo(tmp_path: Path) -> None:
 
 def test_colocated_handoff(tmp_path: Path) -> None:
     run_colocated(tmp_path, "cpu")
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_of_two_workers_gets_every_round_on_each(tmp_path: Path) -> None:
+    """A sink with two slot copies (shared memory) feeds a reference engine of two
+    tensor-parallel workers, each loading from its own copy: bit-exact on both."""
+    config = TensorParallelConfig(
+        backend=Backend.GLOO, source_device="cpu", engine_device="cpu", tp=2
+    )
+    rounds = run_tensor_parallel(config, tmp_path)
+    assert [r.version for r in rounds] == [1, 2, 3]

@@ -16,9 +16,10 @@ from weightsync.agent.settings import AgentSettings
 
 def missing_gpu(device: str, count: int = 1) -> str | None:
     """Why this container cannot run agents on `device` and the `count - 1` GPUs after it
-    (a trainer pod's local ranks), or None. The sidecar sees exactly the GPUs of the
-    ResourceClaims it shares with its workload; anything else is a configuration the
-    operator refuses, so say so instead of failing inside the first round."""
+    (a trainer pod's local ranks, or a sink's engine GPUs), or None. The sidecar sees
+    exactly the GPUs of the ResourceClaims it shares with its workload; anything else is
+    a configuration the operator refuses, so say so instead of failing inside the first
+    round."""
     if not device.startswith("cuda"):
         return None
     import torch
@@ -79,7 +80,8 @@ def main() -> None:
             sys.exit(2)
         _exit_without_gpu(missing_gpu(settings.device, max(local_ranks) + 1))
         sys.exit(supervise(local_ranks))
-    _exit_without_gpu(missing_gpu(settings.device))
+    copies = settings.engine_devices or 1  # unset: every GPU it sees is its engine's
+    _exit_without_gpu(missing_gpu(settings.device, copies))
     _nccl_defaults()
     asyncio.run(_run(settings))
     # The agent has released its groups, slots and host buffers. Daemon threads may still

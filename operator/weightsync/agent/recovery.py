@@ -324,7 +324,8 @@ class Recovery:
         endpoint = await asyncio.to_thread(self._endpoints.get, request.protocol)
         regions = [HeldRegion(url, h.segment, h.address, h.nbytes) for url, h in agreement.holders]
         adapter, version = self._adapter, agreement.version
-        await self._engine("attach", adapter.attach_buffers(slots))
+        pool = self._pool
+        await self._engine("attach", adapter.attach_buffers(pool.engine_slots(), pool.copy_count))
         await self._engine("begin", adapter.begin_update(version))
         try:
             await pull_buckets(
@@ -347,6 +348,9 @@ class Recovery:
         return version, agreement.lineage
 
     async def _load(self, bucket: Bucket, slot: int) -> None:
+        # The pull landed in the receiving device's slot; the engine's other devices
+        # read their own copies.
+        await self._pool.replicate(slot, bucket.nbytes).wait()
         await self._engine(
             f"load bucket {bucket.index}", self._adapter.load_bucket(slot, bucket.tensors)
         )

@@ -25,7 +25,7 @@ from weightsync.agent.recovery import Recovery, RecoveryFailed
 from weightsync.agent.round_book import RoundBook
 from weightsync.agent.settings import AgentSettings
 from weightsync.agent.sink_loop import SinkLoop
-from weightsync.agent.slot_pool import SlotPool
+from weightsync.agent.slot_pool import SlotPool, slot_devices
 from weightsync.agent.source_loop import SourceLoop
 from weightsync.api.control import (
     AgentStatus,
@@ -47,7 +47,11 @@ class Agent:
         self.device = torch.device(settings.device)
         self.metrics = AgentMetrics(settings.role.label)
         self.generations = Generations(self.device, self.metrics)
-        self.pool = SlotPool(self.device, str(settings.shm_dir))
+        devices = [self.device]
+        if settings.role == Role.SINK:  # a copy of each slot on each of its engine's devices
+            visible = torch.cuda.device_count() if self.device.type == "cuda" else 0
+            devices = slot_devices(settings.device, settings.engine_devices, visible)
+        self.pool = SlotPool(devices, str(settings.shm_dir))
         self.adapter: EngineAdapter | None = build_adapter(settings)
         self.watch = (
             EngineWatch(self.adapter, loaded_by_peer=settings.engine_loaded_by_peer)

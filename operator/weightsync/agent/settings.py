@@ -33,6 +33,9 @@ class AgentSettings(BaseModel):
     token_file: Path | None = None
     socket: Path = Path(agent_env.SOCKET_PATH)  # the Publisher's Unix socket (source role)
     device: str = "cpu"  # "cpu" or "cuda:N": where the bucket slots live
+    # A sink: how many devices its engine reads from (a tensor-parallel engine's workers),
+    # a copy of each slot on each; unset: every visible GPU from `device` on, one on CPU.
+    engine_devices: int | None = Field(default=None, ge=1)
     shm_dir: Path = Path("/dev/shm")  # noqa: S108 - POSIX shared memory, not a temp dir
     engine: Engine | None = None  # sinks, or Colocated sources
     engine_url: str = "http://127.0.0.1:30000"
@@ -67,6 +70,8 @@ class AgentSettings(BaseModel):
             raise ValueError("set WEIGHTSYNC_TOKEN or WEIGHTSYNC_TOKEN_FILE")
         if self.role == Role.SINK and self.engine is None:
             raise ValueError("a sink agent needs WEIGHTSYNC_ENGINE")
+        if self.role != Role.SINK and self.engine_devices is not None:
+            raise ValueError("WEIGHTSYNC_ENGINE_DEVICES is a sink agent's setting")
         return self
 
     @property

@@ -1,8 +1,9 @@
 """The sink side: wait on the doorbell, receive buckets, hand them to the engine.
 
 Bucket k+1 (and up to `depth - 1` more) is already being received into the other slot
-while bucket k is handed to the engine; a slot is reused only after the engine's
-`load_bucket` for its previous bucket returned. The receives of the first `depth`
+while bucket k is copied to the engine's other devices (an engine of several GPUs reads
+a copy on each, `agent.slot_pool`) and handed to the engine; a slot is reused only after
+the engine's `load_bucket` for its previous bucket returned. The receives of the first `depth`
 buckets are posted before the engine's `begin_update` returns (they only need slots),
 so the source's first broadcast does not wait on the engine. An engine failure does not break the
 pipeline: the sink keeps receiving (so the collectives stay in step) and votes to fail
@@ -32,11 +33,11 @@ from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans
-from weightsync.agent.slot_pool import SlotPool
+from weightsync.agent.slot_pool import Replica, SlotPool
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.broadcast import TransferError, written_checksum
-from weightsync.transfer.layout import BucketLayout
+from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.shards import ShardPlan, single_source, staging_bound
 
 log = logging.getLogger(__name__)
@@ -122,21 +123,32 @@ class SinkRound(RankRound):
             if self.header.checksum:
                 view = slots[slot_index][: bucket.nbytes]
                 checksums.append(await self.group.run(partial(written_checksum, view, bucket)))
+            # An engine on several devices reads a copy on each: copied beside the next
+            # bucket's receive, complete before the engine is asked to load.
+            replica = self.pool.replicate(slot_index, bucket.nbytes)
             load = self._engine(
                 f"load bucket {bucket.index}",
                 "engine_load",
-                partial(self.adapter.load_bucket, slot_index, bucket.tensors),
+                partial(self._load, replica, slot_index, bucket),
             )
             following = bucket.index + depth
             if following < len(buckets):  # it goes into this slot: the engine must be done
                 if load is not None:
                     await self.lane.wait(load)
+                await replica.wait()  # and the copies read from it
                 pending.append(await self._issue(routes, following, depth))
         started = trace.now()
         await self.lane.drain()
         trace.add("engine_drain", started)
         trace.mark("streamed")
         return checksums
+
+    async def _load(self, replica: Replica, slot: int, bucket: Bucket) -> None:
+        if self.pool.copies:
+            started = self.trace.now()
+            await replica.wait()
+            self.trace.add("replica_wait", started)
+        await self.adapter.load_bucket(slot, bucket.tensors)
 
     async def _verify_checksums(self, mine: list[int]) -> None:
         ctl, deadline = self.group.ctl, self._deadline()

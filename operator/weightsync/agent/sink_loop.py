@@ -140,19 +140,17 @@ class SinkLoop:
         )
         try:
             depth = generation.plan.transfer.pipeline_depth
-            slots = self.pool.ensure(
-                layout, depth, staging_bound(layout, generation.plan.source_count)
-            )
+            self.pool.ensure(layout, depth, staging_bound(layout, generation.plan.source_count))
         except SlotError as exc:
             raise RoundFailed("slots_unavailable", str(exc)) from exc
         if self.pool.epoch != self._attached_epoch or await self._engine_restarted():
             try:
                 await asyncio.wait_for(
-                    self.adapter.attach_buffers(slots.slots),
+                    self.adapter.attach_buffers(self.pool.engine_slots(), self.pool.copy_count),
                     min(self.engine_timeout, runner.remaining()),
                 )
                 self._attached_epoch = self.pool.epoch
-            except (EngineError, TimeoutError) as exc:
+            except (EngineError, TimeoutError, ValueError) as exc:  # ValueError: slots refused
                 # Still take part in the round (the collectives must stay in step); vote no.
                 runner.error = RoundFailed("engine_attach_failed", f"attach: {exc!r}")
         return runner

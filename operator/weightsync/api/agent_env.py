@@ -40,6 +40,9 @@ ENGINE_LOADED_BY_PEER: Final = env_name("engine_loaded_by_peer")
 # Trainer pods of several ranks: the local ranks the sidecar serves ("0,1"), one agent
 # process each (local rank i: device cuda:i, ports HTTP_PORT + i and METRICS_PORT + i).
 LOCAL_RANKS: Final = env_name("local_ranks")
+# Not written by the webhook (the sidecar sees exactly its engine's GPUs and serves them
+# all): how many devices a sink's engine reads from, for a sidecar that sees more.
+ENGINE_DEVICES: Final = env_name("engine_devices")
 
 # Not a setting: the pod IP from the downward API, which HTTP_HOST and ENGINE_URL expand.
 POD_IP: Final = env_name("pod_ip")

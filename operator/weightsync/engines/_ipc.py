@@ -46,12 +46,14 @@ _ARG_OFFSET = 3
 _ARG_DEVICE = 6
 
 
-def device_key(device: torch.device) -> str:
-    """How engines name a device in IPC handles: the GPU's UUID, or "cpu"."""
+def device_key(device: torch.device, copy: int | None = None) -> str:
+    """How engines name a device in IPC handles: the GPU's UUID, or "cpu". CPU copies of
+    one slot (an engine of several workers on CPU) are told apart by their position:
+    copy i is "cpu:i"."""
     if device.type == "cuda":
         return str(torch.cuda.get_device_properties(device).uuid)
     if device.type == "cpu":
-        return CPU_DEVICE_KEY
+        return CPU_DEVICE_KEY if copy is None else f"{CPU_DEVICE_KEY}:{copy}"
     raise ValueError(f"slots on {device.type} devices cannot be shared with an engine")
 
 
@@ -96,13 +98,14 @@ class SlotView:
 class ExportedSlot:
     """One copy of one agent slot, exported once for an engine in another process."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, copy: int | None = None) -> None:
         if not tensor.is_contiguous():
             raise ValueError("a bucket slot must be contiguous")
         self.tensor = tensor.detach().reshape(-1).view(torch.uint8)
         self.nbytes = self.tensor.numel()
         self.device = self.tensor.device
-        self.key = device_key(self.device)
+        self.key = device_key(self.device, copy)
+        self.order = (0 if self.device.type == "cpu" else 1, self.device.index or 0, copy or 0)
         self._base_offset = self.tensor.storage_offset()
         self._staging: torch.Tensor | None = None
         if self.device.type == "cuda":
@@ -146,20 +149,27 @@ class LogicalSlot:
         return self.copies[0].nbytes
 
 
-def export_slots(slots: Sequence[torch.Tensor]) -> list[LogicalSlot]:
+def export_slots(slots: Sequence[torch.Tensor], copies: int = 1) -> list[LogicalSlot]:
     """Export the agent's slots. Logical slot i is the i-th slot on every device.
 
     An engine with one GPU gets one slot per index. An agent that holds a copy of each
-    bucket on several GPUs (one rank per GPU) passes its slots grouped by device, in the
-    same order on every device; the contract's `slot` index then names all copies.
+    bucket on several devices (one per tensor-parallel worker) passes its slots grouped
+    by device, in the same order on every device, and `copies` the number of groups; the
+    contract's `slot` index then names all copies. GPU groups are keyed by their GPU,
+    CPU groups by their position (`device_key`).
     """
     if not slots:
         raise ValueError("attach_buffers needs at least one slot")
+    if copies < 1 or len(slots) % copies:
+        raise ValueError(f"{len(slots)} slots do not make {copies} equal copies")
+    per_copy = len(slots) // copies
     by_device: dict[str, list[ExportedSlot]] = {}
-    for tensor in slots:
-        exported = ExportedSlot(tensor)
+    for position, tensor in enumerate(slots):
+        exported = ExportedSlot(tensor, position // per_copy if copies > 1 else None)
         by_device.setdefault(exported.key, []).append(exported)
-    ordered = sorted(by_device.values(), key=lambda group: _device_order(group[0].device))
+    if copies > 1 and len(by_device) != copies:
+        raise ValueError(f"{copies} copies of the slots lie on {len(by_device)} devices")
+    ordered = sorted(by_device.values(), key=lambda group: group[0].order)
     counts = {len(group) for group in ordered}
     if len(counts) != 1:
         raise ValueError(
@@ -169,10 +179,6 @@ def export_slots(slots: Sequence[torch.Tensor]) -> list[LogicalSlot]:
     if any(row != sizes[0] for row in sizes):
         raise ValueError(f"slot sizes differ between devices: {sizes}")
     return [LogicalSlot(copies=tuple(group[i] for group in ordered)) for i in range(counts.pop())]
-
-
-def _device_order(device: torch.device) -> tuple[int, int]:
-    return (0 if device.type == "cpu" else 1, device.index or 0)
 
 
 _DTYPES: dict[str, torch.dtype] = {

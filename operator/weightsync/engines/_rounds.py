@@ -135,8 +135,8 @@ class RoundAdapter(EngineAdapter):
 
     # -- EngineAdapter -------------------------------------------------------------------
 
-    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
-        exported = export_slots(slots)
+    async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
+        exported = export_slots(slots, copies)
         self._check_slots(exported)
         self._slots = exported
 

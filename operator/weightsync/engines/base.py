@@ -67,8 +67,14 @@ class EngineAdapter(abc.ABC):
     """How a sink agent applies weights to one engine. One instance per engine."""
 
     @abc.abstractmethod
-    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
-        """Share the agent's bucket slots with the engine once (IPC handles, shm names)."""
+    async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
+        """Share the agent's bucket slots with the engine once (IPC handles, shm names).
+
+        An engine on several devices (tensor parallel) reads a copy of each slot on each:
+        `slots` is then `copies` groups of equal length, one per device, each in slot
+        order, and slot index i names the i-th slot of every group. GPU copies are told
+        apart by their GPU, CPU copies (shared memory) by their group's position.
+        """
 
     @property
     def attached_to(self) -> str | None:

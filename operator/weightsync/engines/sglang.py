@@ -155,6 +155,7 @@ class SGLangAdapter(RoundAdapter):
         )
         # Tensor names SGLang's model was seen to hold, with the shape they were checked at.
         self._checked: dict[str, tuple[int, ...]] = {}
+        self._ranks = settings.tp_size  # payloads per bucket
 
     async def _post_ok(self, path: str, body: Any, timeout_seconds: float) -> dict[str, Any]:
         """POST where SGLang answers {"success": bool, "message": str}."""
@@ -202,11 +203,15 @@ class SGLangAdapter(RoundAdapter):
 
     def _check_slots(self, slots: list[LogicalSlot]) -> None:
         copies = len(slots[0].copies)
-        if copies not in (1, self.settings.tp_size):
+        tp_size = self.settings.tp_size
+        if copies not in (1, tp_size) and tp_size != 1:
             raise ValueError(
-                f"slots are on {copies} devices but SGLang runs tp_size={self.settings.tp_size}: "
+                f"slots are on {copies} devices but SGLang runs tp_size={tp_size}: "
                 "give one device (every rank reads it) or one per rank"
             )
+        # A copy on each of the engine's GPUs (a sink serves every GPU it sees): one rank
+        # each, so an unset tp_size follows the pod's GPUs.
+        self._ranks = copies if copies > 1 else tp_size
 
     def bucket_request(self, slot: int, tensors: Sequence[TensorSlice]) -> dict[str, Any]:
         """The /update_weights_from_tensor body for a bucket in slot `slot` (stages it)."""
@@ -218,7 +223,7 @@ class SGLangAdapter(RoundAdapter):
         for copy in logical.copies:
             copy.stage(lo, hi - lo)
         payloads: list[str] = []
-        for rank in range(self.settings.tp_size):
+        for rank in range(self._ranks):
             # Rank r reads the copy on the r-th GPU when there is one per rank. Each rank
             # gets its own pickle: a reader's rebuild consumes one sender reference.
             copy = logical.copies[rank if len(logical.copies) > 1 else 0]

@@ -181,20 +181,21 @@ class VLLMAdapter(RoundAdapter):
         "weightsync_shm" for CPU slots in weightsync's shared memory."""
         return SHM_BACKEND if self._shm_paths else "ipc"
 
-    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+    async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
         # CPU slots in weightsync's /dev/shm files are named by path: vLLM's plugin backend
-        # reads them there, so no CUDA IPC handle and no staging copy is needed.
+        # reads them there, so no CUDA IPC handle and no staging copy is needed (and
+        # every worker of a CPU engine reads the first copy: they share the host).
         self._shm_paths = []
         if slots and all(slot.device.type == "cpu" for slot in slots):
             try:
-                handles = describe_slots(slots)
+                handles = describe_slots(slots[: len(slots) // max(copies, 1)])
             except SlotError:
                 pass  # plain CPU tensors: staged for a reader of torch's shm handles
             else:
                 self._shm_paths = [(h.path, h.nbytes) for h in handles.slots if h.kind == "shm"]
                 self._slots = []
                 return
-        await super().attach_buffers(slots)
+        await super().attach_buffers(slots, copies)
 
     async def _read_label(self, timeout_seconds: float) -> object:
         reply = await self._call("/weight_info", timeout_seconds, method="GET")

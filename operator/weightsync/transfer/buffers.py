@@ -61,11 +61,39 @@ SlotHandle = Annotated[ShmSlotHandle | CudaIpcSlotHandle, Field(discriminator="k
 
 
 class SlotHandles(BaseModel):
-    """How to open an agent's bucket slots; sent once per attach."""
+    """How to open an agent's bucket slots; sent once per attach.
+
+    `copies` > 1: the slots are that many equal groups, a copy of every slot on each of
+    an engine's devices (`EngineAdapter.attach_buffers`); slot i is the i-th of each.
+    """
 
     model_config = ConfigDict(frozen=True)
 
     slots: list[SlotHandle]
+    copies: int = Field(default=1, ge=1)
+
+    def copy_groups(self) -> list[list[ShmSlotHandle | CudaIpcSlotHandle]]:
+        """The slots of each copy, in order."""
+        if len(self.slots) % self.copies:
+            raise SlotError(f"{len(self.slots)} slots do not make {self.copies} equal copies")
+        size = len(self.slots) // self.copies
+        return [self.slots[i * size : (i + 1) * size] for i in range(self.copies)]
+
+    def copy_for(self, device: torch.device, position: int) -> SlotHandles:
+        """The copy a reader on `device` opens: the one on its own GPU, or on CPU the one
+        at `position` (a worker's index). A single copy serves every reader."""
+        groups = self.copy_groups()
+        if len(groups) == 1:
+            return SlotHandles(slots=groups[0])
+        if device.type == "cuda":
+            own = _device_uuid(device.index or 0)
+            for group in groups:
+                if all(isinstance(h, CudaIpcSlotHandle) and h.device_uuid == own for h in group):
+                    return SlotHandles(slots=group)
+            raise SlotError(f"none of the {self.copies} copies of the slots is on {device}")
+        if not 0 <= position < len(groups):
+            raise SlotError(f"no copy {position} among {self.copies} copies of the slots")
+        return SlotHandles(slots=groups[position])
 
 
 _shm_registry: dict[int, ShmSlotHandle] = {}

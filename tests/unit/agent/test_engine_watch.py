@@ -20,7 +20,7 @@ class Says(EngineAdapter):
     def __init__(self) -> None:
         self.reply = EngineHealth(True, None)
 
-    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+    async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
         raise AssertionError("no round here")
 
     async def begin_update(self, version: int) -> None:

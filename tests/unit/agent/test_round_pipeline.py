@@ -131,7 +131,7 @@ class SlowEngine(EngineAdapter):
         self.events = events
         self.committed: int | None = None
 
-    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+    async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
         return None
 
     async def begin_update(self, version: int) -> None:

@@ -107,7 +107,7 @@ def test_a_copy_per_gpu_feeds_one_rank_per_gpu(case: EngineCase) -> None:
             for gpu in (0, 1)
         ]
         # Grouped by device, in the same order on each: logical slot i is per_gpu[*][i].
-        await adapter.attach_buffers([slot for group in per_gpu for slot in group])
+        await adapter.attach_buffers([slot for group in per_gpu for slot in group], copies=2)
         await adapter.begin_update(1)
         for index, bucket in enumerate(buckets(model, SLOT_BYTES // 2)):
             slices = pack(per_gpu[0][index % 2], bucket, align=64)

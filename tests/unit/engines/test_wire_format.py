@@ -119,6 +119,40 @@ def test_sglang_payload_is_a_handle_with_allowed_globals_only() -> None:
         assert ("types", "SimpleNamespace") in seen
 
 
+def test_a_copy_per_worker_gives_sglang_a_payload_per_rank_reading_its_copy() -> None:
+    """Two CPU copies (a sink serving an engine of two workers): without a tp_size SGLang
+    gets one payload per copy, rank r's naming copy r; vLLM's map names both copies."""
+    model = make_model(4)
+    slots = cpu_slots(4, 1 << 16)  # two copies of two slots, grouped by copy
+    sglang = SGLangAdapter("http://127.0.0.1:1")
+    vllm = VLLMAdapter("http://127.0.0.1:1")
+    run(sglang.attach_buffers(slots, copies=2))
+    bucket = pack(slots[1], list(model.items()))
+    assert pack(slots[3], list(model.items())) == bucket
+    payloads = sglang.bucket_request(1, bucket)["serialized_named_tensors"]
+    assert len(payloads) == 2
+    for rank, payload in enumerate(payloads):
+        read = pickle.loads(base64.b64decode(payload))  # noqa: S301 - our own payload
+        flat = read["flattened_tensor"]
+        lo = min(item.offset for item in bucket)
+        assert torch.equal(flat, slots[1 + 2 * rank][lo : lo + flat.numel()])
+    slots[3].zero_()  # copy 1 differs from now on: only rank 1 sees it
+    run(sglang.attach_buffers(slots, copies=2))
+    payloads = sglang.bucket_request(1, bucket)["serialized_named_tensors"]
+    first, second = (pickle.loads(base64.b64decode(p))["flattened_tensor"] for p in payloads)  # noqa: S301
+    assert bool(first.any())
+    assert not bool(second.any())
+
+    run(vllm.attach_buffers(slots, copies=2))
+    vllm._shm_paths = []
+    run(super(VLLMAdapter, vllm).attach_buffers(slots, copies=2))
+    (body, *_) = vllm.bucket_requests(1, bucket)
+    handles = pickle.loads(base64.b64decode(body["update_info"]["ipc_handles_pickled"]))  # noqa: S301
+    assert sorted(handles) == ["cpu:0", "cpu:1"]
+    with pytest.raises(ValueError, match="equal copies"):
+        run(sglang.attach_buffers(slots[:3], copies=2))
+
+
 def test_vllm_handles_name_the_slot_by_device_key() -> None:
     slots = cpu_slots(1, 4096)
     adapter = VLLMAdapter("http://127.0.0.1:1")

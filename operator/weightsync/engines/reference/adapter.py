@@ -160,9 +160,11 @@ class ReferenceEngineAdapter(EngineAdapter):
             raise EngineError(result.reason or "rejected", result.message)
         return result
 
-    async def attach_buffers(self, slots: Sequence[torch.Tensor]) -> None:
+    async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
         self._forget()
-        reply = await self._post("attach", describe_slots(slots).model_dump_json())
+        handles = SlotHandles(slots=describe_slots(slots).slots, copies=copies)
+        first = handles.copy_groups()[0]  # the receiving device's: the one copied from here
+        reply = await self._post("attach", handles.model_dump_json())
         address = reply.get("update_channel") if self._use_channel else None
         if self._channel is not None:  # a new attach may be a new engine: connect anew
             await self._channel.close()
@@ -175,7 +177,7 @@ class ReferenceEngineAdapter(EngineAdapter):
                 log.warning("update channel %s unreachable, using HTTP: %s", address, exc)
             else:
                 self._channel = channel
-        self._slots = list(slots)
+        self._slots = list(slots[: len(first)])
         incarnation = reply.get("incarnation")
         self._incarnation = incarnation if isinstance(incarnation, str) else None
         self._push = self._channel is not None and reply.get("staging") == "shared"

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from weightsync.transfer.buffers import BucketSlots
-from weightsync.transfer.layout import TensorSlice
+from weightsync.engines.base import EngineError
+from weightsync.transfer.buffers import BucketSlots, dtype_name
+from weightsync.transfer.layout import DEFAULT_ALIGNMENT, TensorSlice, align_up
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -68,3 +71,47 @@ class UpdateStats:
         self.bytes += nbytes
         self.load_seconds += seconds
         self.longest_load_seconds = max(self.longest_load_seconds, seconds)
+
+
+# A bucket whose span in the slot exceeds its payload by more than this per tensor is
+# copied tensor by tensor into a compact arena instead of as one span.
+_DENSE_SLACK_BYTES = 1024
+
+
+def make_plan(params: Mapping[str, torch.Tensor], tensors: tuple[TensorSlice, ...]) -> BucketPlan:
+    """Check a bucket's tensors against the served parameters; where they go in an arena."""
+    if not tensors:
+        raise EngineError("bad_bucket", "a bucket holds at least one tensor")
+    seen: set[str] = set()
+    for item in tensors:
+        param = params.get(item.name)
+        if param is None:
+            raise EngineError("unknown_tensor", f"no parameter named {item.name!r}")
+        if tuple(param.shape) != item.shape or dtype_name(param.dtype) != item.dtype:
+            raise EngineError(
+                "tensor_mismatch",
+                f"{item.name}: got {item.dtype}{list(item.shape)}, "
+                f"serving {dtype_name(param.dtype)}{list(param.shape)}",
+            )
+        if item.nbytes != param.nbytes or item.offset < 0:
+            raise EngineError("bad_bucket", f"{item.name}: {item.nbytes} B at offset {item.offset}")
+        if item.offset % param.element_size():
+            raise EngineError("bad_bucket", f"{item.name}: misaligned offset {item.offset}")
+        if item.name in seen:
+            raise EngineError("bad_bucket", f"{item.name} appears twice in one bucket")
+        seen.add(item.name)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors)
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise EngineError("bad_bucket", f"{name} and {other} overlap in the slot")
+    start, end = spans[0][0], spans[-1][1]
+    payload = sum(t.nbytes for t in tensors)
+    if end - start <= payload + _DENSE_SLACK_BYTES * len(tensors):
+        offsets = tuple(t.offset - start for t in tensors)
+        return BucketPlan(tensors, start, end, True, offsets, end - start)
+    compact: list[int] = []
+    at = 0
+    for item in tensors:
+        compact.append(at)
+        at = align_up(at + item.nbytes, DEFAULT_ALIGNMENT)
+    return BucketPlan(tensors, start, end, False, tuple(compact), max(at, 1))

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from weightsync.engines.base import EngineError
 from weightsync.engines.reference.arenas import BucketPlan
-from weightsync.engines.reference.engine import ReferenceEngine
+from weightsync.engines.reference.served import ServedEngine
 from weightsync.transfer.buffers import SlotError, SlotHandle
 from weightsync.transfer.handoff import ProtocolError, frame, read_frame, recv_frame
 from weightsync.transfer.layout import TensorSlice
@@ -127,7 +127,7 @@ class Staged:
     incarnation: str | None = None  # the engine process that staged it
 
 
-def _refusal(engine: ReferenceEngine, reason: str, message: str) -> Reply:
+def _refusal(engine: ServedEngine, reason: str, message: str) -> Reply:
     return Reply(
         ok=False,
         version=engine.version,
@@ -154,7 +154,7 @@ def slices(tensor_rows: Sequence[TensorRow]) -> list[TensorSlice]:
 class UpdateChannelServer:
     """Serves one engine's update API on a Unix socket, a thread per connection."""
 
-    def __init__(self, engine: ReferenceEngine, address: str) -> None:
+    def __init__(self, engine: ServedEngine, address: str) -> None:
         self.engine = engine
         self.address = address
         self._listener: socket.socket | None = None
@@ -274,7 +274,7 @@ class _Connection:
         self.shared: set[int] = set()
 
     def plan(
-        self, engine: ReferenceEngine, bucket: int, tensors: list[TensorRow] | None
+        self, engine: ServedEngine, bucket: int, tensors: list[TensorRow] | None
     ) -> BucketPlan:
         if tensors is not None:
             if len(self.plans) >= _MAX_BUCKETS_PER_CONNECTION:

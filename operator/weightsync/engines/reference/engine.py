@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from weightsync.engines.base import EngineError, EngineHealth
-from weightsync.engines.reference.arenas import Arena, BucketPlan, UpdateStats
+from weightsync.engines.reference.arenas import Arena, BucketPlan, UpdateStats, make_plan
 from weightsync.engines.reference.model import LlamaForCausalLM, greedy_generate
 from weightsync.transfer.buffers import (
     BucketSlots,
@@ -43,18 +43,14 @@ from weightsync.transfer.buffers import (
     SlotHandles,
     copy_tensors,
     describe_slots,
-    dtype_name,
     open_slots,
     torch_dtype,
 )
-from weightsync.transfer.layout import DEFAULT_ALIGNMENT, TensorSlice, align_up
+from weightsync.transfer.layout import TensorSlice
 
 log = logging.getLogger(__name__)
 
 UPDATE_LOG_PREFIX = "update phases "
-# A bucket whose span in the slot exceeds its payload by more than this per tensor is
-# copied tensor by tensor into a compact arena instead of as one span.
-_DENSE_SLACK_BYTES = 1024
 _MAX_CACHED_PLANS = 1 << 16
 
 
@@ -149,8 +145,9 @@ class ReferenceEngine:
         """Whether `stage` can hand arenas to another process."""
         return self.device.type == "cuda" or self._shm_dir is not None
 
-    def attach(self, handles: SlotHandles) -> None:
-        slots = open_slots(handles)
+    def attach(self, handles: SlotHandles, copy: int = 0) -> None:
+        """Map the agent's slots: of several copies, this device's (on CPU: `copy`)."""
+        slots = open_slots(handles.copy_for(self.device, copy))
         with self._update_lock:
             self._slots = slots
 
@@ -171,50 +168,11 @@ class ReferenceEngine:
         key = tuple(tensors)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._make_plan(key)
+            plan = make_plan(self.params, key)
             if len(self._plans) >= _MAX_CACHED_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
-
-    def _make_plan(self, tensors: tuple[TensorSlice, ...]) -> BucketPlan:
-        if not tensors:
-            raise EngineError("bad_bucket", "a bucket holds at least one tensor")
-        seen: set[str] = set()
-        for item in tensors:
-            param = self.params.get(item.name)
-            if param is None:
-                raise EngineError("unknown_tensor", f"no parameter named {item.name!r}")
-            if tuple(param.shape) != item.shape or dtype_name(param.dtype) != item.dtype:
-                raise EngineError(
-                    "tensor_mismatch",
-                    f"{item.name}: got {item.dtype}{list(item.shape)}, "
-                    f"serving {dtype_name(param.dtype)}{list(param.shape)}",
-                )
-            if item.nbytes != param.nbytes or item.offset < 0:
-                raise EngineError(
-                    "bad_bucket", f"{item.name}: {item.nbytes} B at offset {item.offset}"
-                )
-            if item.offset % param.element_size():
-                raise EngineError("bad_bucket", f"{item.name}: misaligned offset {item.offset}")
-            if item.name in seen:
-                raise EngineError("bad_bucket", f"{item.name} appears twice in one bucket")
-            seen.add(item.name)
-        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors)
-        for (_, end, name), (start, _, other) in itertools.pairwise(spans):
-            if start < end:
-                raise EngineError("bad_bucket", f"{name} and {other} overlap in the slot")
-        start, end = spans[0][0], spans[-1][1]
-        payload = sum(t.nbytes for t in tensors)
-        if end - start <= payload + _DENSE_SLACK_BYTES * len(tensors):
-            offsets = tuple(t.offset - start for t in tensors)
-            return BucketPlan(tensors, start, end, True, offsets, end - start)
-        compact: list[int] = []
-        at = 0
-        for item in tensors:
-            compact.append(at)
-            at = align_up(at + item.nbytes, DEFAULT_ALIGNMENT)
-        return BucketPlan(tensors, start, end, False, tuple(compact), max(at, 1))
 
     def load(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
         self.load_plan(slot, self.plan(tensors))
@@ -354,15 +312,23 @@ class ReferenceEngine:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
+    def ready(self, version: int) -> None:
+        """Raise unless `commit(version)` would succeed (every tensor staged for it)."""
+        with self._update_lock:
+            self._check_complete(version)
+
+    def _check_complete(self, version: int) -> None:
+        if self._staging_version != version:
+            raise EngineError("no_update", f"commit of {version} without begin")
+        missing = self.params.keys() - self._staged_names.keys()
+        if missing:
+            raise EngineError(
+                "incomplete_update", f"{len(missing)} tensors not loaded, e.g. {min(missing)}"
+            )
+
     def commit(self, version: int) -> None:
         with self._update_lock:
-            if self._staging_version != version:
-                raise EngineError("no_update", f"commit of {version} without begin")
-            missing = self.params.keys() - self._staged_names.keys()
-            if missing:
-                raise EngineError(
-                    "incomplete_update", f"{len(missing)} tensors not loaded, e.g. {min(missing)}"
-                )
+            self._check_complete(version)
             staged = self._staged
             with self._lock:
                 for arena in staged.values():

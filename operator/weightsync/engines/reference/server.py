@@ -4,7 +4,9 @@ Routes:
 * `POST /generate`          {"input_ids": [[int]], "max_new_tokens": int}
                             -> {"output_ids": [[int]], "weight_version": int | null}
 * `GET  /health`            -> {"healthy", "version", "torn", "detail", "incarnation"}
-* `GET  /v1/weights/digest` -> {"version", "tensors": {name: sha256}}
+* `GET  /v1/weights/digest` -> {"version", "tensors": {name: sha256}}, and with
+                            `--tp N` "workers": [{"device", "version", "tensors",
+                            "loaded_bytes"}] (where workers differ, "tensors" says so)
 * `POST /v1/update/attach`  `SlotHandles`            (once, or when the slots change)
                             -> {"ok", "version", "incarnation",
                                 "update_channel": address | null,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -38,13 +41,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from weightsync.engines.base import EngineError
 from weightsync.engines.reference.channel import UpdateChannelServer
 from weightsync.engines.reference.engine import ReferenceEngine
-from weightsync.engines.reference.model import PRESETS, build_model, preset
-from weightsync.transfer.buffers import SlotHandles, torch_dtype
+from weightsync.engines.reference.model import PRESETS, ModelConfig, build_model, preset
+from weightsync.engines.reference.served import ServedEngine
+from weightsync.engines.reference.tensor_parallel import TensorParallelEngine, agreed
+from weightsync.engines.reference.tp_worker import WorkerSpec
+from weightsync.transfer.buffers import SlotError, SlotHandles, torch_dtype
 from weightsync.transfer.layout import TensorSlice
 
 log = logging.getLogger(__name__)
 
-ENGINE_KEY: web.AppKey[ReferenceEngine] = web.AppKey("engine", ReferenceEngine)
+ENGINE_KEY: web.AppKey[ServedEngine] = web.AppKey("engine")
 CHANNEL_KEY: web.AppKey[str] = web.AppKey("update_channel", str)  # "" when there is none
 EXECUTOR_KEY: web.AppKey[ThreadPoolExecutor] = web.AppKey("executor", ThreadPoolExecutor)
 
@@ -123,8 +129,13 @@ async def health(request: web.Request) -> web.Response:
 
 async def digest(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    version, tensors = await _in_thread(request, engine.digests)
-    return web.json_response({"version": version, "tensors": tensors})
+    if not isinstance(engine, TensorParallelEngine):
+        version, tensors = await _in_thread(request, engine.digests)
+        return web.json_response({"version": version, "tensors": tensors})
+    workers = await _in_thread(request, engine.worker_digests)
+    version, tensors = agreed(workers)
+    rows = [dataclasses.asdict(w) for w in workers]
+    return web.json_response({"version": version, "tensors": tensors, "workers": rows})
 
 
 async def update(request: web.Request) -> web.Response:
@@ -154,6 +165,8 @@ async def update(request: web.Request) -> web.Response:
         await _in_thread(request, call)
     except EngineError as exc:
         return _engine_error(exc)
+    except SlotError as exc:  # slots this engine cannot open (none on its device)
+        return _engine_error(EngineError("bad_slots", str(exc)))
     body: dict[str, Any] = {
         "ok": True,
         "version": engine.version,
@@ -167,7 +180,7 @@ async def update(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-def make_app(engine: ReferenceEngine, *, update_channel: str = "") -> web.Application:
+def make_app(engine: ServedEngine, *, update_channel: str = "") -> web.Application:
     """The HTTP app; `update_channel` is the address of a running `UpdateChannelServer`."""
     app = web.Application(client_max_size=64 << 20)
     app[ENGINE_KEY] = engine
@@ -187,6 +200,30 @@ def make_app(engine: ReferenceEngine, *, update_channel: str = "") -> web.Applic
     return app
 
 
+def _engine(
+    args: argparse.Namespace, config: ModelConfig, parser: argparse.ArgumentParser
+) -> ServedEngine:
+    """One engine in this process, or `--tp` workers in processes of their own."""
+    seed = None if args.no_init else args.seed
+    if args.tp == 1:
+        model = build_model(config, seed, dtype=torch_dtype(args.dtype), device=args.device)
+        return ReferenceEngine(
+            model,
+            shm_dir=None if args.shm_dir == "none" else args.shm_dir,
+            load_delay_seconds=args.load_delay_seconds,
+        )
+    spec = WorkerSpec(
+        args.preset, args.layers, seed, args.dtype, args.device, args.threads,
+        args.load_delay_seconds,
+    )  # fmt: skip
+    try:
+        engine = TensorParallelEngine(spec, args.tp)
+    except EngineError as exc:
+        parser.exit(2, f"weightsync reference engine: workers did not start: {exc}\n")
+    log.info("serving with %d tensor-parallel workers on %s", args.tp, engine.devices)
+    return engine
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="weightsync reference inference engine")
     parser.add_argument("--host", default="127.0.0.1")
@@ -202,6 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel workers: one process per device from --device on, each "
+        "loading from its own copy of the agent's slots",
+    )
     parser.add_argument(
         "--load-delay-seconds",
         type=float,
@@ -227,19 +271,11 @@ def main(argv: list[str] | None = None) -> None:
         config = preset(args.preset, args.layers)
     except ValueError as exc:
         parser.error(str(exc))
-    model = build_model(
-        config,
-        None if args.no_init else args.seed,
-        dtype=torch_dtype(args.dtype),
-        device=args.device,
-    )
     if not math.isfinite(args.load_delay_seconds) or args.load_delay_seconds < 0:
         parser.error("--load-delay-seconds must be a finite number >= 0")
-    engine = ReferenceEngine(
-        model,
-        shm_dir=None if args.shm_dir == "none" else args.shm_dir,
-        load_delay_seconds=args.load_delay_seconds,
-    )
+    if args.tp < 1:
+        parser.error("--tp must be at least 1")
+    engine = _engine(args, config, parser)
     address = args.update_socket or f"@weightsync-reference-{args.host}-{args.port}"
     channel: UpdateChannelServer | None = None
     if address != "none":

@@ -1,0 +1,59 @@
+"""What the reference server and its update channel serve: one engine in this process
+(`engine.ReferenceEngine`) or tensor-parallel workers in processes of their own
+(`workers.TensorParallelEngine`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from weightsync.engines.base import EngineHealth
+from weightsync.engines.reference.arenas import Arena, BucketPlan
+from weightsync.transfer.buffers import SlotHandle, SlotHandles
+from weightsync.transfer.layout import TensorSlice
+
+
+class ServedEngine(Protocol):
+    """The update API (all-or-nothing, as `engines.base` states it) and serving."""
+
+    @property
+    def version(self) -> int | None: ...
+
+    @property
+    def incarnation(self) -> str: ...
+
+    @property
+    def staged_buckets(self) -> int: ...
+
+    @property
+    def shares_arenas(self) -> bool: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int
+    ) -> tuple[list[list[int]], int | None]: ...
+
+    def digests(self) -> tuple[int | None, dict[str, str]]: ...
+
+    def attach(self, handles: SlotHandles) -> None: ...
+
+    def begin(self, version: int) -> None: ...
+
+    def plan(self, tensors: Sequence[TensorSlice]) -> BucketPlan: ...
+
+    def load(self, slot: int, tensors: Sequence[TensorSlice]) -> None: ...
+
+    def load_plan(self, slot: int, plan: BucketPlan) -> None: ...
+
+    def stage(self, plan: BucketPlan) -> Arena: ...
+
+    def find_arena(self, arena_id: int) -> Arena: ...
+
+    def arena_handle(self, arena: Arena) -> SlotHandle: ...
+
+    def commit(self, version: int) -> None: ...
+
+    def abort(self, version: int) -> None: ...
+
+    def close(self) -> None: ...

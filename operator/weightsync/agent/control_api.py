@@ -3,7 +3,7 @@ and, on a source, the Publisher's Unix socket; `serve` runs them around an `Agen
 
 Routes (messages in `weightsync.api.control`):
 * `PUT /v1/plan`   `MembershipPlan` -> 202 `PlanAccepted`; forms + pre-warms in the background
-* `GET /v1/status` -> `AgentStatus`
+* `GET /v1/status` -> `AgentStatus`; `?with=a,b` adds those of `STATUS_ADDITIONS`
 * `GET /v1/holding` -> `Holding` (the version held for P2P pulls), 404 when none
 * `POST /v1/recover` `RecoverRequest` -> 202 `RecoveryStatus`; pulls in the background
 Metrics: `GET /metrics` on the metrics port (no token: Prometheus scrapes it).
@@ -24,7 +24,12 @@ from weightsync.agent.generations import PlanRejectedError
 from weightsync.agent.handoff_server import serve_publisher
 from weightsync.agent.recovery import RecoveryFailed
 from weightsync.agent.service import Agent
-from weightsync.api.control import ErrorResponse, MembershipPlan, RecoverRequest
+from weightsync.api.control import (
+    STATUS_ADDITIONS,
+    ErrorResponse,
+    MembershipPlan,
+    RecoverRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +69,12 @@ async def put_plan(request: web.Request) -> web.Response:
 
 async def get_status(request: web.Request) -> web.Response:
     status = await request.app[AGENT_KEY].status()
-    return web.Response(text=status.model_dump_json(), content_type="application/json")
+    asked = {name for value in request.query.getall("with", []) for name in value.split(",")}
+    # An operator that did not ask for a field may not know it: its parser would refuse
+    # the whole answer.
+    unasked = {name for name in STATUS_ADDITIONS if name not in asked}
+    body = status.model_dump_json(exclude=unasked)
+    return web.Response(text=body, content_type="application/json")
 
 
 async def get_holding(request: web.Request) -> web.Response:

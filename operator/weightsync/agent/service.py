@@ -33,17 +33,39 @@ from weightsync.api.control import (
     PlanAccepted,
     RecoverRequest,
     RecoveryStatus,
+    RecoveryTransport,
 )
 from weightsync.api.v1alpha1 import Role
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.engines.base import EngineAdapter
-from weightsync.transfer.p2p import Endpoints
+from weightsync.transfer.p2p import Endpoints, mooncake_available
+from weightsync.transfer.p2p_protocol import Resolution, probe_rdma, resolve_protocol
 
 log = logging.getLogger(__name__)
 
 
+def resolve_transport(settings: AgentSettings) -> Resolution:
+    """The P2P protocol this agent uses, from what its container can open; logged, since
+    a protocol that silently differs from the one asked for is a slow mystery later."""
+    resolution = resolve_protocol(
+        settings.p2p_protocol, probe_rdma(), mooncake_available(), settings.p2p_device_names
+    )
+    if resolution.usable:
+        log.info("P2P recovery protocol: %s (%s)", resolution.protocol, resolution.detail)
+    else:
+        log.error(
+            "P2P recovery protocol %s cannot work here, so this agent neither holds nor pulls: %s",
+            resolution.protocol,
+            resolution.detail,
+        )
+    return resolution
+
+
 class Agent:
-    def __init__(self, settings: AgentSettings) -> None:
+    def __init__(self, settings: AgentSettings, transport: Resolution | None = None) -> None:
+        """`transport`: the resolved P2P protocol (default: `resolve_transport`)."""
         self.settings = settings
+        self.transport = transport or resolve_transport(settings)
         self.device = torch.device(settings.device)
         self.metrics = AgentMetrics(settings.role.label)
         self.generations = Generations(self.device, self.metrics)
@@ -63,9 +85,9 @@ class Agent:
         self.holder = Holder(
             self.device,
             self.endpoints,
-            settings.p2p_protocol,
+            self.transport.protocol,
             self.metrics,
-            enabled=settings.holds_by_default,
+            enabled=self._holds(plan_asks=False),
         )
         self.book = RoundBook(self.holder, self.metrics, self.watch)
         self.recovery: Recovery | None = None
@@ -145,10 +167,14 @@ class Agent:
                 f"rank {plan.rank} is a {plan.me.role}, this agent a {self.settings.role}"
             )
         generation = self.generations.apply_plan(plan)
-        self.holder.set_enabled(self.settings.holds_by_default or plan.holder)
+        self.holder.set_enabled(self._holds(plan_asks=plan.holder))
         return PlanAccepted(
             generation=generation.number, rank=plan.rank, world_size=plan.world_size
         )
+
+    def _holds(self, *, plan_asks: bool) -> bool:
+        """A copy no puller can read (its protocol cannot work here) is not worth holding."""
+        return self.transport.usable and (self.settings.holds_by_default or plan_asks)
 
     async def status(self) -> AgentStatus:
         """Answered from what the agent knows: the engine's last polled health, never a
@@ -171,12 +197,23 @@ class Agent:
             holding=self.holder.held_version,
             holding_lineage=self.holder.held_lineage,
             local_engine=plan.local_engine.pod if plan and plan.local_engine else None,
+            recovery_transport=RecoveryTransport(
+                protocol=self.transport.protocol,
+                usable=self.transport.usable,
+                detail=self.transport.detail,
+            ),
         )
 
     # ---------------------------------------------------------------- recovery
     def _pipeline_depth(self) -> int:
         plan = self.generations.newest_plan()
         return plan.transfer.pipeline_depth if plan else 2
+
+    def _can_pull(self, protocol: RecoveryProtocol) -> bool:
+        """TCP needs only the transfer engine, so an agent resolved to RDMA pulls over TCP
+        from TCP holders too; RDMA needs this agent to have resolved to it."""
+        usable = self.transport.usable
+        return usable and protocol in (self.transport.protocol, RecoveryProtocol.TCP)
 
     def start_recovery(self, request: RecoverRequest) -> RecoveryStatus:
         """Start pulling from holders; refuse while a round uses the slots and the engine.
@@ -186,6 +223,12 @@ class Agent:
         """
         if self.recovery is None:
             raise RecoveryFailed("not_a_sink", "only a sink agent with an engine recovers")
+        if not self._can_pull(request.protocol):
+            raise RecoveryFailed(
+                "protocol_unavailable",
+                f"cannot pull over {request.protocol}: this agent's P2P protocol is"
+                f" {self.transport.protocol} ({self.transport.detail})",
+            )
         if self.book.round_in_progress:
             raise RecoveryFailed("busy", "a round is in progress")
         if self.watch is not None and self.watch.vouched() is not None:

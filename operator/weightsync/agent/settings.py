@@ -48,7 +48,8 @@ class AgentSettings(BaseModel):
     # unset, the source holds and sinks hold only when their plan says so.
     holder: bool | None = None
     p2p_host: str | None = None  # the Mooncake segment's host; defaults to `http_host`
-    p2p_protocol: RecoveryProtocol = RecoveryProtocol.TCP  # what holders serve
+    # What holders serve and pulls use: Auto is resolved at start (`transfer.p2p_protocol`).
+    p2p_protocol: RecoveryProtocol = RecoveryProtocol.AUTO
     p2p_devices: str = ""  # RDMA NIC names, comma-separated; empty: Mooncake picks
     # A trainer pod of several ranks: the local ranks this sidecar serves, an agent
     # process each (`agent.local_ranks`); empty: this process is the one agent.
@@ -57,6 +58,8 @@ class AgentSettings(BaseModel):
     @field_validator("p2p_protocol", mode="before")
     @classmethod
     def _upper_protocol(cls, value: object) -> object:  # `tcp` as well as the API's `TCP`
+        if isinstance(value, str) and value.lower() == RecoveryProtocol.AUTO.lower():
+            return RecoveryProtocol.AUTO
         return value.upper() if isinstance(value, str) else value
 
     @field_validator("engine_options", mode="before")
@@ -73,6 +76,10 @@ class AgentSettings(BaseModel):
         if self.role != Role.SINK and self.engine_devices is not None:
             raise ValueError("WEIGHTSYNC_ENGINE_DEVICES is a sink agent's setting")
         return self
+
+    @property
+    def p2p_device_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.p2p_devices.split(",") if name.strip())
 
     @property
     def holds_by_default(self) -> bool:

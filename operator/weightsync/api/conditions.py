@@ -36,6 +36,8 @@ class ConditionType(StrEnum):
     """A round is in progress."""
     DEGRADED = "Degraded"
     """Some member is failed, recovering or behind; rounds may still run for the others."""
+    RECOVERY_PROTOCOL = "RecoveryProtocol"
+    """Every agent pulls and holds over one working P2P protocol, named by the reason."""
 
 
 class ConditionStatus(StrEnum):
@@ -50,7 +52,8 @@ class Condition(ApiModel):
     """One aspect of a WeightSync's state (the shape of Kubernetes `metav1.Condition`)."""
 
     type: str = Field(max_length=316, pattern=CONDITION_TYPE_PATTERN)
-    """type is the condition's type: Ready, Prewarmed, Syncing or Degraded."""
+    """type is the condition's type: Ready, Prewarmed, Syncing, Degraded or
+    RecoveryProtocol."""
 
     status: ConditionStatus
     """status is True, False or Unknown."""

@@ -4,7 +4,9 @@ Routes (bearer-token auth on every route):
 * `PUT /v1/plan`   body `MembershipPlan` -> 202 `PlanAccepted`; the agent forms and
   pre-warms that generation in the background. 409 `ErrorResponse` for a plan older
   than the newest the agent holds; 400 for an invalid plan.
-* `GET /v1/status` -> 200 `AgentStatus`.
+* `GET /v1/status` -> 200 `AgentStatus`. Fields added after the first release are
+  sent only when asked for (`?with=field,...`, `STATUS_ADDITIONS`): an operator that
+  does not know a field (its messages forbid unknown ones) never asks for it.
 * `GET /v1/holding` -> 200 `Holding` (the committed version this agent holds in host
   memory for P2P pulls), or 404 `ErrorResponse` when it holds none.
 * `POST /v1/recover` body `RecoverRequest` -> 202 `RecoveryStatus` (pending); the agent
@@ -244,6 +246,20 @@ class RecoveryStatus(_Message):
     started_at_unix_millis: int = 0
 
 
+class RecoveryTransport(_Message):
+    """The protocol this agent's holdings and pulls use, resolved once at its start from
+    the requested one (`WEIGHTSYNC_P2P_PROTOCOL`) and what its container can use."""
+
+    protocol: RecoveryProtocol  # RDMA or TCP, never Auto
+    usable: bool  # False: explicit RDMA without a usable device, or no transfer engine
+    detail: str = ""  # why this protocol, or why it cannot work
+
+
+# `AgentStatus` fields an agent sends only when `GET /v1/status?with=` names them (see the
+# module doc); an agent older than a field leaves it out, and it reads as its default.
+STATUS_ADDITIONS: tuple[str, ...] = ("recovery_transport",)
+
+
 class AgentStatus(_Message):
     pod: str
     role: Role
@@ -261,6 +277,7 @@ class AgentStatus(_Message):
     # Colocated: the pod whose engine the newest plan has this agent load. The operator
     # reads its engine choice back from here, so a restart keeps it.
     local_engine: str | None = None
+    recovery_transport: RecoveryTransport | None = None  # in `STATUS_ADDITIONS`
 
 
 class Holding(_Message):
@@ -289,8 +306,15 @@ class RecoverRequest(_Message):
     version: int = Field(ge=0)
     lineage: str = ""  # empty: any lineage (a holder's is checked when given)
     holders: list[str] = Field(min_length=1, max_length=16)  # agent control URLs
-    protocol: RecoveryProtocol  # the holders' protocol (`WEIGHTSYNC_P2P_PROTOCOL`)
+    protocol: RecoveryProtocol  # the holders' protocol (their `recovery_transport`)
     timeout_seconds: float = Field(default=600.0, gt=0)
+
+    @field_validator("protocol")
+    @classmethod
+    def _check_protocol(cls, protocol: RecoveryProtocol) -> RecoveryProtocol:
+        if protocol is RecoveryProtocol.AUTO:
+            raise ValueError("a pull names the protocol its holders serve: RDMA or TCP")
+        return protocol
 
     @field_validator("holders")
     @classmethod

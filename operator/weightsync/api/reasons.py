@@ -161,3 +161,30 @@ RECOVERY_FAILED_MESSAGE: Final = (
 RECOVERY_REFUSED_MESSAGE: Final = (
     "Pod {pod} did not start recovering version {version}: {error}; retrying in {retry} s."
 )
+
+# RecoveryProtocol: which P2P protocol recovery pulls use (`controller.pull_protocol`).
+USING_RDMA: Final = "UsingRDMA"
+USING_RDMA_MESSAGE: Final = (
+    "Recovery pulls use RDMA on all {count} agents (spec.recovery.protocol {requested};"
+    " {pod}: {detail})."
+)
+USING_TCP: Final = "UsingTCP"
+USING_TCP_MESSAGE: Final = (
+    "Recovery pulls use TCP on all {count} agents (spec.recovery.protocol {requested};"
+    " {pod}: {detail})."
+)
+PROTOCOLS_DIFFER: Final = "ProtocolsDiffer"
+PROTOCOLS_DIFFER_MESSAGE: Final = (
+    "Agents resolved spec.recovery.protocol {requested} differently: RDMA on {rdma}; TCP on"
+    " {tcp}. A pod on TCP cannot pull from an RDMA holder: it pulls from TCP holders only,"
+    " or waits for the next round. Give every pod RDMA devices and ipcLock, or set"
+    " spec.recovery.protocol to TCP."
+)
+PROTOCOL_UNAVAILABLE: Final = "ProtocolUnavailable"
+PROTOCOL_UNAVAILABLE_MESSAGE: Final = (
+    "Recovery pulls cannot work on {pods}, which neither hold nor pull ({pod}: {detail})."
+)
+PROTOCOL_NOT_REPORTED: Final = "ProtocolNotReported"
+PROTOCOL_NOT_REPORTED_MESSAGE: Final = "No agent has reported its recovery protocol yet."
+RECOVERY_OFF: Final = "RecoveryOff"
+RECOVERY_OFF_MESSAGE: Final = "No P2P recovery: {why}."

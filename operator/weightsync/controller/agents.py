@@ -17,6 +17,7 @@ import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from weightsync.api.control import (
+    STATUS_ADDITIONS,
     AgentStatus,
     ErrorResponse,
     MembershipPlan,
@@ -98,8 +99,11 @@ class AgentClient:
         """The agent's status, or why it could not be had. An answer for another pod is
         none: the address passed to a new pod while this pod's view of it was older (an
         agent says whose it is; a stale answer would open a gate on another's weights)."""
+        # The fields this operator reads beyond the first release's (`api.control`); an
+        # older agent ignores the query and leaves them at their defaults.
+        url = f"{agent.url}/v1/status?with={','.join(STATUS_ADDITIONS)}"
         return await self._call(
-            "GET", f"{agent.url}/v1/status", token, AgentStatus,
+            "GET", url, token, AgentStatus,
             label="status", expect=200, pod=agent.pod,
         )  # fmt: skip
 

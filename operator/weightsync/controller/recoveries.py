@@ -14,7 +14,7 @@ from typing import Any
 
 from weightsync.api import reasons
 from weightsync.api.control import AgentStatus, RecoverRequest, RecoveryState, RecoveryStatus
-from weightsync.api.v1alpha1 import WeightSyncSpec
+from weightsync.api.v1alpha1 import RecoveryProtocol, WeightSyncSpec
 from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.pods import EventPoster
@@ -74,13 +74,16 @@ def finished_event(pod: str, finished: RecoveryStatus, retry: float) -> EventSpe
     )
 
 
-def request_for(spec: WeightSyncSpec, current: Current, holders: Sequence[str]) -> RecoverRequest:
+def request_for(
+    spec: WeightSyncSpec, current: Current, holders: Sequence[str], protocol: RecoveryProtocol
+) -> RecoverRequest:
+    """`protocol`: what the holders serve (`pull_protocol.pull_over`), never `Auto`."""
     timeout = max(MIN_RECOVERY_TIMEOUT_SECONDS, 10.0 * spec.transfer.timeout_seconds)
     return RecoverRequest(
         version=current.version or 0,
         lineage=current.lineage or "",
         holders=list(holders),
-        protocol=spec.recovery.protocol,
+        protocol=protocol,
         timeout_seconds=timeout,
     )
 
@@ -127,13 +130,14 @@ async def run_recoveries(
 
     async def start(pod: PodView, tracker: Tracker) -> None:
         address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
-        request = request_for(spec, current, holders_for[pod.name])
+        chosen = starting[pod.name]
+        request = request_for(spec, current, chosen.holders, chosen.protocol)
         answer = await agents.recover(address, request, token)
         _started(
             pod.name, request, answer, tracker=tracker, post_event=post_event, raw=raw, now=now
         )
 
-    holders_for = {d.pod.name: d.holders for d in decisions}
+    starting = {d.pod.name: d for d in decisions}
     # A scale-up brings many pods to recover at once: ask them all together.
     await asyncio.gather(*(start(pod, tracker) for pod, tracker in starts))
     return RecoveryPass(frozenset(held_out), in_flight=bool(watched), watched=frozenset(watched))

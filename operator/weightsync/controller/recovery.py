@@ -22,6 +22,7 @@ faster than a pull completes could otherwise keep it recovering forever. Its gat
 False until then.
 
 With no holder of the current version (the trainer's agent restarted and holds nothing),
+or none it can read (`pull_protocol.pull_over`: a pod on TCP cannot read RDMA holders),
 the pod is admitted at once and waits for the next round, as without recovery.
 
 A failed recovery is retried with exponential backoff; holders that failed it are left
@@ -34,9 +35,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from weightsync.api.control import AgentStatus, RecoveryState, RecoveryStatus
-from weightsync.api.v1alpha1 import Role, SyncMode, WeightSyncSpec
+from weightsync.api.control import AgentStatus, RecoveryState, RecoveryStatus, RecoveryTransport
+from weightsync.api.v1alpha1 import RecoveryProtocol, Role, SyncMode, WeightSyncSpec
 from weightsync.controller.plan import HOLDING_STATES
+from weightsync.controller.pull_protocol import member_transport, pull_over
 from weightsync.controller.readiness import Current, served_version, serves
 from weightsync.controller.workloads import PodView
 
@@ -86,6 +88,7 @@ class Decision:
     pod: PodView
     step: Step
     holders: tuple[str, ...] = ()  # for START: the control URLs to pull from
+    protocol: RecoveryProtocol = RecoveryProtocol.TCP  # for START: what those holders serve
     finished: RecoveryStatus | None = None  # an attempt that ended and was not reported yet
     in_group: bool = False  # it recovers where it stands: not held out of the group
     # The pod's tracker after this pass (`finished` counted): decided here, once.
@@ -180,9 +183,12 @@ def decide(
     own: str,
     tracker: Tracker | None,
     now: float,
+    transport: RecoveryTransport,
+    served: Mapping[str, RecoveryTransport],
 ) -> Decision:
     """What to do about one joinable sink pod whose agent answered, this pass (`holders`:
-    who holds `current`, `own` among them left out), and what its tracker becomes. One
+    who holds `current`, `own` among them left out; `transport`: what the pod's agent
+    pulls over, `served`: what each holder serves), and what its tracker becomes. One
     not answering is not planned anyway (`plan_recoveries` skips it)."""
     before = tracker or Tracker()
     finished = _unreported(status, before)
@@ -199,14 +205,22 @@ def decide(
         return Decision(pod, Step.WAIT, finished=finished, in_group=in_group, tracker=after)
     # Filtered here, for the few that start, not for every sink of every pass.
     others = tuple(url for url in holders if url != own)
-    if not others:
+    readable = pull_over(transport, others, served)
+    if readable is None:
         return Decision(pod, Step.ADMIT, finished=finished, tracker=after)
+    protocol, others = readable
     fresh = tuple(url for url in others if url not in after.failed_holders)
     if not fresh:  # every holder failed once: all get another chance
         after.failed_holders.clear()
         fresh = others
     return Decision(
-        pod, Step.START, holders=fresh, finished=finished, in_group=in_group, tracker=after
+        pod,
+        Step.START,
+        holders=fresh,
+        protocol=protocol,
+        finished=finished,
+        in_group=in_group,
+        tracker=after,
     )
 
 
@@ -233,6 +247,8 @@ def plan_recoveries(
         return []
     decisions = []
     holding: list[str] | None = None  # once per pass, and only when a sink needs it
+    served: dict[str, RecoveryTransport] = {}
+    requested = spec.recovery.protocol
     for pod in pods:
         if pod.role is not Role.SINK or not pod.joinable:
             continue
@@ -243,6 +259,11 @@ def plan_recoveries(
             continue
         if holding is None:
             holding = holders_of(current, pods, statuses, default_port, excluding="")
+            served = {
+                agent_url(p, default_port): member_transport(statuses[p.name], requested)
+                for p in pods
+                if p.name in statuses and p.ip is not None
+            }
         decisions.append(
             decide(
                 pod,
@@ -252,6 +273,8 @@ def plan_recoveries(
                 own=agent_url(pod, default_port),
                 tracker=tracker,
                 now=now,
+                transport=member_transport(status, requested),
+                served=served,
             )
         )
     return decisions

@@ -18,7 +18,7 @@ from typing import Any
 
 from weightsync.api import agent_env
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
+from weightsync.api.v1alpha1 import RecoveryProtocol, Role, SyncMode, WeightSync
 from weightsync.api.v1alpha1.agent import RESERVED_ENV_PREFIX
 from weightsync.controller import names
 from weightsync.controller.trainer_ranks import ServedRanks
@@ -69,12 +69,15 @@ def agent_container(
         {"name": agent_env.SOCKET, "value": agent_env.SOCKET_PATH},
         {"name": agent_env.DEVICE, "value": device},
         {"name": agent_env.LOG_LEVEL, "value": template.log_level},
-        # What holders serve and pulls use (P2P recovery).
-        {"name": agent_env.P2P_PROTOCOL, "value": sync.spec.recovery.protocol.value},
         # Who holds is the plans' business (`plan.holder_ranks`): none when recovery is
         # off or the group is Colocated, where a held copy would only cost PCIe time.
         {"name": agent_env.HOLDER, "value": "false"},
     ]
+    protocol = sync.spec.recovery.protocol
+    if protocol is not RecoveryProtocol.AUTO:
+        # What holders serve and pulls use. Auto is the agent's default and goes unwritten,
+        # so an agent image older than Auto (which would refuse the value) uses TCP.
+        env.append({"name": agent_env.P2P_PROTOCOL, "value": protocol.value})
     if served is not None and served.per_pod > 1:
         local_ranks = ",".join(str(i) for i in served.local)
         _set_env(env, agent_env.SOCKET, agent_env.SOCKET_TEMPLATE)

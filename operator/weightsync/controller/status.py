@@ -31,6 +31,7 @@ from weightsync.api.v1alpha1 import (
     WeightSyncStatus,
 )
 from weightsync.controller.plan import Desired, Slot, warm_at
+from weightsync.controller.pull_protocol import protocol_condition
 from weightsync.controller.readiness import Current, served_version
 from weightsync.controller.workloads import PodView
 
@@ -40,6 +41,7 @@ CONDITION_ORDER = (
     ConditionType.PREWARMED,
     ConditionType.SYNCING,
     ConditionType.DEGRADED,
+    ConditionType.RECOVERY_PROTOCOL,
 )
 # Ready=False for these is the user's to fix: the transition is a Warning Event.
 USER_ERRORS = frozenset(
@@ -107,6 +109,7 @@ def problem_status(
         ConditionType.PREWARMED: F,
         ConditionType.SYNCING: F,
         ConditionType.DEGRADED: F,
+        ConditionType.RECOVERY_PROTOCOL: F,
     }
     for kind in CONDITION_ORDER[1:]:
         found = find_condition(old.conditions, kind)
@@ -320,6 +323,10 @@ def observed_status(old: WeightSyncStatus, obs: Observation, now: datetime) -> W
         _prewarmed(obs, group),
         _syncing(source, len(sinks)),
         _degraded(obs, source),
+        protocol_condition(
+            obs.spec,
+            {p.name: obs.statuses[p.name] for p in obs.pods if p.live and p.name in obs.statuses},
+        ),
     ]
     conditions = set_conditions(
         old.conditions, updates, observed_generation=obs.metadata_generation, now=now

@@ -16,6 +16,8 @@ from weightsync.controller.status import USER_ERRORS, EventSpec, T
 
 # Syncing's reasons that change with each round.
 _PER_ROUND = frozenset({reasons.ROUND_IN_PROGRESS, reasons.IDLE})
+# RecoveryProtocol's reasons that mean pulls cannot work for some pods.
+_PULLS_BROKEN = frozenset({reasons.PROTOCOLS_DIFFER, reasons.PROTOCOL_UNAVAILABLE})
 
 
 def _healthy(status: WeightSyncStatus) -> bool:
@@ -45,6 +47,10 @@ def transition_events(old: WeightSyncStatus, new: WeightSyncStatus) -> list[Even
             (condition.type == ConditionType.READY and condition.reason in USER_ERRORS)
             or (condition.type == ConditionType.DEGRADED and condition.status is T)
             or condition.reason == reasons.PREWARM_TIMED_OUT
+            or (
+                condition.type == ConditionType.RECOVERY_PROTOCOL
+                and condition.reason in _PULLS_BROKEN
+            )
         )
         events.append(
             EventSpec(

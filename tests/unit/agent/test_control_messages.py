@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from weightsync.api.control import MembershipPlan
+from weightsync.api.control import MembershipPlan, RecoverRequest
 
 
 def plan(**overrides: Any) -> dict[str, Any]:
@@ -131,3 +131,10 @@ def test_a_compact_plan_carries_this_member_and_the_group_size() -> None:
 def test_invalid_compact_plans(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         MembershipPlan.model_validate(plan(**overrides))
+
+
+def test_a_pull_names_the_protocol_its_holders_serve_never_auto() -> None:
+    request = {"version": 1, "holders": ["http://h:1"]}
+    with pytest.raises(ValidationError, match=r"RDMA or TCP"):
+        RecoverRequest.model_validate({**request, "protocol": "Auto"})
+    assert RecoverRequest.model_validate({**request, "protocol": "TCP"}).protocol == "TCP"

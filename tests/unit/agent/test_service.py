@@ -7,13 +7,17 @@ import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.integration.stack import free_port
 from weightsync.agent.control_api import make_control_app, make_metrics_app
+from weightsync.agent.recovery import RecoveryFailed
 from weightsync.agent.service import Agent
 from weightsync.agent.settings import AgentSettings
-from weightsync.api.control import AgentStatus, GenerationState, MembershipPlan
+from weightsync.api.control import AgentStatus, GenerationState, MembershipPlan, RecoverRequest
+from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.transfer.p2p_protocol import Resolution
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -37,13 +41,20 @@ def plan(generation: int, port: int, *, rank: int = 0, sinks: int = 0) -> str:
     ).model_dump_json()
 
 
-def with_agent(tmp_path: Path, body: Callable[[Agent, TestClient], Awaitable[None]]) -> None:
+ON_TCP = Resolution(RecoveryProtocol.TCP, True, "Auto: TCP, since no RDMA device")
+
+
+def with_agent(
+    tmp_path: Path,
+    body: Callable[[Agent, TestClient], Awaitable[None]],
+    transport: Resolution | None = None,
+) -> None:
     settings = AgentSettings(
         role="source", token=TOKEN, socket=tmp_path / "agent.sock", shm_dir=tmp_path
     )
 
     async def run() -> None:
-        agent = Agent(settings)
+        agent = Agent(settings, transport)
         client = TestClient(TestServer(make_control_app(agent)))
         await client.start_server()
         try:
@@ -107,3 +118,66 @@ def test_plans_are_validated_and_formed_in_the_background(tmp_path: Path) -> Non
         assert 'weightsync_current_version{role="source"} -1.0' in text
 
     with_agent(tmp_path, body)
+
+
+def test_the_transport_is_reported_only_to_an_operator_that_asks(tmp_path: Path) -> None:
+    """An operator older than the field forbids unknown fields: it must never see it."""
+
+    async def body(agent: Agent, client: TestClient) -> None:
+        plain = await (await client.get("/v1/status", headers=AUTH)).json()
+        assert "recovery_transport" not in plain
+        assert AgentStatus.model_validate(plain).recovery_transport is None
+        asked = await client.get("/v1/status?with=recovery_transport", headers=AUTH)
+        status = AgentStatus.model_validate_json(await asked.text())
+        assert status.recovery_transport is not None
+        assert status.recovery_transport.model_dump() == {
+            "protocol": RecoveryProtocol.TCP,
+            "usable": True,
+            "detail": "Auto: TCP, since no RDMA device",
+        }
+        assert agent.holder.enabled  # a source holds by default
+
+    with_agent(tmp_path, body, ON_TCP)
+
+
+def test_an_agent_whose_protocol_cannot_work_neither_holds_nor_pulls(tmp_path: Path) -> None:
+    broken = Resolution(RecoveryProtocol.RDMA, False, "RDMA requested, but no RDMA device")
+
+    async def body(agent: Agent, client: TestClient) -> None:
+        assert not agent.holder.enabled
+        status = AgentStatus.model_validate_json(
+            await (await client.get("/v1/status?with=recovery_transport", headers=AUTH)).text()
+        )
+        assert status.recovery_transport is not None
+        assert not status.recovery_transport.usable
+
+    with_agent(tmp_path, body, broken)
+
+
+@pytest.mark.parametrize(
+    ("transport", "asked", "refused"),
+    [
+        (ON_TCP, RecoveryProtocol.RDMA, True),  # RDMA holders are out of a TCP agent's reach
+        (ON_TCP, RecoveryProtocol.TCP, False),
+        (Resolution(RecoveryProtocol.RDMA, True, "Auto: RDMA"), RecoveryProtocol.TCP, False),
+        (Resolution(RecoveryProtocol.RDMA, False, "no device"), RecoveryProtocol.RDMA, True),
+    ],
+)
+def test_a_sink_refuses_a_pull_over_a_protocol_it_cannot_use(
+    tmp_path: Path, transport: Resolution, asked: RecoveryProtocol, refused: bool
+) -> None:
+    settings = AgentSettings(role="sink", engine="Reference", token=TOKEN, shm_dir=tmp_path)
+    request = RecoverRequest(version=1, holders=["http://h:1"], protocol=asked)
+
+    async def run() -> None:
+        agent = Agent(settings, transport)
+        try:
+            if refused:
+                with pytest.raises(RecoveryFailed, match="cannot pull over"):
+                    agent.start_recovery(request)
+            else:
+                assert agent.start_recovery(request).version == 1  # started
+        finally:
+            await agent.close()
+
+    asyncio.run(run())

@@ -30,9 +30,26 @@ def test_from_env_reads_prefixed_fields_only() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "protocol"),
+    [(None, "Auto"), ("auto", "Auto"), ("Auto", "Auto"), ("tcp", "TCP"), ("RDMA", "RDMA")],
+)
+def test_the_p2p_protocol_defaults_to_auto(value: str | None, protocol: str) -> None:
+    env = {"WEIGHTSYNC_ROLE": "source", "WEIGHTSYNC_TOKEN": "x", "WEIGHTSYNC_P2P_DEVICES": "a, b"}
+    if value is not None:
+        env["WEIGHTSYNC_P2P_PROTOCOL"] = value
+    settings = AgentSettings.from_env(env)
+    assert settings.p2p_protocol.value == protocol
+    assert settings.p2p_device_names == ("a", "b")
+
+
+@pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"WEIGHTSYNC_ROLE": "source"}, "WEIGHTSYNC_TOKEN"),
+        (
+            {"WEIGHTSYNC_ROLE": "source", "WEIGHTSYNC_TOKEN": "x", "WEIGHTSYNC_P2P_PROTOCOL": "ib"},
+            "p2p_protocol",
+        ),
         ({"WEIGHTSYNC_ROLE": "sink", "WEIGHTSYNC_TOKEN": "x"}, "WEIGHTSYNC_ENGINE"),
         ({"WEIGHTSYNC_ROLE": "trainer", "WEIGHTSYNC_TOKEN": "x"}, "role"),
         (

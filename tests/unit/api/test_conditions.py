@@ -100,7 +100,13 @@ def test_set_conditions_stamps_one_generation_on_all() -> None:
         ConditionUpdate(kind, ConditionStatus.UNKNOWN, "Reconciling") for kind in ConditionType
     ]
     conditions = set_conditions([], updates, observed_generation=5, now=T0)
-    assert [c.type for c in conditions] == ["Ready", "Prewarmed", "Syncing", "Degraded"]
+    assert [c.type for c in conditions] == [
+        "Ready",
+        "Prewarmed",
+        "Syncing",
+        "Degraded",
+        "RecoveryProtocol",
+    ]
     assert {c.observed_generation for c in conditions} == {5}
 
 

@@ -57,7 +57,7 @@ def test_spec_defaults() -> None:
     assert spec.transfer.checksum is False
     assert (spec.prewarm.enabled, spec.prewarm.timeout_seconds) == (True, 120)
     assert spec.recovery.enabled is True
-    assert spec.recovery.protocol is RecoveryProtocol.RDMA
+    assert spec.recovery.protocol is RecoveryProtocol.AUTO
     assert spec.recovery.holders == 1
     assert spec.readiness_gate.enabled is True
     entry = spec.inference[0]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.unit.controller.builders import agent_server
+from aiohttp import web
+
+from tests.unit.controller.builders import agent, agent_server
+from weightsync.api.control import STATUS_ADDITIONS, AgentStatus
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.agentview import silent
 
@@ -31,3 +34,35 @@ def test_an_answer_for_another_pod_is_no_answer() -> None:
             await server.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_the_operator_asks_for_the_fields_it_reads_and_an_older_agent_still_parses() -> None:
+    """Fields added to `AgentStatus` are sent only when asked for: this operator asks for
+    the transport; an agent that predates it ignores the query and answers without it."""
+    asked: list[str] = []
+
+    async def scenario() -> None:
+        async def status(request: web.Request) -> web.Response:
+            asked.extend(request.query.getall("with", []))
+            body = agent("e-1").model_dump_json(exclude={"recovery_transport"})
+            return web.Response(text=body, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_get("/v1/status", status)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        agents = AgentClient(timeout_seconds=10)
+        try:
+            answer = await agents.status(
+                AgentAddress("e-1", "127.0.0.1", runner.addresses[0][1]), "token"
+            )
+            assert isinstance(answer, AgentStatus)
+            assert answer.recovery_transport is None
+        finally:
+            await agents.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+    assert asked == [",".join(STATUS_ADDITIONS)]
+    assert "recovery_transport" in STATUS_ADDITIONS

@@ -47,6 +47,14 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
+@pytest.mark.parametrize("protocol", ["RDMA", "TCP"])
+def test_an_explicit_recovery_protocol_reaches_the_agent(protocol: str) -> None:
+    _, patched = inject(
+        pod("engine-a-abc-x1").build(), Role.SINK, spec__recovery={"protocol": protocol}
+    )
+    assert env_of(agent_of(patched))["WEIGHTSYNC_P2P_PROTOCOL"] == protocol
+
+
 def test_sink_gets_a_native_sidecar_with_engine_settings_and_the_readiness_gate() -> None:
     _, patched = inject(pod("engine-a-abc-x1").build(), Role.SINK)
     agent = agent_of(patched)
@@ -67,7 +75,8 @@ def test_sink_gets_a_native_sidecar_with_engine_settings_and_the_readiness_gate(
     assert env["WEIGHTSYNC_ENGINE_URL"] == "http://$(WEIGHTSYNC_POD_IP):8000"
     assert env["WEIGHTSYNC_TOKEN_FILE"] == f"{names.TOKEN_DIR}/token"
     assert env["WEIGHTSYNC_DEVICE"] == "cpu"
-    assert env["WEIGHTSYNC_P2P_PROTOCOL"] == "RDMA"  # spec.recovery.protocol's default
+    # Auto, spec.recovery.protocol's default, is the agent's own default and goes unwritten.
+    assert "WEIGHTSYNC_P2P_PROTOCOL" not in env
     assert env["WEIGHTSYNC_HOLDER"] == "false"  # plans decide who holds
     # $(VAR) expansion only sees variables defined earlier in the list.
     order = [e["name"] for e in agent["env"]]

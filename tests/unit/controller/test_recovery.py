@@ -16,8 +16,9 @@ from weightsync.api.control import (
     RecoverRequest,
     RecoveryState,
     RecoveryStatus,
+    RecoveryTransport,
 )
-from weightsync.api.v1alpha1 import Role
+from weightsync.api.v1alpha1 import RecoveryProtocol, Role
 from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.readiness import Current
@@ -246,6 +247,19 @@ def test_run_starts_a_recovery_holds_the_pod_out_and_posts_an_event() -> None:
     )  # fmt: skip
     assert [e.reason for e in events] == [reasons.RECOVERY_STARTED]
     assert sample("weightsync_operator_recoveries_total", {"result": "started"}) == before + 1
+
+
+def test_run_asks_for_what_the_holders_serve() -> None:
+    rdma = RecoveryTransport(protocol=RecoveryProtocol.RDMA, usable=True, detail="Auto: RDMA")
+    found = {
+        pod: with_(status, recovery_transport=rdma)
+        for pod, status in statuses(agent(NEW.name)).items()
+    }
+    agents = RecordingAgents({NEW.name: recovery(RecoveryState.PENDING)})
+    _, events = run(agents, found, {})
+    [(_, request)] = agents.requests
+    assert request.protocol is RecoveryProtocol.RDMA
+    assert "over RDMA" in events[0].message
 
 
 def test_run_reports_done_with_duration_and_bandwidth_and_admits() -> None:

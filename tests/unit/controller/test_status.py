@@ -65,8 +65,16 @@ def test_a_warm_group_before_the_first_version() -> None:
         "Prewarmed": ("True", reasons.GROUP_WARM),
         "Syncing": ("False", reasons.IDLE),
         "Degraded": ("False", reasons.AS_EXPECTED),
+        # These agents predate reporting their protocol: under Auto they use TCP.
+        "RecoveryProtocol": ("True", reasons.USING_TCP),
     }
-    assert [c.type for c in status.conditions] == ["Ready", "Prewarmed", "Syncing", "Degraded"]
+    assert [c.type for c in status.conditions] == [
+        "Ready",
+        "Prewarmed",
+        "Syncing",
+        "Degraded",
+        "RecoveryProtocol",
+    ]
     assert status.group_generation == 2
     assert status.member_count == 3
     assert [(m.pod, m.rank, m.role.value, m.warm) for m in status.members] == [
@@ -191,6 +199,7 @@ def test_transition_times_move_only_on_flips_and_events_follow_changes() -> None
         ("Normal", reasons.AWAITING_FIRST_VERSION),
         ("Normal", reasons.GROUP_WARM),
         ("Normal", reasons.AS_EXPECTED),
+        ("Normal", reasons.USING_TCP),
     }  # Syncing's Idle is no transition worth an Event
     later = NOW + timedelta(minutes=1)
     second = observed_status(first, observe(warm_group(4, 4), current=4), later)
@@ -230,6 +239,7 @@ def test_a_problem_sets_ready_false_keeps_the_rest_and_warns() -> None:
         "Prewarmed": ("False", reasons.TRAINER_NOT_FOUND),
         "Syncing": ("False", reasons.TRAINER_NOT_FOUND),
         "Degraded": ("False", reasons.TRAINER_NOT_FOUND),
+        "RecoveryProtocol": ("False", reasons.TRAINER_NOT_FOUND),
     }
     (event,) = transition_events(WeightSyncStatus(), fresh)
     assert event.type == "Warning"

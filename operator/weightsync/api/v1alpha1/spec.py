@@ -53,8 +53,10 @@ class PauseMode(StrEnum):
 
 
 class RecoveryProtocol(StrEnum):
-    """The transport of a P2P recovery pull."""
+    """The transport of a P2P recovery pull. `Auto` is a request only: each agent resolves
+    it to RDMA or TCP at start, and holders and pulls always name the one in use."""
 
+    AUTO = "Auto"
     RDMA = "RDMA"
     TCP = "TCP"
 
@@ -297,10 +299,12 @@ class RecoverySpec(ApiModel):
     """enabled lets a restarted inference pod pull the current version from a holder's
     pinned host copy instead of waiting for the next round. On by default."""
 
-    protocol: RecoveryProtocol = RecoveryProtocol.RDMA
-    """protocol is the transport of the pull: RDMA (the default, for production clusters
-    with RDMA NICs on every node) or TCP (works everywhere, slower; use it on clusters
-    without RDMA, including CI and local test clusters)."""
+    protocol: RecoveryProtocol = RecoveryProtocol.AUTO
+    """protocol is the transport of the pull. Auto (the default): each agent uses RDMA when
+    its container can open an RDMA device and register memory (IPC_LOCK or an unlimited
+    memlock limit), else TCP; the RecoveryProtocol condition says which is in use. RDMA:
+    RDMA or nothing (an agent that cannot use it reports why in that condition; nothing
+    falls back to TCP). TCP: works everywhere, slower."""
 
     holders: int = Field(default=1, strict=True, ge=1, le=8)
     """holders is how many agents keep a pinned host-memory copy of the current version to

@@ -244,6 +244,15 @@ class RecoveryStatus(_Message):
     started_at_unix_millis: int = 0
 
 
+class FrontStatus(_Message):
+    """A sink agent's filtering front (`spec.inference[].front`)."""
+
+    port: int
+    # Whether the engine answers on the pod's IP too, where the front protects nothing;
+    # None until the engine answers anywhere.
+    engine_exposed: bool | None = None
+
+
 class AgentStatus(_Message):
     pod: str
     role: Role
@@ -261,6 +270,7 @@ class AgentStatus(_Message):
     # Colocated: the pod whose engine the newest plan has this agent load. The operator
     # reads its engine choice back from here, so a restart keeps it.
     local_engine: str | None = None
+    front: FrontStatus | None = None
 
 
 class Holding(_Message):

@@ -180,8 +180,19 @@ class Front:
                 headers=end_to_end(upstream.headers),
             )
             await reply.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await reply.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    try:
+                        await reply.write(chunk)
+                    except ConnectionResetError:
+                        return reply  # the client left; closing the engine's reply tells it
+            except aiohttp.ClientError as exc:
+                # The engine broke off mid-reply: so must the front, or a cut stream would
+                # look complete to the client.
+                log.warning("front: the engine's reply to %s broke off: %s", request.path, exc)
+                if request.transport is not None:
+                    request.transport.abort()
+                return reply
             await reply.write_eof()
         return reply
 

@@ -179,6 +179,7 @@ class Upstream:
     def __init__(self) -> None:
         self.seen: list[str] = []
         self.first_chunk_read = asyncio.Event()
+        self.stream_ended: asyncio.Future[str] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -195,6 +196,26 @@ class Upstream:
             await asyncio.wait_for(self.first_chunk_read.wait(), 10)
             await reply.write(b"data: 1\n\n")
             await reply.write_eof()
+            return reply
+        if request.path == "/endless":
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            ended = self.stream_ended
+            assert ended is not None
+            try:
+                for event in range(1000):
+                    await reply.write(b"data: %d\n\n" % event)
+                    await asyncio.sleep(0.01)
+            except ConnectionResetError:
+                ended.set_result("client gone")
+            return reply
+        if request.path == "/broken":
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            await reply.write(b"data: 0\n\n")
+            await asyncio.sleep(0.05)
+            assert request.transport is not None
+            request.transport.abort()  # the engine dies mid-reply
             return reply
         if request.path == "/gzip":
             body = gzip.compress(b"weights" * 100)
@@ -397,3 +418,25 @@ def test_a_sink_agent_with_a_front_port_serves_it_and_reports_it(tmp_path: Path)
                 await agent.close()
 
     asyncio.run(run())
+
+
+def test_a_reply_cut_on_either_side_is_cut_on_the_other(caplog: pytest.LogCaptureFixture) -> None:
+    upstream = Upstream()
+
+    async def run() -> None:
+        upstream.stream_ended = asyncio.get_running_loop().create_future()
+        async with fronted(Engine.VLLM, upstream.app()) as address:
+            base = f"http://{address}"
+            # The client leaves mid-generation: the engine sees it leave (and can abort).
+            async with aiohttp.ClientSession() as client, client.get(f"{base}/endless") as reply:
+                assert await reply.content.readuntil(b"\n\n") == b"data: 0\n\n"
+            assert await asyncio.wait_for(upstream.stream_ended, 10) == "client gone"
+            # The engine dies mid-reply: the client sees a cut reply, not a complete one.
+            async with aiohttp.ClientSession() as client, client.get(f"{base}/broken") as reply:
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await reply.read()
+
+    asyncio.run(run())
+    assert "broke off" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= 40]  # no ERROR from aiohttp

@@ -1,5 +1,6 @@
 """The WeightSync's own lifecycle on the real node: a name as long as Kubernetes allows,
-and a WeightSync deleted mid-round and created again (its agents keep their token).
+a WeightSync deleted mid-round and created again (its agents keep their token), and an
+engine kept behind its agent's front (`spec.inference[].front`).
 
 Real operator process, agents, reference engines and trainer as containers on the local
 cluster's real node (`tests/support/operator.py`).
@@ -7,6 +8,8 @@ cluster's real node (`tests/support/operator.py`).
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 
 from tests.cluster.controlplane import LocalCluster
 from tests.e2e.test_recovery import (
+    AGENT_HTTP_PORT,
     BUCKET_DELAY_SECONDS,
     ROUND_UP,
     answers,
@@ -39,13 +43,15 @@ from tests.support.operator import (
     trainer_digest,
     weightsync,
 )
-from tests.support.recovery import engine_digest
+from tests.support.recovery import agent_token, engine_digest, http_json
+from weightsync.controller import names
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 # The longest name a WeightSync can have: a DNS subdomain of 253 characters.
 LONG_NAME = ".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61])
 BACK_WITHIN_SECONDS = 60.0
+FRONT_PORT = 8001
 
 
 def test_a_weightsync_with_a_253_character_name_syncs(
@@ -126,4 +132,72 @@ def test_a_weightsync_deleted_mid_round_and_created_again_is_ready_within_a_minu
     )
     expected = trainer_digest(trainer_ip)
     assert [engine_digest(p, ENGINE_PORT) == expected for p in serving] == [True, True]
+    no_tracebacks(cluster, operator, namespace)
+
+
+def _send(ip: str, port: int, target: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST `target` as written (no client-side normalizing) from outside the pod."""
+    connection = http.client.HTTPConnection(ip, port, timeout=30)
+    try:
+        payload = json.dumps(body)
+        connection.request("POST", target, payload, {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        return reply.status, json.loads(reply.read() or b"{}")
+    finally:
+        connection.close()
+
+
+def _refuses_connections(ip: str, port: int) -> bool:
+    try:
+        http.client.HTTPConnection(ip, port, timeout=5).connect()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_a_front_refuses_foreign_update_calls_and_forwards_inference(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, k8s: Any
+) -> None:
+    deployment = engines(replicas=1)
+    engine = deployment["spec"]["template"]["spec"]["containers"][0]
+    engine["command"][engine["command"].index("$(POD_IP)")] = "127.0.0.1"  # loopback only
+    engine["readinessProbe"]["httpGet"]["port"] = FRONT_PORT  # through the front
+    sync = weightsync()
+    sync["spec"]["inference"][0]["front"] = {"port": FRONT_PORT}
+    apply(cluster, namespace, trainer(), deployment, sync)
+    eventually(lambda: in_group(cluster, namespace, 2), timeout=PODS_UP, message="group warm")
+    (pod,) = pods(cluster, namespace, "engine")
+    ip = pod["status"]["podIP"]
+    # The engine answers on the pod's loopback only; the agent says so in its status.
+    token = agent_token(k8s, namespace, names.token_secret_name("sync"))
+    agent_status = f"http://{ip}:{AGENT_HTTP_PORT}/v1/status?with=front"
+    eventually(
+        lambda: (
+            http_json("GET", agent_status, token=token)["front"]
+            == {"port": FRONT_PORT, "engine_exposed": False}
+        ),
+        timeout=PODS_UP,
+        message="the agent has checked its engine's exposure",
+    )
+    assert _refuses_connections(ip, ENGINE_PORT)  # the engine is up, on loopback only
+    # A caller from outside the pod cannot start an update, however it writes the path.
+    for target in ["/v1/update/begin", "//v1/update/begin", "/v1/%75pdate/begin",
+                   "/generate/../v1/update/begin"]:  # fmt: skip
+        status, answer = _send(ip, FRONT_PORT, target, {"version": 99})
+        assert (status, answer.get("error")) == (403, "private_route"), (target, answer)
+    health = http_json("GET", f"http://{ip}:{FRONT_PORT}/health", timeout=5)
+    assert health["detail"] != "updating"
+    # The pod's own agent still loads it: a round reaches the engine behind the front.
+    (source,) = pods(cluster, namespace, "trainer")
+    trainer_ip = source["status"]["podIP"]
+    url = f"http://{trainer_ip}:{TRAINER_PORT}/digest"
+    eventually(lambda: answers(url), timeout=PODS_UP, message="trainer serving")
+    assert step(trainer_ip)["ok"]
+    (serving,) = eventually(
+        lambda: ready(cluster, namespace, "engine", 1), timeout=ROUND_UP, message="engine Ready"
+    )
+    assert engine_digest(serving, FRONT_PORT) == trainer_digest(trainer_ip)
+    status, answer = _send(ip, FRONT_PORT, "/generate", {"input_ids": [[1, 2, 3]]})
+    assert status == 200
+    assert answer["weight_version"] == trainer_digest(trainer_ip)["version"]
     no_tracebacks(cluster, operator, namespace)

@@ -7,6 +7,8 @@ Routes (messages in `weightsync.api.control`):
 * `GET /v1/holding` -> `Holding` (the version held for P2P pulls), 404 when none
 * `POST /v1/recover` `RecoverRequest` -> 202 `RecoveryStatus`; pulls in the background
 Metrics: `GET /metrics` on the metrics port (no token: Prometheus scrapes it).
+A sink with a front (`agent.front`) serves the engine's clients on the front's port, on
+every interface.
 """
 
 from __future__ import annotations
@@ -125,13 +127,18 @@ async def serve(agent: Agent, stop: asyncio.Event) -> None:
     """Run the control API, the metrics listener and (source) the Publisher socket."""
     settings = agent.settings
     runners = [web.AppRunner(make_control_app(agent), access_log=None)]
-    sites: list[tuple[web.AppRunner, str, int]] = [
+    sites: list[tuple[web.AppRunner, str | None, int]] = [
         (runners[0], settings.http_host, settings.http_port)
     ]
     if settings.metrics_port:
         metrics_runner = web.AppRunner(make_metrics_app(agent), access_log=None)
         runners.append(metrics_runner)
         sites.append((metrics_runner, settings.http_host, settings.metrics_port))
+    if agent.front is not None:
+        front_runner = web.AppRunner(agent.front.app(), access_log=None)
+        runners.append(front_runner)
+        # Every interface: the engine's clients may come through the pod IP or a port-forward.
+        sites.append((front_runner, None, agent.front.port))
     server: asyncio.base_events.Server | None = None
     try:
         for runner, host, port in sites:

@@ -15,9 +15,11 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import torch
+from yarl import URL
 
 from weightsync.agent.engine_adapter import build_adapter
 from weightsync.agent.engine_watch import EngineWatch
+from weightsync.agent.front import ExposureWatch, Front
 from weightsync.agent.generations import Generations, PlanRejectedError
 from weightsync.agent.holder import Holder
 from weightsync.agent.metrics import AgentMetrics
@@ -81,6 +83,12 @@ class Agent:
             else None
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self.front: Front | None = None
+        self.exposure: ExposureWatch | None = None
+        if settings.front_port and settings.engine is not None:
+            self.front = Front(settings.engine, settings.engine_url, settings.front_port)
+            engine_port = URL(settings.engine_url).port or 80
+            self.exposure = ExposureWatch(self.front, settings.pod_ip(), engine_port)
         self.endpoints = Endpoints(settings.p2p_address, settings.p2p_devices)
         self.holder = Holder(
             self.device,
@@ -117,6 +125,12 @@ class Agent:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        if self.exposure is not None:
+            self._tasks.append(
+                asyncio.create_task(
+                    self._supervise(self.exposure.run_forever), name="front-exposure"
+                )
+            )
         if self.watch is not None:
             self._tasks.append(
                 asyncio.create_task(self._supervise(self.watch.run_forever), name="engine-watch")
@@ -154,6 +168,8 @@ class Agent:
         await self.generations.close()
         if self.adapter is not None:
             await self.adapter.close()
+        if self.front is not None:
+            await self.front.close()
         if self.source is not None:
             await self.source.close()
         self.pool.close()
@@ -202,6 +218,7 @@ class Agent:
                 usable=self.transport.usable,
                 detail=self.transport.detail,
             ),
+            front=self.exposure.status() if self.exposure is not None else None,
         )
 
     # ---------------------------------------------------------------- recovery

@@ -14,6 +14,9 @@ from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Engine, Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
+# A wildcard bind address is no address for peers.
+WILDCARDS = ("0.0.0.0", "::", "")  # noqa: S104
+
 
 class SettingsError(ValueError):
     """The environment does not describe a valid agent."""
@@ -43,6 +46,8 @@ class AgentSettings(BaseModel):
     engine_options: EngineOptions | None = None  # JSON: the entry's pauseMode, flushCache
     # Colocated inference pods: the trainer's agent loads this engine, not this agent.
     engine_loaded_by_peer: bool = False
+    # A sink's filtering front: the port it serves the engine's clients on; 0: none.
+    front_port: int = Field(default=0, ge=0, le=65535)
     log_level: str = "INFO"
     # P2P recovery. `holder`: keep the latest committed version in host memory for pulls;
     # unset, the source holds and sinks hold only when their plan says so.
@@ -75,6 +80,10 @@ class AgentSettings(BaseModel):
             raise ValueError("a sink agent needs WEIGHTSYNC_ENGINE")
         if self.role != Role.SINK and self.engine_devices is not None:
             raise ValueError("WEIGHTSYNC_ENGINE_DEVICES is a sink agent's setting")
+        if self.front_port and (self.role != Role.SINK or self.engine is None):
+            raise ValueError("WEIGHTSYNC_FRONT_PORT is for a sink agent's engine")
+        if self.front_port in (self.http_port, self.metrics_port):
+            raise ValueError("WEIGHTSYNC_FRONT_PORT must differ from the agent's own ports")
         return self
 
     @property
@@ -86,12 +95,18 @@ class AgentSettings(BaseModel):
         """Whether this agent holds without a plan asking it to (the source does)."""
         return self.role == Role.SOURCE if self.holder is None else self.holder
 
+    def pod_ip(self) -> str:
+        """This pod's IP: the control API's host, which the webhook binds to it, or the
+        hostname's address where the agent listens on every interface."""
+        if self.http_host in WILDCARDS:
+            return socket.gethostbyname(socket.gethostname())
+        return self.http_host
+
     def p2p_address(self) -> str:
         """The host peers reach this agent's transfer engine on (its pod IP)."""
-        host = self.p2p_host or self.http_host
-        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a wildcard is no address for peers
-            return socket.gethostbyname(socket.gethostname())
-        return host
+        if self.p2p_host and self.p2p_host not in WILDCARDS:
+            return self.p2p_host
+        return self.pod_ip()
 
     def bearer_token(self) -> str:
         """The control API token; a token file is re-read so rotation needs no restart."""

@@ -37,6 +37,9 @@ ENGINE: Final = env_name("engine")
 ENGINE_URL: Final = env_name("engine_url")
 ENGINE_OPTIONS: Final = env_name("engine_options")  # JSON: the entry's EngineOptions
 ENGINE_LOADED_BY_PEER: Final = env_name("engine_loaded_by_peer")
+# A sink's filtering front (`spec.inference[].front.port`): where the agent serves the
+# engine's clients; ENGINE_URL is then the engine on the pod's loopback.
+FRONT_PORT: Final = env_name("front_port")
 # Trainer pods of several ranks: the local ranks the sidecar serves ("0,1"), one agent
 # process each (local rank i: device cuda:i, ports HTTP_PORT + i and METRICS_PORT + i).
 LOCAL_RANKS: Final = env_name("local_ranks")
@@ -66,5 +69,6 @@ SETTINGS: Final = (
     ENGINE_URL,
     ENGINE_OPTIONS,
     ENGINE_LOADED_BY_PEER,
+    FRONT_PORT,
     LOCAL_RANKS,
 )

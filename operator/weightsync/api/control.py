@@ -257,7 +257,16 @@ class RecoveryTransport(_Message):
 
 # `AgentStatus` fields an agent sends only when `GET /v1/status?with=` names them (see the
 # module doc); an agent older than a field leaves it out, and it reads as its default.
-STATUS_ADDITIONS: tuple[str, ...] = ("recovery_transport",)
+STATUS_ADDITIONS: tuple[str, ...] = ("recovery_transport", "front")
+
+
+class FrontStatus(_Message):
+    """A sink agent's filtering front (`spec.inference[].front`)."""
+
+    port: int
+    # Whether the engine answers on the pod's IP too, where the front protects nothing;
+    # None until the engine answers anywhere.
+    engine_exposed: bool | None = None
 
 
 class AgentStatus(_Message):
@@ -278,6 +287,7 @@ class AgentStatus(_Message):
     # reads its engine choice back from here, so a restart keeps it.
     local_engine: str | None = None
     recovery_transport: RecoveryTransport | None = None  # in `STATUS_ADDITIONS`
+    front: FrontStatus | None = None
 
 
 class Holding(_Message):

@@ -3,6 +3,8 @@
 * `EngineInjection`: flags and environment the admission webhook adds to an inference
   engine's container so weightsync can feed it (`INJECTIONS`, by the WeightSync's
   `engine` name; the Reference engine needs none).
+* `PRIVATE_ROUTES`: the routes of each engine's public port that only its own agent
+  may call, which the agent's front (`spec.inference[].front`) refuses to forward.
 * `EngineOptions`: a WeightSync inference entry's engine options (`pauseMode`,
   `flushCache`), handed to the sink agent as JSON in `WEIGHTSYNC_ENGINE_OPTIONS`.
 
@@ -106,3 +108,99 @@ class EngineOptions(BaseModel):
     def of(cls, entry: InferenceSpec) -> EngineOptions:
         """The options of one `spec.inference` entry."""
         return cls(pause_mode=entry.pause_mode, flush_cache=entry.flush_cache)
+
+
+@dataclass(frozen=True, slots=True)
+class PrivateRoutes:
+    """Routes of an engine's public port that only the pod's own agent may call.
+
+    `prefixes` match the start of a normalized, lower-case path (`/update_weights` covers
+    `/update_weights_from_tensor`); `what` names them in the front's refusal.
+    """
+
+    what: str
+    prefixes: tuple[str, ...]
+
+
+# vLLM 0.32-0.33 (`vllm/entrypoints/rl/online/api_router.py`, `serve/dev/*`, `serve/*`):
+# with VLLM_SERVER_DEV_MODE=1 these routes pause, reload, sleep and run code in the
+# engine, and none is behind `--api-key`.
+VLLM_PRIVATE_ROUTES = (
+    PrivateRoutes(
+        "vLLM's weight-transfer routes (the agent's rounds)",
+        (
+            "/pause", "/resume", "/is_paused", "/abort_requests",
+            "/init_weight_transfer", "/shutdown_weight_transfer", "/start_weight_update",
+            "/start_draft_weight_update", "/update_weight", "/finish_weight_update",
+            "/weight_info", "/weight_checker", "/get_world_size",
+        ),
+    ),
+    PrivateRoutes(
+        "vLLM's development routes (VLLM_SERVER_DEV_MODE)",
+        (
+            "/collective_rpc", "/server_info", "/reconfigure", "/v1/runtime_config",
+            "/suspend", "/is_suspended",
+        ),
+    ),
+    PrivateRoutes(
+        "vLLM's memory and cache routes",
+        (
+            "/sleep", "/wake_up", "/is_sleeping", "/release_kv_cache_memory",
+            "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+        ),
+    ),
+    PrivateRoutes(
+        "vLLM's administration routes",
+        (
+            "/v1/admin", "/start_profile", "/stop_profile", "/scale_elastic_ep",
+            "/is_scaling_elastic_ep", "/fault_tolerance", "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
+        ),
+    ),
+)  # fmt: skip
+
+# SGLang 0.5.23 (`python/sglang/srt/entrypoints/http_server.py`, `elastic_ep.py`): every
+# route it marks `AuthLevel.ADMIN_OPTIONAL`, which is open to all unless the server has
+# an `--admin-api-key`. `/model_info` and `/health`, which the adapter reads too, are
+# public in SGLang and stay so.
+SGLANG_PRIVATE_ROUTES = (
+    PrivateRoutes(
+        "SGLang's weight-update routes (the agent's rounds)",
+        (
+            "/pause_generation", "/continue_generation", "/abort_request",
+            "/begin_weight_update", "/end_weight_update", "/update_weight",
+            "/init_weights_update_group", "/destroy_weights_update_group",
+            "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
+            "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info",
+            "/get_weights_by_name", "/weights_checker", "/load_lora_adapter",
+            "/unload_lora_adapter",
+        ),
+    ),
+    PrivateRoutes(
+        "SGLang's memory and cache routes",
+        (
+            "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache",
+            "/hicache", "/freeze_gc",
+        ),
+    ),
+    PrivateRoutes(
+        "SGLang's administration routes",
+        (
+            "/set_internal_state", "/dumper", "/start_profile", "/stop_profile",
+            "/set_trace_level", "/start_expert_distribution_record",
+            "/stop_expert_distribution_record", "/dump_expert_distribution_record",
+            "/slow_down", "/pd_role_switch", "/configure_logging", "/add_external_corpus",
+            "/remove_external_corpus", "/list_external_corpora", "/scale_elastic_ep",
+            "/is_scaling_elastic_ep",
+        ),
+    ),
+)  # fmt: skip
+
+REFERENCE_PRIVATE_ROUTES = (PrivateRoutes("the reference engine's update routes", ("/v1/update",)),)
+
+PRIVATE_ROUTES: dict[str, tuple[PrivateRoutes, ...]] = {
+    "VLLM": VLLM_PRIVATE_ROUTES,
+    "SGLang": SGLANG_PRIVATE_ROUTES,
+    "Reference": REFERENCE_PRIVATE_ROUTES,
+}
+"""By the WeightSync's `engine` name: what the agent's front refuses to forward."""

@@ -21,7 +21,9 @@ Design (why a webhook outage never blocks unrelated pods):
   WeightSync in the namespace already syncs one of the named workloads. It does not
   require the workloads to exist (GitOps applies everything at once); the reconcile
   reports missing ones as `Ready=False`. The same claim check runs at reconcile time as
-  the backstop for WeightSyncs admitted while the webhook was away.
+  the backstop for WeightSyncs admitted while the webhook was away. It also refuses a
+  `front.port` that is one of the agent's own ports, which are the operator's settings
+  (an agent given one anyway exits at start saying so).
 
 Both webhooks are non-persistent: kopf removes them from the configurations when the
 operator stops cleanly, so a stopped operator leaves no webhook behind to time out on.
@@ -45,7 +47,7 @@ from weightsync.controller.gpu_access import GpusNotShareableError
 from weightsync.controller.injection import injection_patch
 from weightsync.controller.kube import Kube
 from weightsync.controller.patches import JsonPatch
-from weightsync.controller.sidecar import AgentTemplate
+from weightsync.controller.sidecar import AgentTemplate, sink_agent_ports
 from weightsync.controller.workloads import (
     WorkloadRef,
     claim_conflicts,
@@ -207,6 +209,23 @@ def claim_errors(
             for ref in sorted(added & claims(other), key=lambda r: (r.kind, r.name))
         )
     return errors
+
+
+def front_errors(body: Mapping[str, Any], template: AgentTemplate) -> list[str]:
+    """Why a WeightSync's fronts cannot be served by its sidecars (empty: they can)."""
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return []
+    try:
+        candidate = parse_weightsync(body)
+    except WeightSyncInvalidError:
+        return []  # the schema and CEL rules answer for the spec itself
+    taken = sink_agent_ports(template)
+    return [
+        f"spec.inference[{index}].front.port: {entry.front.port} is {taken[entry.front.port]}"
+        " in the injected sidecar; choose another port"
+        for index, entry in enumerate(candidate.spec.inference)
+        if entry.front is not None and entry.front.port in taken
+    ]
 
 
 def _claims_of(raw: Mapping[str, Any] | None) -> set[WorkloadRef]:

@@ -274,6 +274,7 @@ def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> No
                 f"cannot list WeightSyncs to check claims: {error}", code=503
             ) from None
         errors = admission.claim_errors(dict(body), dict(old) if old else None, listing)
+        errors += admission.front_errors(dict(body), runtime.template)
         if errors:
             metrics.ADMISSIONS.labels("validate-claims", "denied").inc()
             # 403, a refusal: 409 would read as a field-manager conflict, and `kubectl

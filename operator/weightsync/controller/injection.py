@@ -7,7 +7,8 @@ What a selected pod gets:
   Command `weightsync-agent`, settings as `WEIGHTSYNC_*` env (role, pod name and IP from
   the downward API, the control API bound to the pod IP, the token as a file from the
   per-WeightSync Secret, the Publisher socket, the device, and for sinks the engine and
-  its URL `http://$(WEIGHTSYNC_POD_IP):<port>`), its ports, resources, the workload
+  its URL `http://$(WEIGHTSYNC_POD_IP):<port>`, or `http://127.0.0.1:<port>` and the
+  front's port behind a `front`), its ports, resources, the workload
   containers' ResourceClaims (its GPUs are theirs: `gpu_access`; a pod whose GPUs come
   from a device plugin cannot share them and is refused), and a TCP readiness probe on
   the control port (the control API has no unauthenticated route);

@@ -39,6 +39,8 @@ WEIGHTS_CURRENT: Final = f"{GROUP}/weights-current"
 
 AGENT_CONTAINER: Final = "weightsync-agent"
 AGENT_COMMAND: Final = ("weightsync-agent",)
+# The sidecar's port that serves an engine's clients (`spec.inference[].front`).
+FRONT_PORT_NAME: Final = "ws-front"
 SOCKET_VOLUME: Final = "weightsync-socket"
 # Names of the token volume, its mount and its Secret key; not secrets themselves.
 TOKEN_VOLUME: Final = "weightsync-token"  # noqa: S105

@@ -8,6 +8,10 @@ meets Pod Security "restricted" (non-root, no privilege escalation, every capabi
 dropped, the runtime's default seccomp profile) unless `spec.agent.ipcLock` adds
 IPC_LOCK, which RDMA's memory registration needs. `FallbackToLogsOnError`: an agent that
 exits at start (a GPU it cannot see, a bad setting) says why in the pod's status.
+
+A sink whose entry has a `front` reaches its engine on the pod's loopback and serves
+the engine's clients on `front.port` (container port `ws-front`), less the engine's
+private routes (`agent.front`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def agent_container(
     local source ranks the sidecar serves with an agent process each; `claims`: its
     resources.claims (`gpu_access`)."""
     locals_ = served.local if served is not None and served.per_pod > 1 else (0,)
+    front_port: int | None = None
     env: list[dict[str, Any]] = [
         {"name": agent_env.ROLE, "value": role.label},
         _field_env(agent_env.POD_NAME, "metadata.name"),
@@ -85,8 +90,12 @@ def agent_container(
     if role is Role.SINK and inference_index is not None:
         entry = sync.spec.inference[inference_index]
         env.append({"name": agent_env.ENGINE, "value": entry.engine.value})
-        url = f"http://$({agent_env.POD_IP}):{entry.port}"
-        env.append({"name": agent_env.ENGINE_URL, "value": url})
+        # Behind a front the engine listens on the pod's loopback only.
+        host = "127.0.0.1" if entry.front is not None else f"$({agent_env.POD_IP})"
+        env.append({"name": agent_env.ENGINE_URL, "value": f"http://{host}:{entry.port}"})
+        if entry.front is not None:
+            env.append({"name": agent_env.FRONT_PORT, "value": str(entry.front.port)})
+            front_port = entry.front.port
         options = EngineOptions.of(entry)
         env.append({"name": agent_env.ENGINE_OPTIONS, "value": options.model_dump_json()})
         if sync.spec.mode is SyncMode.COLOCATED:  # the trainer's agent loads its engine
@@ -112,6 +121,10 @@ def agent_container(
         if template.metrics_port:
             port = template.metrics_port + local
             ports.append({"name": f"ws-metrics{suffix}", "containerPort": port, "protocol": "TCP"})
+    if front_port is not None:  # the engine's clients come here (a Service's targetPort)
+        ports.append(
+            {"name": names.FRONT_PORT_NAME, "containerPort": front_port, "protocol": "TCP"}
+        )
     extra = sync.spec.agent
     env.extend(_fabric_env(env, [*template.env, *(e.to_k8s() for e in extra.env)]))
     mounts.extend(m.to_k8s() for m in extra.volume_mounts)
@@ -134,6 +147,14 @@ def agent_container(
         "securityContext": security_context(["IPC_LOCK"] if extra.ipc_lock else []),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+
+
+def sink_agent_ports(template: AgentTemplate) -> dict[int, str]:
+    """The ports a sink's agent listens on itself, by number, with what each is for."""
+    ports = {template.http_port: "the agent's control port"}
+    if template.metrics_port:
+        ports[template.metrics_port] = "the agent's metrics port"
+    return ports
 
 
 def security_context(capabilities: Sequence[str] = ()) -> dict[str, Any]:

@@ -56,6 +56,19 @@ def test_the_p2p_protocol_defaults_to_auto(value: str | None, protocol: str) -> 
             {"WEIGHTSYNC_ROLE": "source", "WEIGHTSYNC_TOKEN": "x", "WEIGHTSYNC_HTTP_PORT": "0"},
             "http_port",
         ),
+        (
+            {"WEIGHTSYNC_ROLE": "source", "WEIGHTSYNC_TOKEN": "x", "WEIGHTSYNC_FRONT_PORT": "80"},
+            "FRONT_PORT is for a sink",
+        ),
+        (
+            {
+                "WEIGHTSYNC_ROLE": "sink",
+                "WEIGHTSYNC_TOKEN": "x",
+                "WEIGHTSYNC_ENGINE": "VLLM",
+                "WEIGHTSYNC_FRONT_PORT": "9470",
+            },
+            "FRONT_PORT must differ",
+        ),
     ],
 )
 def test_invalid_environments(env: dict[str, str], message: str) -> None:
@@ -83,3 +96,19 @@ def test_every_variable_the_webhook_writes_is_a_setting_the_agent_reads() -> Non
     fields = {agent_env.env_name(name) for name in AgentSettings.model_fields}
     assert set(agent_env.SETTINGS) <= fields
     assert agent_env.POD_IP not in fields  # expanded by the others, never read
+
+
+@pytest.mark.parametrize(
+    ("http_host", "p2p_host", "pod_ip", "p2p"),
+    [
+        ("10.1.2.3", None, "10.1.2.3", "10.1.2.3"),
+        ("10.1.2.3", "10.9.9.9", "10.1.2.3", "10.9.9.9"),
+        ("10.1.2.3", "0.0.0.0", "10.1.2.3", "10.1.2.3"),
+    ],
+)
+def test_the_pod_ip_is_the_control_apis_host(
+    http_host: str, p2p_host: str | None, pod_ip: str, p2p: str
+) -> None:
+    settings = AgentSettings(role=Role.SOURCE, token="t", http_host=http_host, p2p_host=p2p_host)
+    assert settings.pod_ip() == pod_ip
+    assert settings.p2p_address() == p2p

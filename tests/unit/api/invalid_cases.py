@@ -13,6 +13,7 @@ from typing import Any
 from tests.unit.api.builders import weightsync
 from weightsync.api.cel import CelRule
 from weightsync.api.v1alpha1.agent import ENV_NOT_RESERVED, NO_GPU_OF_ITS_OWN
+from weightsync.api.v1alpha1.front import COLOCATED_NO_FRONT, FRONT_NOT_ENGINE_PORT
 from weightsync.api.v1alpha1.spec import (
     COLOCATED_ONE_INFERENCE,
     COLOCATED_ONE_SOURCE,
@@ -269,6 +270,35 @@ CREATE_CASES = [
         "spec.inference[0].pauseMode",
         SGLANG_CANNOT_WAIT.message,
         rule=SGLANG_CANNOT_WAIT,
+    ),
+    Invalid(
+        "front-on-the-engine-port",
+        weightsync().set("spec.inference.0.front", {"port": 8000}).build(),
+        "spec.inference[0].front.port",
+        FRONT_NOT_ENGINE_PORT.message,
+        rule=FRONT_NOT_ENGINE_PORT,
+    ),
+    Invalid(
+        "front-port-zero",
+        weightsync().set("spec.inference.0.front", {"port": 0}).build(),
+        "spec.inference[0].front.port",
+        "should be greater than or equal to 1",
+    ),
+    Invalid(
+        "front-without-port",
+        weightsync().set("spec.inference.0.front", {}).build(),
+        "spec.inference[0].front.port",
+        "Required value",
+    ),
+    Invalid(
+        "colocated-with-a-front",
+        weightsync()
+        .set("spec.mode", "Colocated")
+        .set("spec.inference.0.front", {"port": 8001})
+        .build(),
+        "spec.inference",
+        COLOCATED_NO_FRONT.message,
+        rule=COLOCATED_NO_FRONT,
     ),
     Invalid(
         "colocated-with-two-engines",

@@ -26,6 +26,7 @@ from weightsync.api import (
 from weightsync.api.cel import CelRule
 from weightsync.api.crd import openapi_schema
 from weightsync.api.v1alpha1 import agent as agent_module
+from weightsync.api.v1alpha1 import front as front_module
 from weightsync.api.v1alpha1 import spec as spec_module
 from weightsync.api.validation import IMMUTABLE_FIELDS, field_path
 
@@ -55,7 +56,7 @@ def test_invalid_status_is_rejected_at_the_api_servers_path(case: InvalidStatus)
 def test_every_cel_rule_has_a_case() -> None:
     rules = {
         value
-        for module in (spec_module, agent_module)
+        for module in (spec_module, agent_module, front_module)
         for value in vars(module).values()
         if isinstance(value, CelRule)
     }

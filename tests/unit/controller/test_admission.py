@@ -9,8 +9,9 @@ import kopf
 import pytest
 from kubernetes import client
 
+from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import pod
-from weightsync.controller.admission import apply_patch, inject, set_patch
+from weightsync.controller.admission import apply_patch, front_errors, inject, set_patch
 from weightsync.controller.cache import REPLICASET_OWNERS_INDEX, Indexes, replicaset_owner
 from weightsync.controller.kube import Kube
 from weightsync.controller.sidecar import AgentTemplate
@@ -92,3 +93,19 @@ def test_the_patch_sent_is_the_ops_and_does_what_kopfs_derived_one_does() -> Non
     assert patch.as_json_patch() == ops
     derived = kopf.Patch.as_json_patch(patch)  # the class's: kopf's own derivation
     assert jsonpatch.apply_patch(body, ops) == jsonpatch.apply_patch(body, derived)
+
+
+@pytest.mark.parametrize(
+    ("port", "errors"),
+    [
+        (8001, []),
+        (8470, ["spec.inference[1].front.port: 8470 is the agent's control port in the"
+                " injected sidecar; choose another port"]),
+        (9470, ["spec.inference[1].front.port: 9470 is the agent's metrics port in the"
+                " injected sidecar; choose another port"]),
+    ],
+)  # fmt: skip
+def test_a_front_on_one_of_the_agents_own_ports_is_refused(port: int, errors: list[str]) -> None:
+    body = weightsync().inference("engine-b", front={"port": port}).build()
+    assert front_errors(body, TEMPLATE) == errors
+    assert front_errors(body, AgentTemplate(image="a", http_port=7000, metrics_port=0)) == []

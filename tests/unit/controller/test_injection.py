@@ -8,6 +8,7 @@ import jsonpatch
 import pytest
 
 from tests.unit.controller.builders import pod, sync
+from weightsync.agent.settings import AgentSettings
 from weightsync.api import agent_env
 from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role
@@ -271,3 +272,26 @@ def test_the_sidecar_gets_only_variables_of_the_agent_env_contract(role: Role) -
     names_written = set(env_of(agent_of(patched)))
     assert names_written <= {*agent_env.SETTINGS, agent_env.POD_IP, agent_env.TMPDIR}
     assert agent_env.ROLE in names_written
+
+
+def test_a_sink_with_a_front_serves_it_and_reaches_its_engine_on_loopback() -> None:
+    _, patched = inject(
+        pod("engine-a-abc-x1").build(), Role.SINK, spec__inference__0__front={"port": 8001}
+    )
+    agent = agent_of(patched)
+    env = env_of(agent)
+    assert env["WEIGHTSYNC_ENGINE_URL"] == "http://127.0.0.1:8000"
+    assert env["WEIGHTSYNC_FRONT_PORT"] == "8001"
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    assert ports == {"ws-control": 8470, "ws-metrics": 9470, "ws-front": 8001}
+    # The settings the webhook writes are the ones the agent accepts.
+    literal = {k: v for k, v in env.items() if isinstance(v, str) and "$(" not in v}
+    settings = AgentSettings.from_env({**literal, "WEIGHTSYNC_TOKEN": "t"})
+    assert settings.front_port == 8001
+
+
+def test_a_sink_without_a_front_has_no_front_port() -> None:
+    _, patched = inject(pod("engine-a-abc-x1").build(), Role.SINK)
+    agent = agent_of(patched)
+    assert agent_env.FRONT_PORT not in env_of(agent)
+    assert names.FRONT_PORT_NAME not in {p["name"] for p in agent["ports"]}

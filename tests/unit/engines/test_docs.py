@@ -23,10 +23,12 @@ PAGES = [
 
 
 def _manifests(text: str) -> list[dict[str, Any]]:
+    """The page's whole objects (fragments of a spec, which have no kind, left out)."""
     return [
         doc
         for block in re.findall(r"```yaml\n(.*?)```", text, re.S)
         for doc in yaml.safe_load_all(block)
+        if isinstance(doc, dict) and "kind" in doc
     ]
 
 
@@ -48,8 +50,11 @@ def test_engine_page_example_is_a_valid_weightsync_and_deployment(
     template = deployment["spec"]["template"]
     assert template["metadata"]["labels"]["weightsync.io/inject"] == "true"
     (container,) = template["spec"]["containers"]
-    assert container["ports"][0]["containerPort"] == entry.port
-    assert "--host=0.0.0.0" in container["args"]
+    # The engine on the pod's loopback, its clients and probes through the agent's front.
+    assert entry.front is not None
+    assert "--host=127.0.0.1" in container["args"]
+    assert f"--port={entry.port}" in container["args"]
+    assert container["readinessProbe"]["httpGet"]["port"] == entry.front.port
     # The example leaves the injected flags to the webhook.
     assert injection.merged_args(container["args"]) == [*container["args"], *injection.args]
     for flag in injection.flags:

@@ -1,6 +1,7 @@
 """The weightsync.io/v1alpha1 API: the WeightSync resource."""
 
 from weightsync.api.v1alpha1.agent import AgentResources, AgentSpec, EnvVar, VolumeMount
+from weightsync.api.v1alpha1.front import FrontSpec
 from weightsync.api.v1alpha1.resource import API_VERSION, VERSION, ObjectMeta, WeightSync
 from weightsync.api.v1alpha1.spec import (
     DeploymentRef,
@@ -33,6 +34,7 @@ __all__ = [
     "DeploymentRef",
     "Engine",
     "EnvVar",
+    "FrontSpec",
     "InferenceSpec",
     "Member",
     "ObjectMeta",

@@ -18,6 +18,7 @@ from pydantic import (
 from weightsync.api.base import INT64_MAX, ApiModel, ObjectName
 from weightsync.api.cel import CelRule, RuleReason, located_error, validations
 from weightsync.api.v1alpha1.agent import AgentSpec
+from weightsync.api.v1alpha1.front import COLOCATED_NO_FRONT, FRONT_NOT_ENGINE_PORT, FrontSpec
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -236,13 +237,27 @@ class InferenceSpec(ApiModel):
     Cached prefixes were computed with the old weights; turn this off only if stale cache
     entries are acceptable for your rollouts."""
 
+    front: FrontSpec | None = None
+    """front keeps the engine's update routes to its own agent: the engine listens on the
+    pod's loopback (`--host 127.0.0.1`) and the agent serves its clients on front.port,
+    refusing those routes. Unset, the engine's port is open to every pod that reaches it.
+    Not supported in Colocated mode."""
+
     @model_validator(mode="after")
     def _engine_supports_pause_mode(self) -> Self:
         if self.engine == Engine.SGLANG and self.pause_mode == PauseMode.WAIT:
             raise SGLANG_CANNOT_WAIT.violation()
         return self
 
-    model_config = ConfigDict(json_schema_extra=validations(SGLANG_CANNOT_WAIT))
+    @model_validator(mode="after")
+    def _front_apart_from_engine(self) -> Self:
+        if self.front is not None and self.front.port == self.port:
+            raise FRONT_NOT_ENGINE_PORT.violation()
+        return self
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(SGLANG_CANNOT_WAIT, FRONT_NOT_ENGINE_PORT)
+    )
 
 
 class TransferSpec(ApiModel):
@@ -374,8 +389,12 @@ class WeightSyncSpec(ApiModel):
             raise COLOCATED_ONE_INFERENCE.violation()
         if self.mode is SyncMode.COLOCATED and len(self.trainer.listed_ranks()) != 1:
             raise COLOCATED_ONE_SOURCE.violation()
+        if self.mode is SyncMode.COLOCATED and any(e.front for e in self.inference):
+            raise COLOCATED_NO_FRONT.violation()
         return self
 
     model_config = ConfigDict(
-        json_schema_extra=validations(COLOCATED_ONE_INFERENCE, COLOCATED_ONE_SOURCE)
+        json_schema_extra=validations(
+            COLOCATED_ONE_INFERENCE, COLOCATED_ONE_SOURCE, COLOCATED_NO_FRONT
+        )
     )

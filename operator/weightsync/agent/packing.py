@@ -80,7 +80,7 @@ class PackingChannel:
         slots: SlotHandles | None = None,
     ) -> None:
         if pieces is not None or slots is not None:
-            raise RoundFailed("publisher_protocol", "a sharded rank packs its own pieces")
+            raise RoundFailed("publisher_protocol", "pieces are a sharded round's: PieceChannel")
         await self._run(partial(self._packer.pack, bucket, slot, self._slots))
 
 

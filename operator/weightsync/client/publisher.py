@@ -22,7 +22,8 @@ settings from the operator) renegotiates.
 
 A sharded trainer calls `publish` on every source rank with its `DTensor`s (FSDP2, tensor
 or expert parallel) or the plain tensors that rank owns: each rank sends only what it
-holds locally (`client.shards`), and packs its own pieces when its agent asks.
+holds locally (`client.shards`): on GPU its agent maps those blocks and packs the
+rank's pieces of each bucket itself, elsewhere this process packs them when asked.
 """
 
 from __future__ import annotations

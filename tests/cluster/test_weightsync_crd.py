@@ -153,6 +153,20 @@ def test_all_examples_apply_together(crd: LocalCluster, namespace: str) -> None:
     )
 
 
+def test_the_walkthrough_manifests_are_accepted_as_they_are(
+    crd: LocalCluster, namespace: str
+) -> None:
+    """docs/real-cluster.md's walkthrough: claims, trainer, vLLM engine and WeightSync,
+    each file as the page applies it (a server-side dry run: nothing is scheduled)."""
+    walkthrough = REPO_ROOT / "docs" / "examples" / "vllm-tp"
+    for name in ("gpus.yaml", "trainer.yaml", "engine.yaml", "weightsync.yaml"):
+        applied = crd.kubectl(
+            "apply", "--dry-run=server", "--validate=strict", "-n", namespace,
+            "-f", str(walkthrough / name),
+        )  # fmt: skip
+        assert "(server dry run)" in applied.stdout, applied.stdout
+
+
 @pytest.mark.parametrize("case", CREATE_CASES, ids=lambda case: case.id)
 def test_invalid_weightsync_is_rejected_with_its_field_path(
     crd: LocalCluster, rejection_namespace: str, case: Invalid

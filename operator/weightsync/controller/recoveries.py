@@ -1,8 +1,10 @@
-"""Carry out the recovery decisions of one pass: post requests, report outcomes, count them.
+"""One pass's recoveries: decided (`decide_recoveries`, pure, from
+`recovery.plan_recoveries`), then carried out (`carry_out`: post requests, report
+outcomes, count them).
 
-The decisions are `recovery.plan_recoveries`; this module talks to the agents, posts the
-Events and feeds the metrics. It returns the pods the pass must hold out of the next
-generation, and whether a recovery is in flight (the reconciler then polls sooner).
+The decisions say which pods the pass must hold out of the next generation, and whether a
+recovery is in flight (the reconciler then polls sooner); carrying them out talks to the
+agents, posts the Events and feeds the metrics.
 """
 
 from __future__ import annotations
@@ -88,6 +90,93 @@ def request_for(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RecoveryStart:
+    """A recovery to ask a pod's agent for; `tracker` is the pod's (a refusal counts in it)."""
+
+    pod: PodView
+    request: RecoverRequest
+    tracker: Tracker
+
+
+@dataclass(frozen=True, slots=True)
+class Recoveries:
+    """One pass's recovery decisions: the trackers after it (by pod uid), the attempts
+    that ended to report, the recoveries to start, and what the pass does meanwhile."""
+
+    trackers: dict[str, Tracker]
+    finished: tuple[Decision, ...]
+    starts: tuple[RecoveryStart, ...]
+    held: RecoveryPass
+
+
+def decide_recoveries(
+    *,
+    spec: WeightSyncSpec,
+    current: Current,
+    pods: Sequence[PodView],
+    statuses: Mapping[str, AgentStatus],
+    trackers: Mapping[str, Tracker],
+    now: float,
+    default_port: int,
+) -> Recoveries:
+    """One pass of recovery decisions (`recovery.plan_recoveries`); `trackers` is left
+    as it was."""
+    live = {p.uid for p in pods}
+    after = {uid: tracker for uid, tracker in trackers.items() if uid in live}
+    decisions = plan_recoveries(
+        spec,
+        current,
+        pods=pods,
+        statuses=statuses,
+        trackers=after,
+        now=now,
+        default_port=default_port,
+    )
+    held_out: set[str] = set()
+    watched: set[str] = set()
+    starts = []
+    for decision in decisions:
+        tracker = after[decision.pod.uid] = decision.tracker
+        if decision.step is Step.START and current.version is not None:
+            request = request_for(spec, current, decision.holders, decision.protocol)
+            starts.append(RecoveryStart(decision.pod, request, tracker))
+        if decision.step is not Step.ADMIT:
+            watched.add(decision.pod.name)
+            if not decision.in_group:
+                held_out.add(decision.pod.name)
+    held = RecoveryPass(frozenset(held_out), in_flight=bool(watched), watched=frozenset(watched))
+    finished = tuple(d for d in decisions if d.finished is not None)
+    return Recoveries(after, finished, tuple(starts), held)
+
+
+async def carry_out(
+    recoveries: Recoveries,
+    *,
+    raw: Mapping[str, Any],
+    agents: AgentClient,
+    token: str,
+    post_event: EventPoster,
+    now: float,
+    default_port: int,
+) -> None:
+    """Report the attempts that ended, then ask for the recoveries to start, together
+    (a scale-up brings many pods to recover at once)."""
+    for decision in recoveries.finished:
+        _report(decision, post_event, raw)
+
+    async def start(job: RecoveryStart) -> None:
+        pod = job.pod
+        address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
+        answer = await agents.recover(address, job.request, token)
+        _started(
+            pod.name, job.request, answer, tracker=job.tracker, post_event=post_event,
+            raw=raw, now=now,
+        )  # fmt: skip
+
+    await asyncio.gather(*(start(job) for job in recoveries.starts))
+
+
 async def run_recoveries(
     *,
     raw: Mapping[str, Any],
@@ -102,45 +191,19 @@ async def run_recoveries(
     now: float,
     default_port: int,
 ) -> RecoveryPass:
-    """One pass of recovery work; `trackers` (by pod uid) is updated in place."""
-    live = {p.uid for p in pods}
-    for uid in [uid for uid in trackers if uid not in live]:
-        del trackers[uid]
-    decisions = plan_recoveries(
-        spec,
-        current,
-        pods=pods,
-        statuses=statuses,
-        trackers=trackers,
-        now=now,
+    """One pass of recovery work, decided and carried out; `trackers` (by pod uid) is
+    updated in place."""
+    decided = decide_recoveries(
+        spec=spec, current=current, pods=pods, statuses=statuses, trackers=trackers,
+        now=now, default_port=default_port,
+    )  # fmt: skip
+    trackers.clear()
+    trackers.update(decided.trackers)
+    await carry_out(
+        decided, raw=raw, agents=agents, token=token, post_event=post_event, now=now,
         default_port=default_port,
-    )
-    held_out: set[str] = set()
-    watched: set[str] = set()
-    starts = []
-    for decision in decisions:
-        tracker = trackers[decision.pod.uid] = decision.tracker
-        _report(decision, post_event, raw)
-        if decision.step is Step.START and current.version is not None:
-            starts.append((decision.pod, tracker))
-        if decision.step is not Step.ADMIT:
-            watched.add(decision.pod.name)
-            if not decision.in_group:
-                held_out.add(decision.pod.name)
-
-    async def start(pod: PodView, tracker: Tracker) -> None:
-        address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
-        chosen = starting[pod.name]
-        request = request_for(spec, current, chosen.holders, chosen.protocol)
-        answer = await agents.recover(address, request, token)
-        _started(
-            pod.name, request, answer, tracker=tracker, post_event=post_event, raw=raw, now=now
-        )
-
-    starting = {d.pod.name: d for d in decisions}
-    # A scale-up brings many pods to recover at once: ask them all together.
-    await asyncio.gather(*(start(pod, tracker) for pod, tracker in starts))
-    return RecoveryPass(frozenset(held_out), in_flight=bool(watched), watched=frozenset(watched))
+    )  # fmt: skip
+    return decided.held
 
 
 def _report(decision: Decision, post_event: EventPoster, raw: Mapping[str, Any]) -> None:

@@ -53,7 +53,7 @@ class Blocked:
 @dataclass(frozen=True, slots=True)
 class Observed:
     """What one pass read (the input of `decide.decide`); nothing in it changes after.
-    Past a `blocked` pass, only the first four fields and `at` are read."""
+    Of a `blocked` pass, only the first four fields are read."""
 
     raw: Mapping[str, Any]  # the WeightSync as stored
     old: WeightSyncStatus  # its status, parsed

@@ -177,35 +177,6 @@ async def carry_out(
     await asyncio.gather(*(start(job) for job in recoveries.starts))
 
 
-async def run_recoveries(
-    *,
-    raw: Mapping[str, Any],
-    spec: WeightSyncSpec,
-    current: Current,
-    pods: Sequence[PodView],
-    statuses: Mapping[str, AgentStatus],
-    trackers: dict[str, Tracker],
-    agents: AgentClient,
-    token: str,
-    post_event: EventPoster,
-    now: float,
-    default_port: int,
-) -> RecoveryPass:
-    """One pass of recovery work, decided and carried out; `trackers` (by pod uid) is
-    updated in place."""
-    decided = decide_recoveries(
-        spec=spec, current=current, pods=pods, statuses=statuses, trackers=trackers,
-        now=now, default_port=default_port,
-    )  # fmt: skip
-    trackers.clear()
-    trackers.update(decided.trackers)
-    await carry_out(
-        decided, raw=raw, agents=agents, token=token, post_event=post_event, now=now,
-        default_port=default_port,
-    )  # fmt: skip
-    return decided.held
-
-
 def _report(decision: Decision, post_event: EventPoster, raw: Mapping[str, Any]) -> None:
     finished = decision.finished
     if finished is None:

@@ -56,7 +56,8 @@ class Planned:
 
 
 class Planner:
-    """Plans generations (pure, on a pass's soft state) and delivers their plans."""
+    """Plans generations without I/O (on a pass's copy of the soft state) and delivers
+    their plans."""
 
     def __init__(
         self, agents: AgentClient, settings: OperatorSettings, post_event: EventPoster

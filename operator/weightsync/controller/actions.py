@@ -59,17 +59,17 @@ class Plans:
 
 @dataclass(frozen=True, slots=True)
 class Actions:
-    """Everything one pass does, in the order the apply step does it: the token Secret,
-    pods to recreate, recoveries, plans with the status, readiness gates."""
+    """Everything one pass does, in the order the apply step does it: recoveries, plans
+    with the status, readiness gates, the token Secret, pods to recreate."""
 
     result: Result
     status: StatusWrite | None = None
     soft: SoftState | None = None  # the soft state after the pass (None: as it was)
-    write_token: bool = False  # apply this WeightSync's token Secret (once per object)
-    recreate: tuple[PodView, ...] = ()  # opted-in pods the webhook missed
     recoveries: Recoveries | None = None  # attempts to report, recoveries to start
     plans: Plans | None = None
     gates: tuple[GateDecision, ...] = ()  # readiness gates to flip
+    write_token: bool = False  # apply this WeightSync's token Secret (once per object)
+    recreate: tuple[PodView, ...] = ()  # opted-in pods the webhook missed
     # When the next pass runs: soon (a recovery's progress shows in no pod event) when
     # one is in flight, polling `watched` first; else at the next event or timer.
     poll_soon: bool = False

@@ -1,12 +1,13 @@
 """The apply step of a pass: performs the `actions.Actions` that `decide` returned.
 
 In order: the soft state is adopted (before any await, so nothing the background does
-meanwhile is lost), the token Secret written (once per WeightSync object), pods the
-webhook missed recreated, recoveries reported and started, then the status written while
-a new generation's plans go out (`PLANS_WAIT_SECONDS`: a thousand plans take seconds,
-and `kubectl get wsync` need not wait to name the new members; refusals answered in time
-are written once more), Events posted, and last the readiness gates handed to a
-background writer (`gatesync`): status first, so `kubectl get wsync` never lags them.
+meanwhile is lost), recoveries reported and started, then the status written while a
+new generation's plans go out (`PLANS_WAIT_SECONDS`: a thousand plans take seconds, and
+`kubectl get wsync` need not wait to name the new members; refusals answered in time are
+written once more), Events posted, the readiness gates handed to a background writer
+(`gatesync`: status first, so `kubectl get wsync` never lags them), and last the token
+Secret (once per WeightSync object) and the pods the webhook missed, recreated: no agent
+reads a token Secret written this pass, and a pod without the sidecar has no agent.
 """
 
 from __future__ import annotations
@@ -63,11 +64,6 @@ class Applier:
             memory.adopt(actions.soft)
             memory.watched = actions.watched
         memory.poll_soon = actions.poll_soon
-        if actions.write_token:
-            await asyncio.to_thread(self.kube.write_token, namespace, raw, seen.token)
-            memory.token_written_for = raw["metadata"]["uid"]
-        if actions.recreate:
-            await pod_actions.recreate(self.kube, self.post_event, raw, actions.recreate)
         if actions.recoveries is not None:
             await carry_out(
                 actions.recoveries, raw=raw, agents=self.agents, token=seen.token,
@@ -93,6 +89,13 @@ class Applier:
             memory.gates = GateSync(self.kube.writer, namespace)
         memory.gates.submit(seen.pods, actions.gates)
         metrics.record_status(namespace, name, new)
+        # Last: nothing above waits on them, and a failure here (it fails the pass) must
+        # not leave a generation counted as delivered whose plans never went out.
+        if actions.write_token:
+            await asyncio.to_thread(self.kube.write_token, namespace, raw, seen.token)
+            memory.token_written_for = raw["metadata"]["uid"]
+        if actions.recreate:
+            await pod_actions.recreate(self.kube, self.post_event, raw, actions.recreate)
 
     def send_plans(
         self, key: Key, delivery: Coroutine[Any, Any, dict[str, str]], memory: Memory

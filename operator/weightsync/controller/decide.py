@@ -91,11 +91,11 @@ def decide(seen: Observed, soft: SoftState) -> Actions:
         Result(Outcome.OK),
         status_write(old, observed_status(old, observation, seen.at), observation),
         soft=soft,
-        write_token=not seen.token_written,
-        recreate=tuple(uninjected(seen.raw, seen.pods, seen.webhook_settling)),
         recoveries=group.recoveries,
         plans=plans,
         gates=tuple(gates),
+        write_token=not seen.token_written,
+        recreate=tuple(uninjected(seen.raw, seen.pods, seen.webhook_settling)),
         poll_soon=held.in_flight,
         watched=held.watched,
     )

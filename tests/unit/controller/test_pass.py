@@ -1,7 +1,8 @@
 """Whole passes, observe -> decide -> apply, between a served API server and served agents
 (the workloads and the WeightSync read from a stand-in for the watches): the first pass
 writes the token Secret, delivers generation 1 while the status names it, and hands the
-gates over; the next pass keeps that generation and writes no token again."""
+gates over; the next pass keeps that generation and writes no token again. A token
+write that fails comes after the plans."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from aiohttp import web
 from kubernetes import client
 
@@ -46,6 +48,7 @@ class Cluster(Kube):
         super().__init__(client.ApiClient(client.Configuration(host=url)))
         self.raw, self.world = raw, world
         self.tokens: list[str] = []
+        self.token_error: Exception | None = None  # the next token write raises it
 
     def get_weightsync(self, namespace: str, name: str) -> dict[str, Any]:
         return self.raw
@@ -57,6 +60,9 @@ class Cluster(Kube):
         return self.world
 
     def write_token(self, namespace: str, raw: Mapping[str, Any], token: str) -> None:
+        error, self.token_error = self.token_error, None
+        if error is not None:
+            raise error
         self.tokens.append(token)
 
 
@@ -217,5 +223,29 @@ def test_a_first_pass_plans_writes_and_gates_and_the_next_keeps_its_generation()
             assert len(stage.plans) == 3  # no new generation
             assert len(stage.cluster.tokens) == 1  # once per WeightSync object
             assert all(s["groupGeneration"] == 1 for s in stage.statuses)
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_token_write_fails_the_pass_after_its_plans_went_out() -> None:
+    """The soft state counts a new generation delivered from the pass that planned it: a
+    write that fails the pass must come after the plans, or the next pass would keep a
+    generation no agent was sent."""
+
+    async def scenario() -> None:
+        async with served() as stage:
+            reconciler = stage.reconciler
+            stage.cluster.token_error = ConnectionError("the API server is away")
+            with pytest.raises(ConnectionError):
+                await reconciler.run(*KEY)
+            memory = reconciler._memory[KEY]
+            assert memory.sending is not None
+            assert await memory.sending == {}
+            assert len(stage.plans) == 3
+            assert [s["groupGeneration"] for s in stage.statuses] == [1]
+            # The next pass writes the token and keeps the generation.
+            assert (await reconciler.run(*KEY)).outcome is Outcome.OK
+            assert len(stage.cluster.tokens) == 1
+            assert len(stage.plans) == 3
 
     asyncio.run(scenario())

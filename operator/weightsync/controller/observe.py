@@ -79,7 +79,7 @@ def without_status(raw: Mapping[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in raw.items() if k != "status"}, "metadata": meta}
 
 
-def stored(raw: Mapping[str, Any], memory: Memory) -> WeightSyncStatus:
+def cached_status(raw: Mapping[str, Any], memory: Memory) -> WeightSyncStatus:
     """The stored status, parsed once per version of the WeightSync: a thousand members
     took a fifth of a pass's CPU, and most passes read the version the last one did."""
     version = raw["metadata"].get("resourceVersion")
@@ -118,7 +118,7 @@ class Observer:
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             return None
         generation = int(raw["metadata"].get("generation") or 0)
-        old = stored(raw, memory)
+        old = cached_status(raw, memory)
 
         def blocked(outcome: Outcome, problem: tuple[str, str]) -> Observed:
             return Observed(raw, old, generation, utc_now(), Blocked(outcome, *problem))

@@ -3,8 +3,8 @@
 A pass is three steps: `observe` reads what it acts on into one immutable `Observed`
 (the WeightSync, its workloads' pods, the agents' answers); `decide.decide`, pure, turns
 that and the soft state (`memory.SoftState`) into `actions.Actions`; `apply` performs
-them (the token Secret, recreated pods, recoveries, plans, the status and its Events,
-readiness gates). This module runs passes one at a time per WeightSync (`scheduling`),
+them (recoveries, plans, the status and its Events, readiness gates, the token
+Secret, recreated pods). This module runs passes one at a time per WeightSync (`scheduling`),
 follows recoveries up (a pass soon while one is in flight), and owns the timers' polls:
 the drift timer's sweep of every agent (`resync`) and the trainer's agents asked every
 second (`watch_sources`).

@@ -10,7 +10,7 @@ from weightsync.api.v1alpha1 import WeightSyncStatus
 from weightsync.controller.memory import SoftState
 from weightsync.controller.plan import Desired
 from weightsync.controller.readiness import GateDecision
-from weightsync.controller.recoveries import Recoveries
+from weightsync.controller.recovery import Recoveries
 from weightsync.controller.status import EventSpec, Observation
 from weightsync.controller.transitions import transition_events
 from weightsync.controller.workloads import PodView

@@ -8,6 +8,10 @@ written once more), Events posted, the readiness gates handed to a background wr
 (`gatesync`: status first, so `kubectl get wsync` never lags them), and last the token
 Secret (once per WeightSync object) and the pods the webhook missed, recreated: no agent
 reads a token Secret written this pass, and a pod without the sidecar has no agent.
+
+Recoveries (`carry_out`): attempts that ended are counted and reported in Events, then
+the requests `recovery.decide_recoveries` chose are posted together (`POST /v1/recover`;
+a refusal counts as a failed attempt in the pod's tracker).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
+from weightsync.api import reasons
 from weightsync.api.base import utc_now
+from weightsync.api.control import RecoverRequest, RecoveryState, RecoveryStatus
 from weightsync.api.v1alpha1 import WeightSyncStatus
 from weightsync.controller import metrics
 from weightsync.controller import pods as pod_actions
 from weightsync.controller.actions import Actions, Outcome, StatusWrite, status_write
-from weightsync.controller.agents import AgentClient
+from weightsync.controller.agents import AgentAddress, AgentClient
 from weightsync.controller.gatesync import GateSync
 from weightsync.controller.generations import Planner
 from weightsync.controller.kube import Kube
@@ -31,9 +37,16 @@ from weightsync.controller.memory import Memory
 from weightsync.controller.observe import Key, Observed
 from weightsync.controller.plan import slots
 from weightsync.controller.pods import EventPoster
-from weightsync.controller.recoveries import carry_out
+from weightsync.controller.recovery import (
+    Decision,
+    Recoveries,
+    RecoveryStart,
+    Tracker,
+    backoff_seconds,
+    start_refused,
+)
 from weightsync.controller.scheduling import log_pass_failure
-from weightsync.controller.status import observed_status
+from weightsync.controller.status import EventSpec, observed_status
 
 # How long a pass that planned a new generation waits for its plans to be answered; the
 # rest go on, and their end brings a pass (refusals sit out, a new generation follows).
@@ -166,3 +179,107 @@ class Applier:
         for event in write.events:
             self.post_event(raw, event)
         return after
+
+
+async def carry_out(
+    recoveries: Recoveries,
+    *,
+    raw: Mapping[str, Any],
+    agents: AgentClient,
+    token: str,
+    post_event: EventPoster,
+    now: float,
+    default_port: int,
+) -> None:
+    """Report the attempts that ended, then ask for the recoveries to start, together
+    (a scale-up brings many pods to recover at once)."""
+    for decision in recoveries.finished:
+        _report(decision, post_event, raw)
+
+    async def start(job: RecoveryStart) -> None:
+        pod = job.pod
+        address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
+        answer = await agents.recover(address, job.request, token)
+        _started(
+            pod.name, job.request, answer, tracker=job.tracker, post_event=post_event,
+            raw=raw, now=now,
+        )  # fmt: skip
+
+    await asyncio.gather(*(start(job) for job in recoveries.starts))
+
+
+def _report(decision: Decision, post_event: EventPoster, raw: Mapping[str, Any]) -> None:
+    finished = decision.finished
+    if finished is None:
+        return
+    if finished.state is RecoveryState.DONE:
+        metrics.RECOVERIES.labels("done").inc()
+        metrics.RECOVERY_DURATION.observe(finished.duration_millis / 1000)
+        retry = 0.0
+    else:
+        metrics.RECOVERIES.labels("failed").inc()
+        retry = backoff_seconds(decision.tracker.failures)
+    post_event(raw, finished_event(decision.pod.name, finished, retry))
+
+
+def _started(
+    pod: str,
+    request: RecoverRequest,
+    answer: RecoveryStatus | str,
+    *,
+    tracker: Tracker,
+    post_event: EventPoster,
+    raw: Mapping[str, Any],
+    now: float,
+) -> None:
+    if isinstance(answer, str):
+        start_refused(tracker, now)
+        metrics.RECOVERIES.labels("refused").inc()
+        message = reasons.RECOVERY_REFUSED_MESSAGE.format(
+            pod=pod,
+            version=request.version,
+            error=answer,
+            retry=f"{backoff_seconds(tracker.failures):g}",
+        )
+        post_event(raw, EventSpec("Warning", reasons.RECOVERY_FAILED, message))
+        return
+    metrics.RECOVERIES.labels("started").inc()
+    message = reasons.RECOVERY_STARTED_MESSAGE.format(
+        pod=pod,
+        version=request.version,
+        holders=", ".join(request.holders),
+        protocol=request.protocol.value,
+    )
+    post_event(raw, EventSpec("Normal", reasons.RECOVERY_STARTED, message))
+
+
+def finished_event(pod: str, finished: RecoveryStatus, retry: float) -> EventSpec:
+    """The Event for an attempt that ended (done or failed)."""
+    used = ", ".join(finished.holders_used) or "no holder"
+    if finished.state is RecoveryState.DONE:
+        return EventSpec(
+            "Normal",
+            reasons.RECOVERED,
+            reasons.RECOVERED_MESSAGE.format(
+                pod=pod,
+                version=finished.version,
+                millis=finished.duration_millis,
+                bytes=finished.bytes,
+                bandwidth=finished.bandwidth_bytes_per_second,
+                holders=used,
+            ),
+        )
+    dropped = "; ".join(f"{url}: {why}" for url, why in finished.holders_failed.items())
+    return EventSpec(
+        "Warning",
+        reasons.RECOVERY_FAILED,
+        reasons.RECOVERY_FAILED_MESSAGE.format(
+            pod=pod,
+            version=finished.version,
+            millis=finished.duration_millis,
+            reason=finished.reason or "failed",
+            message=finished.message,
+            dropped=dropped or "none",
+            retry=f"{retry:g}",
+        ),
+    )

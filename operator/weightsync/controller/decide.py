@@ -3,7 +3,7 @@
 `decide` reads an `observe.Observed` and a `memory.SoftState`, changes neither, and
 returns `actions.Actions`: the soft state after the pass, the status and its Events, the
 plans of a new generation, the recoveries to start, the readiness gates to flip, and
-when to pass again. It composes the pure modules: `recoveries.decide_recoveries` (who
+when to pass again. It composes the pure modules: `recovery.decide_recoveries` (who
 recovers, held out of the group meanwhile), `plan` and `generations.Planner` (members,
 whether a new generation is due, the pre-warm timeout), `readiness` (the current version
 and the gates), `status` and `transitions` (the status and its Events). Clocks come from
@@ -38,7 +38,7 @@ from weightsync.controller.readiness import (
     round_vouches,
     rounds_reach,
 )
-from weightsync.controller.recoveries import Recoveries, decide_recoveries
+from weightsync.controller.recovery import Recoveries, decide_recoveries
 from weightsync.controller.status import Observation, observed_status, problem_status
 
 log = logging.getLogger(__name__)

@@ -21,13 +21,15 @@ from weightsync.api.control import (
 from weightsync.api.v1alpha1 import RecoveryProtocol, Role
 from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.apply import carry_out
 from weightsync.controller.readiness import Current
-from weightsync.controller.recoveries import RecoveryPass, carry_out, decide_recoveries
 from weightsync.controller.recovery import (
+    RecoveryPass,
     Step,
     Tracker,
     backoff_seconds,
     behind,
+    decide_recoveries,
     holders_of,
     plan_recoveries,
 )

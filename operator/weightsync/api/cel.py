@@ -50,11 +50,6 @@ class CelRule:
     """Where the API server reports the error, relative to the node the rule is on."""
     reason: RuleReason = RuleReason.INVALID
 
-    @property
-    def is_transition(self) -> bool:
-        """Whether the rule compares with the stored object (checked on update only)."""
-        return "oldSelf" in self.rule
-
     def schema(self) -> dict[str, str]:
         entry = {"rule": self.rule, "message": self.message}
         if self.field_path:

@@ -18,7 +18,7 @@ before they are filled (index pre-population), so a pass never sees half a names
   ReplicaSet's controlling Deployment by the ReplicaSet's name, for the pod webhook
   (a GET per admitted pod cost the API server and the webhook's latency at scale-up);
 * each WeightSync whole, by name: a pass reads its own from here while the watch holds
-  the newest version the pass knows of (`reconcile.Reconciler._read`).
+  the newest version the pass knows of (`observe.Observer.read`).
 
 Values are slim copies holding only the fields `workloads` reads, so 1,000 pods cost
 about a megabyte. Pods without the inject label are not watched: a workload whose pod

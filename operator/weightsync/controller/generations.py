@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from weightsync.api import ConditionType, find_condition, reasons
@@ -13,7 +14,7 @@ from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
 from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
-from weightsync.controller.memory import Memory, Unsaved
+from weightsync.controller.memory import Memory, SoftState, Unsaved
 from weightsync.controller.plan import (
     Desired,
     Slot,
@@ -34,8 +35,29 @@ log = logging.getLogger(__name__)
 PLAN_FAILURE_COOLDOWN_SECONDS = 10.0  # a pod that refused a plan sits out this long
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """The planned generation as a pass finds it: the status as read, the members of the
+    planned generation, and the Colocated engine that generation feeds."""
+
+    status: WeightSyncStatus
+    members: list[Slot]
+    engine: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """The generation a pass plans for: its members, its number (None: none yet), and
+    whether it is new this pass (its plans are then the caller's to send, `deliver`)."""
+
+    members: list[Slot]
+    generation: int | None
+    fresh: bool = False
+
+
 class Planner:
-    """Plans and delivers generations for the reconcile pass."""
+    """Plans generations without I/O (on a pass's copy of the soft state) and delivers
+    their plans."""
 
     def __init__(
         self, agents: AgentClient, settings: OperatorSettings, post_event: EventPoster
@@ -44,34 +66,35 @@ class Planner:
         self.settings = settings
         self.post_event = post_event
 
+    @classmethod
     def plan(
-        self,
+        cls,
         raw: Mapping[str, Any],
-        stored: tuple[WeightSyncStatus, list[Slot], str | None],
+        stored: Stored,
         desired: Desired,
         statuses: Mapping[str, AgentStatus],
         *,
         evidence: Mapping[str, AgentStatus],
-        memory: Memory,
+        memory: SoftState,
         generation: int | None,
+        plans_in_flight: bool,
+        now: float,
         batching: bool = False,
-    ) -> tuple[list[Slot], int | None, bool]:
-        """Plan a new generation if the group must change: (slots, generation, whether it
-        is new: its plans are the caller's to send, `deliver`). `stored`: the status as
-        read, the slots of the planned generation, and the Colocated engine that
-        generation feeds; `generation`: the planned one (the status's, or newer,
-        `Memory.planned`). `statuses`: every agent's latest answer; `evidence`: those
-        given since the planned generation was delivered, the only ones that can show it
-        broken (`plan.needs_new_generation`); `batching`: newcomers wait for more pods on
-        their way (`plan.newcomers_wait`). While the planned generation's plans still go
-        out it is kept: members not reached yet report no such generation, which is no
-        evidence that it broke."""
-        old, planned, planned_engine = stored
-        if memory.sending is not None and not memory.sending.done():
-            return planned, generation, False
+    ) -> Planned:
+        """Plan a new generation if the group must change. `stored`: what the status
+        says of the planned generation; `generation`: the planned one (the status's, or
+        newer, `SoftState.planned`). `statuses`: every agent's latest answer; `evidence`:
+        those given since the planned generation was delivered, the only ones that can
+        show it broken (`plan.needs_new_generation`); `batching`: newcomers wait for more
+        pods on their way (`plan.newcomers_wait`). While the planned generation's plans
+        still go out (`plans_in_flight`) it is kept: members not reached yet report no
+        such generation, which is no evidence that it broke. `now`: monotonic."""
+        planned = stored.members
+        if plans_in_flight:
+            return Planned(planned, generation)
         # Prewarmed is written only by passes that planned (or kept) a group, so its
         # observedGeneration is the spec generation the current group was planned from.
-        prewarmed = find_condition(old.conditions, ConditionType.PREWARMED)
+        prewarmed = find_condition(stored.status.conditions, ConditionType.PREWARMED)
         planned_from = prewarmed.observed_generation if prewarmed is not None else None
         unsaved = memory.unsaved
         if unsaved is not None and unsaved.generation == generation:
@@ -84,22 +107,22 @@ class Planner:
             generation,
             evidence,
             planned_from_older_spec=older_spec,
-            planned_engine=planned_engine,
+            planned_engine=stored.engine,
             abandoned=memory.abandoned is not None and memory.abandoned == generation,
             batching=batching,
         ):
-            return planned, generation, False
+            return Planned(planned, generation)
         number = next_generation(generation, statuses)
         members = list(slots(desired.members))
         # Its plans go out from now (`deliver`): what a pass decides meanwhile counts it
         # delivered (`readiness.rounds_reach`) and its pre-warm clock running.
-        self._sent(memory, number, members)
+        cls.sent(memory, number, members, now)
         memory.unsaved = Unsaved(number, members, spec_generation)
-        return members, number, True
+        return Planned(members, number, fresh=True)
 
     @staticmethod
-    def _sent(memory: Memory, number: int, members: list[Slot]) -> None:
-        now = time.monotonic()
+    def sent(memory: SoftState, number: int, members: list[Slot], now: float) -> None:
+        """Generation `number`'s plans went out at `now`: its clocks start there."""
         memory.planned_at = {number: now}  # older ones no longer matter
         memory.delivered(number, members, now)
 
@@ -167,22 +190,24 @@ class Planner:
                         ),
                     ),
                 )
-        self._sent(memory, generation, list(slots(members)))
+        self.sent(memory, generation, list(slots(members)), time.monotonic())
         return errors
 
     @staticmethod
     def prewarm_timed_out(
         sync: WeightSync,
-        group: tuple[list[Slot], int | None],
+        group: Planned,
         evidence: Mapping[str, AgentStatus],
         pods: list[PodView],
-        memory: Memory,
+        memory: SoftState,
+        *,
+        now: float,
     ) -> bool:
         """Whether the planned generation is past its pre-warm timeout; cold pods cool down.
         Only members that answered since it was delivered (`evidence`) and report it
         not warm are cold: one whose answers the operator lacks is unknown, and the
-        operator being slow never benches anyone."""
-        planned, generation = group
+        operator being slow never benches anyone. `now`: monotonic."""
+        planned, generation = group.members, group.generation
         if generation is None or not planned or not sync.spec.prewarm.enabled:
             return False
         if all(warm_at(evidence.get(slot.pod), generation, slot.rank) for slot in planned):
@@ -192,7 +217,6 @@ class Planner:
             # peer lost) is evidence for a new generation (`needs_new_generation`), not a
             # pre-warm timeout; benching the survivors then only delayed that one.
             return False
-        now = time.monotonic()
         since = memory.planned_at.setdefault(generation, now)
         if now - since < sync.spec.prewarm.timeout_seconds:
             return False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -34,18 +34,22 @@ WEBHOOK_SETTLE_SECONDS = 15
 EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
 
 
-async def recreate_uninjected(
-    kube: Kube,
-    post_event: EventPoster,
+def uninjected(
     raw: Mapping[str, Any],
     pods: list[PodView],
-    webhook_settling: tuple[datetime, datetime],
-) -> None:
-    """Delete opted-in pods the webhook missed and would inject now (`pods_to_recreate`);
-    their controller recreates them."""
+    webhook_settling: tuple[datetime, datetime] | None,
+) -> list[PodView]:
+    """Opted-in pods the webhook missed and would inject now (`pods_to_recreate`). Pure."""
     created = parse_time(raw["metadata"].get("creationTimestamp"))
     window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
-    for pod in pods_to_recreate(pods, created, window, webhook_settling):
+    return pods_to_recreate(pods, created, window, webhook_settling)
+
+
+async def recreate(
+    kube: Kube, post_event: EventPoster, raw: Mapping[str, Any], pods: Sequence[PodView]
+) -> None:
+    """Delete `pods` (`uninjected`); their controller recreates them."""
+    for pod in pods:
         namespace = raw["metadata"]["namespace"]
         await asyncio.to_thread(kube.delete_pod, namespace, pod.pod_name, pod.uid)
         kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"

@@ -27,6 +27,10 @@ the pod is admitted at once and waits for the next round, as without recovery.
 
 A failed recovery is retried with exponential backoff; holders that failed it are left
 out of the next attempt while others hold the version.
+
+`decide_recoveries` makes one pass's decisions for every pod: the trackers after it, the
+attempts to report, the requests to post, and which pods the pass holds out of the next
+generation; the apply step carries them out (`apply.carry_out`).
 """
 
 from __future__ import annotations
@@ -35,12 +39,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from weightsync.api.control import AgentStatus, RecoveryState, RecoveryStatus, RecoveryTransport
+from weightsync.api.control import (
+    AgentStatus,
+    RecoverRequest,
+    RecoveryState,
+    RecoveryStatus,
+    RecoveryTransport,
+)
 from weightsync.api.v1alpha1 import RecoveryProtocol, Role, SyncMode, WeightSyncSpec
 from weightsync.controller.plan import HOLDING_STATES
 from weightsync.controller.pull_protocol import member_transport, pull_over
 from weightsync.controller.readiness import Current, served_version, serves
 from weightsync.controller.workloads import PodView
+
+# What the agent is given for a whole pull: the round timeout scaled up, since a pull of
+# the full model over TCP is far slower than one broadcast round, with a floor.
+MIN_RECOVERY_TIMEOUT_SECONDS = 120.0
 
 BACKOFF_BASE_SECONDS = 2.0
 BACKOFF_MAX_SECONDS = 60.0
@@ -278,3 +292,84 @@ def plan_recoveries(
             )
         )
     return decisions
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryPass:
+    held_out: frozenset[str]  # pod names not to plan yet
+    in_flight: bool  # a recovery runs or waits for its backoff: poll again soon
+    watched: frozenset[str] = frozenset()  # the pods whose progress the follow-up polls
+
+
+def request_for(
+    spec: WeightSyncSpec, current: Current, holders: Sequence[str], protocol: RecoveryProtocol
+) -> RecoverRequest:
+    """`protocol`: what the holders serve (`pull_protocol.pull_over`), never `Auto`."""
+    timeout = max(MIN_RECOVERY_TIMEOUT_SECONDS, 10.0 * spec.transfer.timeout_seconds)
+    return RecoverRequest(
+        version=current.version or 0,
+        lineage=current.lineage or "",
+        holders=list(holders),
+        protocol=protocol,
+        timeout_seconds=timeout,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryStart:
+    """A recovery to ask a pod's agent for; `tracker` is the pod's (a refusal counts in it)."""
+
+    pod: PodView
+    request: RecoverRequest
+    tracker: Tracker
+
+
+@dataclass(frozen=True, slots=True)
+class Recoveries:
+    """One pass's recovery decisions: the trackers after it (by pod uid), the attempts
+    that ended to report, the recoveries to start, and what the pass does meanwhile."""
+
+    trackers: dict[str, Tracker]
+    finished: tuple[Decision, ...]
+    starts: tuple[RecoveryStart, ...]
+    held: RecoveryPass
+
+
+def decide_recoveries(
+    *,
+    spec: WeightSyncSpec,
+    current: Current,
+    pods: Sequence[PodView],
+    statuses: Mapping[str, AgentStatus],
+    trackers: Mapping[str, Tracker],
+    now: float,
+    default_port: int,
+) -> Recoveries:
+    """One pass of recovery decisions (`recovery.plan_recoveries`); `trackers` is left
+    as it was."""
+    live = {p.uid for p in pods}
+    after = {uid: tracker for uid, tracker in trackers.items() if uid in live}
+    decisions = plan_recoveries(
+        spec,
+        current,
+        pods=pods,
+        statuses=statuses,
+        trackers=after,
+        now=now,
+        default_port=default_port,
+    )
+    held_out: set[str] = set()
+    watched: set[str] = set()
+    starts = []
+    for decision in decisions:
+        tracker = after[decision.pod.uid] = decision.tracker
+        if decision.step is Step.START and current.version is not None:
+            request = request_for(spec, current, decision.holders, decision.protocol)
+            starts.append(RecoveryStart(decision.pod, request, tracker))
+        if decision.step is not Step.ADMIT:
+            watched.add(decision.pod.name)
+            if not decision.in_group:
+                held_out.add(decision.pod.name)
+    held = RecoveryPass(frozenset(held_out), in_flight=bool(watched), watched=frozenset(watched))
+    finished = tuple(d for d in decisions if d.finished is not None)
+    return Recoveries(after, finished, tuple(starts), held)

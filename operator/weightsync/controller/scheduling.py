@@ -11,9 +11,14 @@ request for a success. Retries are kopf's (the handler raises on the result).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from weightsync.controller.kube import api_unavailable
+
+log = logging.getLogger(__name__)
 
 # A pass takes up to ~3 s at 1,000 pods and each of its API and agent calls has a
 # timeout of its own; one still running after this is stuck, and would hold every later
@@ -22,6 +27,17 @@ PASS_TIMEOUT_SECONDS = 120.0
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
+
+
+def log_pass_failure(what: str, error: BaseException) -> None:
+    """A pass that failed outside kopf's retries (a timer, a follow-up): one line when the
+    API server is away (the next pass retries), the traceback for anything else."""
+    if api_unavailable(error):
+        log.warning("%s: the API server is unavailable (%s); the next pass retries", what, error)
+    elif isinstance(error, TimeoutError):  # `PASS_TIMEOUT_SECONDS`
+        log.warning("%s: stuck, cancelled; the next pass retries", what)
+    else:
+        log.error("%s failed", what, exc_info=error)
 
 
 @dataclass

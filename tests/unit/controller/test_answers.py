@@ -7,11 +7,11 @@ import asyncio
 
 from tests.unit.controller.builders import agent_server, sink_view
 from tests.unit.controller.builders import reconciler as make_reconciler
-from weightsync.controller import reconcile
+from weightsync.controller import observe
 from weightsync.controller.agents import AgentClient
 from weightsync.controller.memory import Memory
 
-SLOW_SECONDS = reconcile.NEWCOMER_WAIT_SECONDS + 1.5
+SLOW_SECONDS = observe.NEWCOMER_WAIT_SECONDS + 1.5
 
 
 def test_a_slow_newcomer_is_recorded_later_and_brings_its_own_pass() -> None:
@@ -28,12 +28,12 @@ def test_a_slow_newcomer_is_recorded_later_and_brings_its_own_pass() -> None:
         ]
         memory = Memory()
         try:
-            seen = await reconciler._answers(("ns", "sync"), pods, "token", memory)
+            seen = await reconciler.observer.answers(("ns", "sync"), pods, "token", memory)
             assert set(seen.statuses) == {"e-fast"}  # the pass went on without e-slow
             assert memory.asking == {"e-slow"}
             assert requested == []
             # A second pass meanwhile does not ask e-slow again.
-            await reconciler._answers(("ns", "sync"), pods, "token", memory)
+            await reconciler.observer.answers(("ns", "sync"), pods, "token", memory)
             assert len(memory.asks) == 1
             await asyncio.gather(*memory.asks)
             assert set(memory.agents.statuses) == {"e-fast", "e-slow"}

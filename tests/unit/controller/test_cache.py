@@ -17,8 +17,8 @@ from weightsync.controller import names
 from weightsync.controller.cache import Indexes, newest, pod_key, slim_pod
 from weightsync.controller.kube import Kube, NotCachedError
 from weightsync.controller.memory import Memory
+from weightsync.controller.observe import cached_status, without_status
 from weightsync.controller.podwatch import PodStore
-from weightsync.controller.reconcile import Reconciler, without_status
 from weightsync.controller.workloads import pod_view
 
 
@@ -110,8 +110,8 @@ def test_a_pods_view_is_kept_by_its_version() -> None:
 def test_a_pass_parses_the_stored_status_once_per_version() -> None:
     memory = Memory()
     raw = {"metadata": {"name": "s", "resourceVersion": "5"}, "status": {"currentVersion": 3}}
-    old = Reconciler._stored(raw, memory)
+    old = cached_status(raw, memory)
     assert old.current_version == 3
-    assert Reconciler._stored(raw, memory) is old
+    assert cached_status(raw, memory) is old
     newer = {"metadata": {"name": "s", "resourceVersion": "6"}, "status": {"currentVersion": 4}}
-    assert Reconciler._stored(newer, memory).current_version == 4
+    assert cached_status(newer, memory).current_version == 4

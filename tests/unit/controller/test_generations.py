@@ -9,7 +9,7 @@ from typing import Any
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role, WeightSyncStatus
-from weightsync.controller.generations import Planner
+from weightsync.controller.generations import Planned, Planner, Stored
 from weightsync.controller.memory import Memory
 from weightsync.controller.plan import Slot, desired_members, needs_new_generation, slots
 from weightsync.controller.settings import OperatorSettings
@@ -35,7 +35,9 @@ def test_all_sinks_cold_at_the_timeout_sit_out_once_then_the_group_is_planned_an
     memory = Memory(planned_at={19: time.monotonic() - TIMEOUT - 1})
     parsed = sync(spec__prewarm__timeoutSeconds=TIMEOUT)
 
-    assert Planner.prewarm_timed_out(parsed, (planned, 19), statuses, pods, memory)
+    assert Planner.prewarm_timed_out(
+        parsed, Planned(planned, 19), statuses, pods, memory, now=time.monotonic()
+    )
     benched = dict(memory.cooldown)
     assert set(benched) == {"uid-e-1", "uid-e-2"}  # the source never sits out
     excluded = {p.name for p in pods if p.uid in benched}
@@ -45,7 +47,9 @@ def test_all_sinks_cold_at_the_timeout_sit_out_once_then_the_group_is_planned_an
 
     # Later passes still see generation 19 timed out, and bench nobody again.
     memory.cooldown = {uid: time.monotonic() - 1 for uid in benched}  # the sit-out is over
-    assert Planner.prewarm_timed_out(parsed, (planned, 19), statuses, pods, memory)
+    assert Planner.prewarm_timed_out(
+        parsed, Planned(planned, 19), statuses, pods, memory, now=time.monotonic()
+    )
     assert all(deadline < time.monotonic() for deadline in memory.cooldown.values())
     back = desired_members(spec, pods, answering, planned)
     assert back.formable
@@ -80,14 +84,18 @@ def test_a_generation_that_pre_warmed_and_broke_later_benches_nobody() -> None:
         "e-1": agent("e-1", generations={17: (A, 1)}),
         "e-2": agent("e-2", generations={17: (A, 2)}),
     }
-    assert not Planner.prewarm_timed_out(parsed, (planned, 17), warm, pods, memory)
+    assert not Planner.prewarm_timed_out(
+        parsed, Planned(planned, 17), warm, pods, memory, now=time.monotonic()
+    )
     memory.planned_at[17] -= TIMEOUT  # long past its pre-warm timeout now
     broken = {
         "trainer-0": agent("trainer-0", Role.SOURCE),  # the replacement holds nothing
         "e-1": agent("e-1", generations={17: (B, 1)}),
         "e-2": agent("e-2", generations={17: (B, 2)}),
     }
-    assert not Planner.prewarm_timed_out(parsed, (planned, 17), broken, pods, memory)
+    assert not Planner.prewarm_timed_out(
+        parsed, Planned(planned, 17), broken, pods, memory, now=time.monotonic()
+    )
     assert memory.cooldown == {}
 
 
@@ -114,18 +122,19 @@ def test_a_generation_the_status_does_not_record_yet_is_not_planned_again() -> N
 
     def plan(statuses: dict[str, AgentStatus]) -> tuple[list[Slot], int | None]:
         generation, previous = memory.planned(stale.group_generation, [])
-        planned, number, fresh = planner.plan(
-            raw, (stale, previous, None), desired, statuses,
-            evidence=statuses, memory=memory, generation=generation,
+        planned = planner.plan(
+            raw, Stored(stale, previous), desired, statuses, evidence=statuses,
+            memory=memory, generation=generation, plans_in_flight=False, now=time.monotonic(),
         )  # fmt: skip
-        if fresh and number is not None:  # as the pass does, beside its status write
+        number = planned.generation
+        if planned.fresh and number is not None:  # as the pass does, beside its status write
             refused = asyncio.run(
                 planner.deliver(
                     raw, parsed, generation=number, desired=desired, token="t", memory=memory
                 )
             )
             assert refused == {}
-        return planned, number
+        return planned.members, number
 
     first, number = plan({})
     assert (number, delivered) == (1, [1])

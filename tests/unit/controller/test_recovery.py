@@ -21,13 +21,15 @@ from weightsync.api.control import (
 from weightsync.api.v1alpha1 import RecoveryProtocol, Role
 from weightsync.controller import metrics
 from weightsync.controller.agents import AgentAddress, AgentClient
+from weightsync.controller.apply import carry_out
 from weightsync.controller.readiness import Current
-from weightsync.controller.recoveries import RecoveryPass, run_recoveries
 from weightsync.controller.recovery import (
+    RecoveryPass,
     Step,
     Tracker,
     backoff_seconds,
     behind,
+    decide_recoveries,
     holders_of,
     plan_recoveries,
 )
@@ -218,16 +220,23 @@ class RecordingAgents(AgentClient):
 def run(
     agents: RecordingAgents, found: Mapping[str, AgentStatus], trackers: dict[str, Tracker]
 ) -> tuple[RecoveryPass, list[EventSpec]]:
+    """One pass's recoveries, decided then carried out; `trackers` takes the decided ones,
+    as a pass's memory does."""
     events: list[EventSpec] = []
-    result = asyncio.run(
-        run_recoveries(
-            raw={"metadata": {"name": "sync", "namespace": "ns"}},
-            spec=SPEC, current=Current(5), pods=PODS, statuses=found, trackers=trackers,
-            agents=agents, token="t", post_event=lambda _raw, event: events.append(event),
-            now=100.0, default_port=PORT,
+    decided = decide_recoveries(
+        spec=SPEC, current=Current(5), pods=PODS, statuses=found, trackers=trackers,
+        now=100.0, default_port=PORT,
+    )  # fmt: skip
+    trackers.clear()
+    trackers.update(decided.trackers)
+    asyncio.run(
+        carry_out(
+            decided, raw={"metadata": {"name": "sync", "namespace": "ns"}}, agents=agents,
+            token="t", post_event=lambda _raw, event: events.append(event), now=100.0,
+            default_port=PORT,
         )
     )  # fmt: skip
-    return result, events
+    return decided.held, events
 
 
 def sample(name: str, labels: dict[str, str] | None = None) -> float:

@@ -45,7 +45,7 @@ def test_a_pass_follows_a_change_in_the_trainers_answer_and_only_then() -> None:
         try:
             await reconciler.watch_sources(*KEY)  # no pass has named the agents yet
             assert passes == []
-            seen = await reconciler._answers(KEY, pods, "token", memory)  # a pass's
+            seen = await reconciler.observer.answers(KEY, pods, "token", memory)  # a pass's
             assert set(seen.statuses) == {"trainer-0", "e-0"}
             assert memory.sources == {"trainer-0"}
             engine_heard = memory.agents.heard_at["e-0"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,15 +18,18 @@ from aiohttp import web
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from tests.unit.controller.builders import reconciler as make_reconciler
 from weightsync.api import GROUP, PLURAL, VERSION, ConditionType, find_condition, reasons
+from weightsync.api.base import utc_now
 from weightsync.api.control import ErrorResponse, MembershipPlan, PlanAccepted
 from weightsync.api.v1alpha1 import WeightSyncStatus
-from weightsync.controller import reconcile
+from weightsync.controller import apply
+from weightsync.controller.actions import StatusWrite, status_write
 from weightsync.controller.agents import AgentClient
+from weightsync.controller.generations import Planned, Stored
 from weightsync.controller.memory import Memory
 from weightsync.controller.plan import Desired, Slot, desired_members
 from weightsync.controller.readiness import Current
 from weightsync.controller.reconcile import Reconciler
-from weightsync.controller.status import EventSpec, Observation
+from weightsync.controller.status import EventSpec, Observation, observed_status
 
 WAIT = 10.0  # how long the slow member's plan waits for the status to arrive
 
@@ -52,12 +56,17 @@ class Stage:
     planned: list[Slot]
     observation: Observation
 
+    def write(self) -> StatusWrite:
+        """The pass's status write: the observation's status over an empty one."""
+        made = observed_status(WeightSyncStatus(), self.observation, utc_now())
+        return status_write(WeightSyncStatus(), made, self.observation)
+
     def send(self) -> asyncio.Task[dict[str, str]]:
-        """The pass's delivery of generation 1's plans, as `_pass` starts it."""
+        """The pass's delivery of generation 1's plans, as the apply step starts it."""
         deliver = self.reconciler.planner.deliver(
             self.raw, sync(), generation=1, desired=self.desired, token="t", memory=self.memory
         )
-        return self.reconciler._send_plans(("ns", "sync"), deliver, self.memory)
+        return self.reconciler.applier.send_plans(("ns", "sync"), deliver, self.memory)
 
 
 @contextlib.asynccontextmanager
@@ -84,11 +93,12 @@ async def staged(
     spec = sync().spec
     desired = desired_members(spec, pods, {p.name for p in pods}, [])
     memory = reconciler._memory[("ns", "sync")] = Memory()
-    planned, generation, fresh = reconciler.planner.plan(
-        raw, (WeightSyncStatus(), [], None), desired, {}, evidence={}, memory=memory,
-        generation=None,
+    decided = reconciler.planner.plan(
+        raw, Stored(WeightSyncStatus(), []), desired, {}, evidence={}, memory=memory,
+        generation=None, plans_in_flight=False, now=time.monotonic(),
     )  # fmt: skip
-    assert (generation, fresh) == (1, True)
+    planned = decided.members
+    assert (decided.generation, decided.fresh) == (1, True)
     observation = Observation(
         spec=spec, metadata_generation=3, pods=pods, statuses={},
         desired=desired, planned=planned, planned_generation=1, current=Current(None),
@@ -131,8 +141,8 @@ def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refus
         async with staged(patch_status, put_plan, lambda _, event: events.append(event)) as stage:
             memory = stage.memory
             assert set(memory.deliveries[1].members) == {"trainer-0", "e-1", "e-2"}
-            last = await stage.reconciler._write_observed(
-                stage.raw, WeightSyncStatus(), stage.observation, stage.send()
+            last = await stage.reconciler.applier.write_status(
+                stage.raw, stage.write(), stage.send(), memory
             )
 
         # e-1 answered its plan after the status named it: the write did not wait.
@@ -164,7 +174,7 @@ def test_the_status_names_a_new_generation_while_its_plans_go_out_then_its_refus
 def test_plans_answered_late_do_not_hold_the_pass_and_bring_one_once_sent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(reconcile, "PLANS_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(apply, "PLANS_WAIT_SECONDS", 0.2)
     release = asyncio.Event()  # e-2 refuses its plan only once released
 
     async def patch_status(request: web.Request) -> web.Response:
@@ -187,18 +197,18 @@ def test_plans_answered_late_do_not_hold_the_pass_and_bring_one_once_sent(
             requested: list[tuple[str, str]] = []
             reconciler.request = lambda *key: requested.append(key)  # type: ignore[method-assign]
 
-            def plan(evidence: dict[str, Any]) -> tuple[Any, int | None, bool]:
+            def plan(evidence: dict[str, Any]) -> Planned:
                 return reconciler.planner.plan(
-                    stage.raw, (WeightSyncStatus(), planned, None), stage.desired, evidence,
+                    stage.raw, Stored(WeightSyncStatus(), planned), stage.desired, evidence,
                     evidence=evidence, memory=memory, generation=1,
+                    plans_in_flight=memory.sending is not None and not memory.sending.done(),
+                    now=time.monotonic(),
                 )  # fmt: skip
 
             sending = stage.send()
             try:
                 written = await asyncio.wait_for(
-                    reconciler._write_observed(
-                        stage.raw, WeightSyncStatus(), stage.observation, sending
-                    ),
+                    reconciler.applier.write_status(stage.raw, stage.write(), sending, memory),
                     WAIT,
                 )
                 # The pass went on without e-2's answer; the status names the new members.
@@ -206,7 +216,7 @@ def test_plans_answered_late_do_not_hold_the_pass_and_bring_one_once_sent(
                 assert [m.pod for m in written.members] == ["trainer-0", "e-1", "e-2"]
                 # No newer generation while the plans go out, whatever the members said
                 # before theirs came (e-1 answered holding none).
-                assert plan({"e-1": agent("e-1")}) == (planned, 1, False)
+                assert plan({"e-1": agent("e-1")}) == Planned(planned, 1)
                 release.set()
                 assert await sending == {"e-2": "HTTP 409 busy: another plan is being applied"}
                 await asyncio.sleep(0)  # the task's done callbacks
@@ -215,6 +225,6 @@ def test_plans_answered_late_do_not_hold_the_pass_and_bring_one_once_sent(
 
             assert requested == [("ns", "sync")]  # their end brought a pass
             assert set(memory.cooldown) == {"uid-e-2"}  # the refuser sits out
-            assert plan({"e-1": agent("e-1")})[2]  # planning goes on
+            assert plan({"e-1": agent("e-1")}).fresh  # planning goes on
 
     asyncio.run(scenario())

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from weightsync.api import parse_weightsync
-from weightsync.engines.injection import EngineInjection
+from weightsync.api.engines import EngineInjection
 from weightsync.engines.sglang import SGLANG_INJECTION, SGLANG_VERSION
 from weightsync.engines.vllm import VLLM_INJECTION, VLLM_VERSION
 

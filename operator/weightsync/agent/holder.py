@@ -21,12 +21,11 @@ Each bucket's checksum (`held_checksum`, CRC-32 over the held host bytes of its 
 so it is what a puller reads; the alignment padding between tensors is left out, since
 holders fill it differently) is computed by a background thread, off the round's path.
 
-Host buffers are allocated (page-locked a slice at a time, `agent.host_memory`) and
-registered off the round's path: `prepare`, called once the layout is known (the
-source's attach), asks for two; a round that finds none ready is not held, instead of
-waiting for a model-sized pinned allocation (14-20 s for 8B bf16 in first rounds).
-Buffers of at most `_INLINE_ALLOCATION_BYTES` are still allocated in the round: that
-costs milliseconds, and a small model is then held from its first round.
+Host buffers are allocated (page-locked a slice at a time, pausing while rounds run:
+`agent.host_memory`) and registered off the round's path: `prepare`, called once the
+layout is known (the source's attach), asks for two; a round that finds none ready is
+not held, instead of waiting for a model-sized pinned allocation (14-20 s for 8B bf16).
+Buffers of at most `_INLINE_ALLOCATION_BYTES` are allocated in the round (milliseconds).
 
 Two buffers, flipped on commit: the round stages into the spare buffer and `commit`
 makes it the held one, the old held buffer becoming the next round's spare. So a failed
@@ -51,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightsync.agent.host_copies import SideStream, checksum_after, copy_groups, within_slices
-from weightsync.agent.host_memory import PinnedBuffer, PinningError
+from weightsync.agent.host_memory import PinGate, PinnedBuffer, PinningError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
@@ -112,9 +111,9 @@ class Holder:
         self._pinned: dict[int, PinnedBuffer] = {}  # GPU agents' buffers, by address
         self._in_flight: deque[torch.cuda.Event] = deque()
         self._copies = SideStream()
+        self.pinning = PinGate()  # closed by the rounds (`RoundBook`): pinning waits for them
         self._checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holder-crc")
 
-    # ------------------------------------------------------------------ state
     @property
     def enabled(self) -> bool:
         return self._enabled
@@ -134,7 +133,6 @@ class Holder:
     def held_lineage(self) -> str | None:
         return self._held.lineage if self._held is not None else None
 
-    # ------------------------------------------------------------------ the round's hook
     async def stage(
         self, version: int, layout: BucketLayout, bucket: Bucket, slot: torch.Tensor, depth: int
     ) -> None:
@@ -309,12 +307,13 @@ class Holder:
         if self._endpoint is None:
             self._endpoint = self._endpoints.get(self.protocol)
         if self.device.type == "cuda":
-            pinned = PinnedBuffer(nbytes, self.device)
+            pinned = PinnedBuffer(nbytes, self.device, self.pinning)
             buffer = pinned.tensor
             self._pinned[buffer.data_ptr()] = pinned
         else:
             buffer = torch.empty(nbytes, dtype=torch.uint8)
         self._endpoint.register(buffer)
+        self._metrics.holder_host_bytes.inc(buffer.numel())
         log.info(
             "holder: registered %d B of host memory in %.2f s", nbytes, time.monotonic() - started
         )
@@ -323,11 +322,11 @@ class Holder:
     def _unregister(self, buffer: torch.Tensor) -> None:
         if self._endpoint is not None:
             self._endpoint.unregister(buffer)
+            self._metrics.holder_host_bytes.dec(buffer.numel())
         pinned = self._pinned.pop(buffer.data_ptr(), None)
         if pinned is not None:
             pinned.release()
 
-    # ------------------------------------------------------------------ round outcome
     def commit(self, version: int, lineage: str) -> bool:
         """The round of `version` committed: its staging copy becomes the held version."""
         staging, failed = self._staging, self._staging_failed
@@ -365,7 +364,6 @@ class Holder:
         self._round = None
         self._metrics.held_version.set(-1)
 
-    # ------------------------------------------------------------------ serving
     async def holding(self) -> Holding | None:
         """What a puller needs to read the held version; None when nothing is held.
 
@@ -392,9 +390,9 @@ class Holder:
 
     def held_bytes(self) -> torch.Tensor | None:
         """The held version's bytes (a view; for tests and diagnostics)."""
-        held = self._held
-        return None if held is None else held.buffer[: held.layout.total_bytes]
+        return None if self._held is None else self._held.buffer[: self._held.layout.total_bytes]
 
     def close(self) -> None:
+        self.pinning.resume()  # an allocation waiting for a round must not outlive us
         self.release()
         self._checksummer.shutdown(wait=False, cancel_futures=True)

@@ -10,12 +10,17 @@ slice at most (measured, 16 GiB on an H200 host: 6.3 s of stall with `pin_memory
 at most 37 ms in 64 MiB slices with a 2 ms pause between them). A device-to-host copy
 must stay inside one slice: the driver refuses one that crosses into the next
 (`invalid argument`), so the holder cuts its copies there (`host_copies.within_slices`).
+
+Pinning also waits while a round runs (`PinGate`): a round then pays at most the one
+slice being pinned when it started, instead of a stall per slice for its whole length
+(rounds beside a pinning of two 16 GB buffers took 230-440 ms against 65 ms).
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 import time
 
 import torch
@@ -32,10 +37,28 @@ class PinningError(RuntimeError):
     pass
 
 
-class PinnedBuffer:
-    """A 1-D uint8 host tensor (`tensor`), page-locked until `release`."""
+class PinGate:
+    """Whether pinning may go on: closed while a round runs (thread-safe)."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    def wait(self) -> None:
+        self._open.wait()
+
+
+class PinnedBuffer:
+    """A 1-D uint8 host tensor (`tensor`), page-locked until `release`; each slice is
+    pinned once `gate` is open."""
+
+    def __init__(self, nbytes: int, device: torch.device, gate: PinGate | None = None) -> None:
         size = -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
@@ -46,6 +69,8 @@ class PinnedBuffer:
         with torch.cuda.device(device):  # this thread's calls go to the agent's device
             try:
                 for start in range(0, size, self.slice_bytes):
+                    if gate is not None:
+                        gate.wait()
                     self._pin(base + start, min(self.slice_bytes, size - start))
                     time.sleep(_SLICE_PAUSE_SECONDS)
             except BaseException:

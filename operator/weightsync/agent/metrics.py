@@ -135,6 +135,13 @@ class AgentMetrics:
             registry=self.registry,
         ).labels(role)
         self.held_version.set(-1)
+        self.holder_host_bytes = Gauge(
+            "weightsync_holder_host_memory_bytes",
+            "Host memory the holder has registered (page-locked on GPU): two model-sized"
+            " buffers once ready.",
+            ["role"],
+            registry=self.registry,
+        ).labels(role)
 
     def round_succeeded(self, duration_seconds: float, nbytes: int, version: int) -> None:
         self.round_duration.observe(duration_seconds)

@@ -31,6 +31,7 @@ class RoundBook:
 
     def started(self, generation: Generation) -> None:
         self.round_in_progress = True
+        self.holder.pinning.pause()
         if generation.state == GenerationState.WARM:
             generation.state = GenerationState.ACTIVE
         self.metrics.generation.set(generation.number)
@@ -42,6 +43,7 @@ class RoundBook:
         sink's engine may commit although a later vote failed the round elsewhere);
         `hold_pending`: the holder's copy still runs, committed at the Publisher's fence."""
         self.round_in_progress = False
+        self.holder.pinning.resume()
         if outcome.ok and not hold_pending:  # every rank committed: the group's version
             self.holder.commit(outcome.version, outcome.lineage)
         elif not outcome.ok:

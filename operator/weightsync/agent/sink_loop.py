@@ -35,7 +35,7 @@ from weightsync.agent.slot_pool import SlotPool
 from weightsync.api.control import GenerationState
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.buffers import SlotError
-from weightsync.transfer.layout import BucketLayout, LayoutError
+from weightsync.transfer.layout import DEFAULT_ALIGNMENT, BucketLayout, LayoutError, align_up
 from weightsync.transfer.shards import staging_bound
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class SinkLoop:
         self._layouts: dict[str, BucketLayout] = {}
         self._plans = ShardPlans()
         self._attached_epoch = -1
+        self._readied = -1  # the generation `_ready` last ran for
 
     async def run_forever(self) -> None:
         while True:
@@ -76,6 +77,9 @@ class SinkLoop:
                 async with self.generations.changed:
                     await self.generations.changed.wait()
                 continue
+            if generation.number != self._readied:
+                self._readied = generation.number
+                await self._ready(generation)
             bell = await self._wait_doorbell(generation)
             if bell is None:
                 continue
@@ -85,6 +89,26 @@ class SinkLoop:
                 generation.retire()
                 continue
             await self._round(generation, bell)
+
+    async def _ready(self, generation: Generation) -> None:
+        """Before a generation's first round: slots of its bucket size, attached to the
+        engine, so the engine maps them off the first round's path. A layout that needs
+        more (a tensor over the bucket size; several source ranks' staging) reallocates
+        in its round, which attaches again; so does a failure here."""
+        transfer = generation.plan.transfer
+        if generation.plan.source_count > 1 or not generation.usable:
+            return
+        try:
+            capacity = align_up(transfer.bucket_size_bytes, DEFAULT_ALIGNMENT)
+            self.pool.reserve(capacity, transfer.pipeline_depth)
+            if self.pool.epoch != self._attached_epoch:
+                await asyncio.wait_for(
+                    self.adapter.attach_buffers(self.pool.engine_slots(), self.pool.copy_count),
+                    self.engine_timeout,
+                )
+                self._attached_epoch = self.pool.epoch
+        except (SlotError, EngineError, TimeoutError, ValueError) as exc:
+            log.info("slots not attached before the first round (the round will): %s", exc)
 
     async def _wait_doorbell(self, generation: Generation) -> Doorbell | None:
         group = generation.group

@@ -97,10 +97,19 @@ class SlotPool:
         a sharded round's staged pieces land: `transfer.assembly.SlotRoutes`). Returns the
         receiving device's slots; the copies are reallocated with them, at the same size
         (an engine reads every copy of a slot as one)."""
-        needed = layout.capacity_bytes + staging_bytes
         current = self.slots
         if current is not None and self.fits(layout, depth, staging_bytes):
             return current
+        return self._allocate(layout.capacity_bytes + staging_bytes, depth)
+
+    def reserve(self, capacity: int, depth: int) -> None:
+        """Slots of at least `capacity` bytes before any layout is known (a generation's
+        bucket size, at pre-warm): a layout within it keeps them (`fits`)."""
+        current = self.slots
+        if current is None or current.capacity < capacity or len(current.slots) != depth:
+            self._allocate(capacity, depth)
+
+    def _allocate(self, needed: int, depth: int) -> BucketSlots:
         self._release()
         allocated: list[BucketSlots] = []
         try:  # extend keeps what was allocated before a failure, to be closed

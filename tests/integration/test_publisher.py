@@ -28,14 +28,20 @@ def test_new_tensor_sets_renegotiate_and_a_dead_agent_is_reported(tmp_path: Path
         st.wait_ready([source], [])
         assert source.socket_path is not None
         with Publisher(source.socket_path, timeout=30) as publisher:
+            assert not publisher.attach({"w": torch.ones(8)}), "no plan yet: nothing to attach"
             early = publisher.publish({"w": torch.ones(8)}, version=1)
             assert not early.ok
             assert early.reason == "no_plan"
 
             source.put_plan(make_plan(config, 1, 0, ["source-0"], free_port()))
             wait_warm([source], 1, timeout=30)
-            first = publisher.publish({"w": torch.ones(8), "b": torch.zeros(3)}, version=1)
+            tensors = {"w": torch.ones(8), "b": torch.zeros(3)}
+            assert publisher.attach(tensors)  # at start-up: mapped and planned before a round
+            attached = publisher._layout
+            assert attached is not None
+            first = publisher.publish(tensors, version=1)
             assert first.ok, first
+            assert publisher._layout is attached, "publish() attached again after attach()"
             assert first.bytes == 2 * 256
             timings = publisher.last_timings
             assert timings is not None

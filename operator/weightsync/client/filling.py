@@ -8,6 +8,7 @@ slot the agent names, and the slot views are built once per (slot, bucket).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -63,3 +64,23 @@ class SlotFiller:
         if slot.is_cuda:  # the agent broadcasts from another process: the copy must be done
             torch.cuda.current_stream(slot.device).synchronize()
         self.packed.append(time.perf_counter() - started)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishTimings:
+    """Where the last `publish()` spent its time in the trainer's process, in seconds."""
+
+    total: float
+    pack: float  # copying buckets into the agent's slots, each until its copy completed
+    longest_pack: float
+    buckets: int
+    # Until the Publish message went out: input checks and the tensor set's description
+    # (Python work per tensor), then `sync`, waiting for the trainer's queued GPU work.
+    prepare: float = 0.0
+    sync: float = 0.0
+    fence: float = 0.0  # waiting for the agent's holder copy of the last round (`fence`)
+
+    @property
+    def waiting(self) -> float:
+        """Time spent waiting on the agent (broadcast, engines, votes) rather than packing."""
+        return self.total - self.pack

@@ -205,3 +205,8 @@ def kept_of(tensors: dict[str, torch.Tensor], described: Described) -> Kept | No
         if block.data_ptr() != shard.data_ptr() or block.shape != shard.shape:
             return None
     return Kept(accepted, described.metas, described.signature, described.boxes, local)
+
+
+def tensor_addresses(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """Where each tensor's data lies (a moved tensor must be shared again)."""
+    return list(map(_DATA_PTR, tensors.values()))

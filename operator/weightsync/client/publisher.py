@@ -4,7 +4,8 @@
     publisher = Publisher()
     result = publisher.publish(model.named_parameters(), version=step)
 
-The first publish sends the tensor metadata; the agent plans the bucket layout.
+The first publish sends the tensor metadata; the agent plans the bucket layout (call
+`publisher.attach(model.named_parameters())` at start-up to do it before the first step).
 * On GPU the tensors themselves are shared once (CUDA IPC); the agent packs each bucket
   in its own process, on the stream that broadcasts it, and a publish is one request
   and its result. The Publisher synchronises the device first; tensors that moved are
@@ -48,8 +49,15 @@ from weightsync.client.connection import (
     agent_socket,
     connect,
 )
-from weightsync.client.filling import SlotFiller
-from weightsync.client.inputs import Described, Kept, PublishInputError, checked_tensors, kept_of
+from weightsync.client.filling import PublishTimings, SlotFiller
+from weightsync.client.inputs import (
+    Described,
+    Kept,
+    PublishInputError,
+    checked_tensors,
+    kept_of,
+    tensor_addresses,
+)
 from weightsync.client.shards import ShardError, describe, is_sharded
 from weightsync.transfer.buffers import describe_sources, dtype_name
 from weightsync.transfer.handoff import (
@@ -85,26 +93,6 @@ class _Hold:
     version: int
     tensors: list[torch.Tensor]
     counters: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class PublishTimings:
-    """Where the last `publish()` spent its time in the trainer's process, in seconds."""
-
-    total: float
-    pack: float  # copying buckets into the agent's slots, each until its copy completed
-    longest_pack: float
-    buckets: int
-    # Until the Publish message went out: input checks and the tensor set's description
-    # (Python work per tensor), then `sync`, waiting for the trainer's queued GPU work.
-    prepare: float = 0.0
-    sync: float = 0.0
-    fence: float = 0.0  # waiting for the agent's holder copy of the last round (`fence`)
-
-    @property
-    def waiting(self) -> float:
-        """Time spent waiting on the agent (broadcast, engines, votes) rather than packing."""
-        return self.total - self.pack
 
 
 class Publisher:
@@ -179,6 +167,25 @@ class Publisher:
         if result.ok:
             self.last_published = result.version
         return result
+
+    def attach(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> bool:
+        """Share the tensors `publish()` will send with the agent now, off the first
+        round's path: the agent maps them, plans the buckets and starts allocating its
+        holder's host memory. Optional (`publish()` attaches when it must); call it once
+        the model is on its devices. False when the operator has not planned the group
+        yet: `publish()` attaches then. Input errors as `publish()`'s."""
+        tensors, _ = checked_tensors(named_tensors)
+        described = self._described(tensors)
+        try:
+            self._attach(described.metas, described.local, described.boxes)
+        except PublisherError as exc:
+            if exc.reason not in _NOT_YET:
+                raise
+            return False
+        self._signature, self._kept = described.signature, kept_of(tensors, described)
+        return True
 
     def fence(self) -> bool:
         """Wait until the agent no longer reads the tensors of the last publish, before
@@ -257,10 +264,10 @@ class Publisher:
         if kept is not None:  # the tensors accepted last time, unchanged
             described = kept.described(tensors)
             whole = kept.local is None
-            addresses = kept.accepted.addresses if whole else _addresses(described.local)
+            addresses = kept.accepted.addresses if whole else tensor_addresses(described.local)
         else:
             described = self._described(tensors)
-            addresses = _addresses(described.local)
+            addresses = tensor_addresses(described.local)
             self._kept = kept_of(tensors, described)
         local = described.local
         if self._shared_at is not None and self._shared_at != addresses:
@@ -344,7 +351,7 @@ class Publisher:
         layout = plan_layout(metas, reply.bucket_size_bytes, reply.alignment)
         if layout.layout_hash != reply.layout_hash:
             raise LayoutChangedError("layout_hash_mismatch", "the agent planned another layout")
-        self._shared_at = _addresses(tensors) if reply.agent_packs else None
+        self._shared_at = tensor_addresses(tensors) if reply.agent_packs else None
         self._devices = {t.device for t in tensors.values()} if reply.agent_packs else set()
         self._filler.open(None if reply.agent_packs else reply.slots)
         self._metas, self._layout, self._boxes = metas, layout, boxes
@@ -377,7 +384,3 @@ class Publisher:
                 message = self._exchange(Abandon(reason="fill_failed", message=repr(exc)))
                 continue
             message = self._exchange(Filled(bucket=message.bucket))
-
-
-def _addresses(tensors: dict[str, torch.Tensor]) -> list[int]:
-    return list(map(torch.Tensor.data_ptr, tensors.values()))

@@ -65,7 +65,8 @@ from weightsync.transfer.buffers import torch_dtype
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]
 AGENT_ENV = {"WEIGHTSYNC_HOLDER": "false"}  # see the module doc
 WARMUP_ROUNDS = 2  # per configuration: new slots, staging arenas, and their mappings
-PINNING_ROUNDS = 400  # at most, before a holding source must hold (its buffers pinned)
+PINNING_PROBE_ROUNDS = 5  # with a holder: rounds timed right after attach, while it pins
+PINNING_SECONDS = 300  # at most, for a holding source's buffers after attach
 DISAGGREGATED_TARGET = 1.25
 COLOCATED_TARGET = 2.0
 
@@ -130,6 +131,9 @@ class Config:
     # copy, which a trainer waits for only if it writes its tensors that soon).
     fences: list[float] = field(default_factory=list)
     first: float = 0.0  # the configuration's first publish() after its group is warm
+    first_record: RoundRecord | None = None  # its traces: where a first round's time goes
+    # With a holder: the rounds right after attach, while its host buffers were pinned.
+    pinning: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -301,43 +305,57 @@ def run_weightsync(
                 if generation == 1:
                     millis = source.status().generations[0].prewarm_millis
                     prewarm = None if millis is None else millis / 1000
+                holding = "WEIGHTSYNC_HOLDER" not in env
+                attach = timed_attach(publisher, state)
+                # With a holder: rounds right after attach, its host buffers pinning beside
+                # them, then the wait until both are registered (a trainer's first steps).
+                pinning = [] if not holding else [
+                    timed_round(publisher, state, engines, setup, version := version + 1)
+                    for _ in range(PINNING_PROBE_ROUNDS)
+                ]  # fmt: skip
+                ready = wait_pinned(source, state) if holding else 0.0
+                print(f"{shape.label()}: attach {attach:.4f} s, rounds while pinning"
+                      f" {[round(p, 4) for p in pinning]}, holder ready"
+                      f" {ready:.2f} s later")  # fmt: skip
                 records: list[RoundRecord] = []
                 served: list[float] = []
                 fences: list[float] = []
                 first = 0.0
-                holding = "WEIGHTSYNC_HOLDER" not in env
-                pinning: list[float] = []  # untimed rounds while the holder pins its buffers
-                rep = held = 0
+                first_record: RoundRecord | None = None
+                rep = 0
                 while rep < args.reps + WARMUP_ROUNDS:
                     version += 1
                     setup.sync()
                     wall, started = time.time(), time.perf_counter()
                     result = publisher.publish(state, version=version)
                     elapsed = time.perf_counter() - started
-                    first = first or elapsed
+                    if not first:
+                        first = elapsed
+                        if publisher.last_timings is not None:
+                            first_record = RoundRecord(
+                                version, elapsed, wall, publisher.last_timings
+                            )
                     fenced = time.perf_counter()
                     publisher.fence()
                     fenced = time.perf_counter() - fenced
                     check_served(engines, version, result)
                     timings = publisher.last_timings
-                    held = held + 1 if holding and source.status().holding == version else 0
-                    if rep == WARMUP_ROUNDS and holding and held < 2:
-                        pinning.append(elapsed)  # both buffers not ready: time steady rounds
-                        _bound(len(pinning), PINNING_ROUNDS, "rounds before the source held")
-                        continue
+                    if holding:
+                        _check_held(source, version)
                     if rep >= WARMUP_ROUNDS and timings is not None:
                         records.append(RoundRecord(version, elapsed, wall, timings))
                         served.append(result.duration_seconds)
                         fences.append(fenced)
                     rep += 1
-                if pinning:
-                    print(f"{shape.label()}: {len(pinning)} rounds while the holder pinned its"
-                          f" buffers, {[round(p, 4) for p in pinning]}")  # fmt: skip
                 kind = ", HTTP hand-off" if http else ""
-                configs.append(Config(shape.label() + kind, records, served, fences, first))
+                configs.append(
+                    Config(shape.label() + kind, records, served, fences, first, first_record,
+                           pinning)
+                )  # fmt: skip
         time.sleep(0.5)  # the sinks' last trace lines
+        firsts = [c.first_record for c in configs if c.first_record is not None]
         attach_logs(
-            [r for c in configs for r in c.records],
+            [r for c in configs for r in c.records] + firsts,
             {a.proc.name: a.proc.log for a in agents},
             [e.proc.log for e in engines],
         )
@@ -347,6 +365,53 @@ def run_weightsync(
     finally:
         st.close()
     return configs, prewarm
+
+
+def timed_attach(publisher: Publisher, state: dict[str, torch.Tensor]) -> float:
+    """What a trainer does at start-up (`Publisher.attach`): the agent maps the tensors,
+    plans the buckets and starts allocating its holder's buffers."""
+    started = time.perf_counter()
+    if not publisher.attach(state):
+        raise RuntimeError("the source agent has no plan to attach to")
+    return time.perf_counter() - started
+
+
+def timed_round(
+    publisher: Publisher,
+    state: dict[str, torch.Tensor],
+    engines: list[Engine],
+    setup: Setup,
+    version: int,
+) -> float:
+    setup.sync()
+    started = time.perf_counter()
+    result = publisher.publish(state, version=version)
+    elapsed = time.perf_counter() - started
+    publisher.fence()
+    check_served(engines, version, result)
+    return elapsed
+
+
+def wait_pinned(source: AgentProc, state: dict[str, torch.Tensor]) -> float:
+    """Seconds until the source's holder has both host buffers registered."""
+    started = time.perf_counter()
+    need = 2 * sum(t.nbytes for t in state.values())
+    while holder_bytes(source) < need:
+        _bound(int(time.perf_counter() - started), PINNING_SECONDS, "s pinning")
+        time.sleep(0.1)
+    return time.perf_counter() - started
+
+
+def holder_bytes(agent: AgentProc) -> float:
+    for line in agent.metrics().splitlines():
+        if line.startswith("weightsync_holder_host_memory_bytes{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _check_held(source: AgentProc, version: int) -> None:
+    if source.status().holding != version:
+        raise RuntimeError(f"version {version} is not held once the buffers are pinned")
 
 
 def _bound(count: int, most: int, what: str) -> None:
@@ -382,8 +447,13 @@ def holder_rows(
                 statistics.median(config.served), nbytes, floor),
             Row(f"source holding, fence() right after publish(), {config.label}",
                 statistics.median(config.fences), 0),
-            Row(f"source holding, first publish() after pre-warm, {config.label}",
+            Row(f"source holding, first publish() once its buffers are pinned, {config.label}",
                 config.first, nbytes, config.median),
+            Row(f"source holding, first publish() after attach, pinning beside, {config.label}",
+                config.pinning[0], nbytes, config.median),
+            Row(f"source holding, rounds 2-{PINNING_PROBE_ROUNDS} beside the pinning (median),"
+                f" {config.label}", statistics.median(config.pinning[1:]), nbytes,
+                config.median),
         ]  # fmt: skip
     return rows
 
@@ -439,8 +509,13 @@ def d2d_floors(state: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
 def print_breakdowns(title: str, configs: list[Config]) -> None:
     for config in configs:
         print()
-        for line in breakdown(f"{title}, {config.label}", median_record(config.records)):
+        median = median_record(config.records)
+        for line in breakdown(f"{title}, median round, {config.label}", median):
             print(line)
+        if config.first_record is not None:
+            print()
+            for line in breakdown(f"{title}, first round, {config.label}", config.first_record):
+                print(line)
 
 
 def smoke(args: argparse.Namespace) -> None:
@@ -581,7 +656,7 @@ def weightsync_rows(
                 floor,
             )
         )
-        rows.append(Row(f"  first publish() after pre-warm, {config.label}", config.first,
+        rows.append(Row(f"  first publish() after attach, {config.label}", config.first,
                         nbytes, config.median))  # fmt: skip
     if agent_prewarm is not None:
         rows.append(Row("agent pre-warm of generation 1", agent_prewarm, 0))

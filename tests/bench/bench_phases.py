@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.agent.trace import PHASES_LOG_PREFIX
-from weightsync.client.publisher import PublishTimings
+from weightsync.client.filling import PublishTimings
 from weightsync.engines.reference.engine import UPDATE_LOG_PREFIX
 
 Summary = dict[str, Any]
@@ -120,7 +120,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
     nbytes = int((source or {}).get("bytes", 0))
     buckets = int((source or {}).get("buckets", pub.buckets))
     lines = [
-        f"phase breakdown: {title}, version {record.version} (median round), "
+        f"phase breakdown: {title}, version {record.version}, "
         f"{buckets} buckets, {len(sinks)} sink(s)",
         f"  {'where':<9} {'phase':<44} {'count':>5} {'total ms':>9} {'max ms':>8}",
         f"  {'trainer':<9} {'publish() wall time':<44} {1:>5} {record.seconds * 1000:>9.2f}",

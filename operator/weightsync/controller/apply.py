@@ -45,6 +45,7 @@ from weightsync.controller.recovery import (
     backoff_seconds,
     start_refused,
 )
+from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.scheduling import log_pass_failure
 from weightsync.controller.status import EventSpec, observed_status
 
@@ -63,9 +64,12 @@ class Applier:
         planner: Planner,
         post_event: EventPoster,
         request: Callable[[str, str], None],
+        *,
+        tasks: Tasks | None = None,
     ) -> None:
         self.kube, self.agents, self.planner = kube, agents, planner
         self.post_event, self.request = post_event, request
+        self.tasks = tasks or Tasks()
 
     async def apply(self, seen: Observed, actions: Actions, memory: Memory) -> None:
         raw, laps = seen.raw, memory.laps
@@ -99,7 +103,7 @@ class Applier:
         new = await self.write_status(raw, actions.status, sending, memory)
         laps("status" if sending is None else "status, plans")
         if memory.gates is None:
-            memory.gates = GateSync(self.kube.writer, namespace)
+            memory.gates = GateSync(self.kube.writer, namespace, self.tasks)
         memory.gates.submit(seen.pods, actions.gates)
         metrics.record_status(namespace, name, new)
         # Last: nothing above waits on them, and a failure here (it fails the pass) must
@@ -127,7 +131,7 @@ class Applier:
             if error is not None or time.monotonic() - started >= PLANS_WAIT_SECONDS:
                 self.request(*key)
 
-        task = asyncio.get_running_loop().create_task(delivery, name=f"plans {key[0]}/{key[1]}")
+        task = self.tasks.spawn(f"plans {key[0]}/{key[1]}", delivery)
         task.add_done_callback(ended)
         memory.sending = task
         return task

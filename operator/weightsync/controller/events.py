@@ -18,6 +18,7 @@ from typing import Any
 
 from weightsync.api.base import format_timestamp
 from weightsync.controller.kube import Kube
+from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.status import EventSpec
 
 log = logging.getLogger(__name__)
@@ -61,26 +62,24 @@ def event_body(obj: Mapping[str, Any], event: EventSpec, now: datetime) -> dict[
 class EventPoster:
     """`poster(obj, event)` from the event loop: the Event is created in the background."""
 
-    def __init__(self, kube: Kube) -> None:
+    def __init__(self, kube: Kube, tasks: Tasks | None = None) -> None:
         self._kube = kube
-        self._pending: set[asyncio.Task[None]] = set()
+        self._pending = (tasks or Tasks()).child()
 
     def __call__(self, obj: Mapping[str, Any], event: EventSpec) -> None:
         body = event_body(obj, event, datetime.now(UTC))
         namespace = body["metadata"]["namespace"]
-        task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._kube.create_event, namespace, body)
+        task = self._pending.spawn(
+            f"event {namespace}/{body['involvedObject']['name']}",
+            asyncio.to_thread(self._kube.create_event, namespace, body),
         )
-        self._pending.add(task)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._pending.discard(task)
         error = None if task.cancelled() else task.exception()
         if error is not None:
             log.warning("an Event could not be posted: %s", error)
 
     async def drain(self) -> None:
         """Wait a little for the Events still being posted (the operator is stopping)."""
-        if self._pending:
-            await asyncio.wait(set(self._pending), timeout=DRAIN_SECONDS)
+        await self._pending.wait(DRAIN_SECONDS)

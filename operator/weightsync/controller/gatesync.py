@@ -35,6 +35,7 @@ from weightsync.controller import names
 from weightsync.controller.apiwriter import ApiWriter
 from weightsync.controller.kube import pod_condition
 from weightsync.controller.readiness import GateDecision
+from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.status import listing
 from weightsync.controller.workloads import PodView
 
@@ -46,7 +47,7 @@ REASON_SETTLE_SECONDS = 5.0  # the drift timer's default period: a pass comes by
 class GateSync:
     """The gate writes of one WeightSync (soft state of the reconciler)."""
 
-    def __init__(self, writer: ApiWriter, namespace: str) -> None:
+    def __init__(self, writer: ApiWriter, namespace: str, tasks: Tasks | None = None) -> None:
         self._writer = writer
         self._namespace = namespace
         # pod -> (decision, since, what the pod showed when it was decided)
@@ -54,7 +55,7 @@ class GateSync:
         self._writing: dict[str, GateDecision] = {}  # pod -> the decision being written
         # pod -> (the gate written, what the pod showed before): until the watch shows it
         self._written: dict[str, tuple[tuple[bool, str], tuple[str | None, str | None]]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = (tasks or Tasks()).child()
         # pod -> (status, reason) of a reason-only change, and when it was first decided
         self._settling: dict[str, tuple[tuple[bool, str], float]] = {}
         self.failures = 0
@@ -86,9 +87,7 @@ class GateSync:
             kept = view.gate_since if view.gate_status == decision.status_text else None
             self._wanted[pod] = (decision, kept or stamp, shown)
             if pod not in self._writing:
-                task = asyncio.get_running_loop().create_task(self._write(pod))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._tasks.spawn(f"gate {self._namespace}/{pod}", self._write(pod))
         if queued:
             opened = sum(1 for d in queued if d.status)
             log.info(

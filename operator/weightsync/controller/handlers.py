@@ -54,6 +54,7 @@ from weightsync.controller.reconcile import (
     Result,
     log_pass_failure,
 )
+from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.sidecar import AgentTemplate
 from weightsync.controller.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Runtime:
+class Shared:
     """What the handlers share; built once in `main`."""
 
     settings: OperatorSettings
@@ -73,7 +74,7 @@ class Runtime:
     template: AgentTemplate
     indexes: Indexes
     namespaces: tuple[str, ...] = ()  # served namespaces; empty: the whole cluster
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    tasks: Tasks = field(default_factory=Tasks)  # every background task (`runtime.tasks`)
 
     def serves(self, namespace: str | None) -> bool:
         """kopf registers webhooks cluster-wide (no namespaceSelector); an operator that
@@ -90,7 +91,11 @@ class Runtime:
         # The label is the WeightSync's name or, for a long name, a hash of it.
         targets = [n for n in known if names.sync_label(n) == label] or known
         if label and change != DELETED and pod_actions.restarting_behind_open_gate(pod):
-            self._spawn(self._close_gate(namespace, str(pod["metadata"]["name"]), targets))
+            name = str(pod["metadata"]["name"])
+            task = self.tasks.spawn(
+                f"close gate {namespace}/{name}", self._close_gate(namespace, name, targets)
+            )
+            task.add_done_callback(self._done)
             return
         for target in targets:
             self.reconciler.request(namespace, target)
@@ -102,13 +107,7 @@ class Runtime:
             for target in targets:
                 self.reconciler.request(namespace, target)
 
-    def _spawn(self, work: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
         error = None if task.cancelled() else task.exception()
         if isinstance(error, Exception):
             log_pass_failure("closing a gate at once", error)
@@ -130,10 +129,10 @@ def _namespaced(namespace: str | None) -> str:
     return namespace
 
 
-def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWatch) -> None:
+def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatch) -> None:
     """Register every handler on `registry` (no module-level registration)."""
-    settings = runtime.settings
-    reconciler = runtime.reconciler
+    settings = shared.settings
+    reconciler = shared.reconciler
     resource = (GROUP, VERSION, PLURAL)
 
     # kopf's default login handlers live on its default registry; ours needs its own.
@@ -142,7 +141,7 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
         info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
         return info
 
-    bind = runtime.indexes.bind
+    bind = shared.indexes.bind
 
     # Index functions are coroutines: kopf runs plain functions in its thread pool, and
     # a thousand pod events would each cost a hop to a thread and back.
@@ -192,21 +191,23 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
         await reconciler.release(namespace, dict(body))
         log.info("released the pods of %s/%s", namespace, name)
 
-    _register_admission(registry, runtime)
+    _register_admission(registry, shared)
 
     watching: list[asyncio.Task[None]] = []
 
     @kopf.on.startup(registry=registry)
     async def watch_pods(**_: Any) -> None:
-        watching.append(asyncio.get_running_loop().create_task(pod_watch.run()))
+        watching.append(shared.tasks.spawn("pod watch", pod_watch.run()))
 
     @kopf.on.cleanup(registry=registry)
     async def close_clients(**_: Any) -> None:
-        for task in watching:
+        for task in watching:  # first: no new passes
             task.cancel()
-        await runtime.events.drain()
-        await runtime.agents.close()
-        await runtime.kube.writer.close()
+        await shared.events.drain()
+        # What is still running (follow-ups, plans, gate writes) would meet closed clients.
+        shared.tasks.cancel_all()
+        await shared.agents.close()
+        await shared.kube.writer.close()
 
 
 def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
@@ -238,9 +239,9 @@ def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
         return {(_namespaced(namespace), name): replicaset_owner(body)}
 
 
-def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
+def _register_admission(registry: kopf.OperatorRegistry, shared: Shared) -> None:
     """The pod webhook (inject the agent) and the WeightSync webhook (claims)."""
-    bind = runtime.indexes.bind
+    bind = shared.indexes.bind
     inject, claims = INJECT_AGENT, VALIDATE_CLAIMS  # their configuration: webhook_config
 
     @kopf.on.mutate(
@@ -250,10 +251,10 @@ def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> No
     )  # fmt: skip
     def inject_agent(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
         bind(kwargs)
-        if not runtime.serves(body.metadata.namespace):
+        if not shared.serves(body.metadata.namespace):
             metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
             return
-        admission.inject(runtime.kube, runtime.template, body, patch, runtime.indexes)
+        admission.inject(shared.kube, shared.template, body, patch, shared.indexes)
 
     @kopf.on.validate(
         claims.group, claims.version, claims.plural,
@@ -263,18 +264,18 @@ def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> No
     def validate_claims(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
         bind(kwargs)
         old: kopf.Body | None = kwargs.get("old")  # the stored object, on UPDATE
-        if not runtime.serves(namespace):
+        if not shared.serves(namespace):
             metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()
             return
         try:
-            listing = runtime.kube.weightsyncs(_namespaced(namespace), runtime.indexes)
+            listing = shared.kube.weightsyncs(_namespaced(namespace), shared.indexes)
         except Exception as error:
             metrics.ADMISSIONS.labels("validate-claims", "error").inc()
             raise kopf.AdmissionError(
                 f"cannot list WeightSyncs to check claims: {error}", code=503
             ) from None
         errors = admission.claim_errors(dict(body), dict(old) if old else None, listing)
-        errors += admission.front_errors(dict(body), runtime.template)
+        errors += admission.front_errors(dict(body), shared.template)
         if errors:
             metrics.ADMISSIONS.labels("validate-claims", "denied").inc()
             # 403, a refusal: 409 would read as a field-manager conflict, and `kubectl

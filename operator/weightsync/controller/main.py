@@ -25,6 +25,7 @@ from weightsync.controller.events import EventPoster
 from weightsync.controller.kube import Kube, load_config
 from weightsync.controller.podwatch import PodStore, PodWatch
 from weightsync.controller.reconcile import Reconciler
+from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.settings import OperatorSettings, SettingsError
 from weightsync.controller.sidecar import AgentTemplate
 from weightsync.controller.webhook import build_server
@@ -133,23 +134,28 @@ def main(argv: list[str] | None = None) -> None:
     token_key = tokens.load_key(kube.core, settings.namespace, settings.token_key_secret)
     agents = AgentClient(settings.agent_timeout_seconds)
     namespaces = args.namespace or list(settings.watch_namespaces)
-    post_events = EventPoster(kube)
+    tasks = Tasks()  # every background task, cancelled at cleanup (`runtime.tasks`)
+    post_events = EventPoster(kube, tasks)
     pods = PodStore()
     indexes = Indexes(pods)
-    runtime = handlers.Runtime(
+    reconciler = Reconciler(
+        kube, agents, settings, post_events, token_key, indexes=indexes, tasks=tasks
+    )
+    shared = handlers.Shared(
         settings=settings,
         kube=kube,
         agents=agents,
-        reconciler=Reconciler(kube, agents, settings, post_events, token_key, indexes=indexes),
+        reconciler=reconciler,
         events=post_events,
         template=agent_template(settings),
         indexes=indexes,
         namespaces=tuple(namespaces),
+        tasks=tasks,
     )
     registry = kopf.OperatorRegistry()
     selector = f"{names.INJECT_LABEL}={names.INJECT_VALUE}"
-    pod_watch = PodWatch(kube.api, selector, namespaces, pods, runtime.pod_changed)
-    handlers.register(registry, runtime, pod_watch)
+    pod_watch = PodWatch(kube.api, selector, namespaces, pods, shared.pod_changed)
+    handlers.register(registry, shared, pod_watch)
     configurations = Configurations(kube.api, settings.webhook_configuration)
     server = build_server(kube.core, settings, configurations)
 
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings, runtime.settings, server)
+        configure_kopf(settings, shared.settings, server)
 
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)

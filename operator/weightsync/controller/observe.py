@@ -31,6 +31,7 @@ from weightsync.controller.kube import Kube, NotCachedError
 from weightsync.controller.memory import Memory
 from weightsync.controller.pods import WEBHOOK_SETTLE_SECONDS
 from weightsync.controller.problems import claimed, stored_status, unmet
+from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.workloads import PodView, World, planned_sources, sync_pods
 
@@ -102,9 +103,11 @@ class Observer:
         token_key: bytes,
         *,
         request: Callable[[str, str], None],
+        tasks: Tasks | None = None,
     ) -> None:
         self.kube, self.indexes, self.agents = kube, indexes, agents
         self.settings, self.token_key, self.request = settings, token_key, request
+        self.tasks = tasks or Tasks()
         # Pods admitted meanwhile may have met no webhook of ours (`pods.uninjected`).
         started = utc_now()
         self.webhook_settling = (started, started + timedelta(seconds=WEBHOOK_SETTLE_SECONDS))
@@ -201,8 +204,8 @@ class Observer:
         unpolled = set(view.unpolled(a.pod for a in addresses)) - memory.asking
         newcomers = [a for a in addresses if a.pod in unpolled]
         if newcomers:
-            task = asyncio.get_running_loop().create_task(
-                self._ask(key, newcomers, token, memory), name=f"ask {key[0]}/{key[1]}"
+            task = self.tasks.spawn(
+                f"ask {key[0]}/{key[1]}", self._ask(key, newcomers, token, memory)
             )
             memory.asks.add(task)
             task.add_done_callback(memory.asks.discard)

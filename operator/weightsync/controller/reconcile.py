@@ -34,6 +34,7 @@ from weightsync.controller.kube import Kube
 from weightsync.controller.memory import Laps, Memory
 from weightsync.controller.observe import Key, Observer
 from weightsync.controller.pods import EventPoster
+from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.scheduling import PassScheduler, log_pass_failure
 from weightsync.controller.settings import OperatorSettings
 
@@ -65,8 +66,10 @@ class Reconciler:
         token_key: bytes,
         *,
         indexes: Indexes | None = None,
+        tasks: Tasks | None = None,
     ) -> None:
         self.kube = kube
+        self.tasks = tasks = tasks or Tasks()
         self.indexes = indexes or Indexes()
         self.agents = agents
         self.settings = settings
@@ -74,10 +77,12 @@ class Reconciler:
         self._memory: dict[Key, Memory] = {}
         self.planner = Planner(agents, settings, post_event)
         request = self._request_now
-        self.observer = Observer(kube, self.indexes, agents, settings, token_key, request=request)
-        self.applier = Applier(kube, agents, self.planner, post_event, request)
+        self.observer = Observer(
+            kube, self.indexes, agents, settings, token_key, request=request, tasks=tasks
+        )
+        self.applier = Applier(kube, agents, self.planner, post_event, request, tasks=tasks)
         self._scheduler: PassScheduler[Key, Result] = PassScheduler(
-            self._measured, request_delay=EVENT_PASS_DELAY_SECONDS
+            self._measured, request_delay=EVENT_PASS_DELAY_SECONDS, tasks=tasks
         )
 
     def forget(self, namespace: str, name: str) -> None:
@@ -92,8 +97,8 @@ class Reconciler:
     def _poll_later(self, namespace: str, name: str, memory: Memory) -> None:
         """Run another pass soon: a recovery's progress shows in no pod event."""
         if memory.poll is None or memory.poll.done():
-            memory.poll = asyncio.get_running_loop().create_task(
-                self._poll(namespace, name, memory), name=f"poll {namespace}/{name}"
+            memory.poll = self.tasks.spawn(
+                f"poll {namespace}/{name}", self._poll(namespace, name, memory)
             )
 
     async def _poll(self, namespace: str, name: str, memory: Memory) -> None:

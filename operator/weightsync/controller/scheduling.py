@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from weightsync.controller.kube import api_unavailable
+from weightsync.controller.runtime.tasks import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class PassScheduler(Generic[K, R]):
         run_pass: Callable[[K], Awaitable[R]],
         request_delay: float = 0.0,
         pass_timeout: float = PASS_TIMEOUT_SECONDS,
+        tasks: Tasks | None = None,
     ) -> None:
         self._run_pass = run_pass
+        self._tasks = tasks or Tasks()
         self._request_delay = request_delay
         self._pass_timeout = pass_timeout
         self._lanes: dict[K, _Lane[R]] = {}
@@ -75,7 +78,7 @@ class PassScheduler(Generic[K, R]):
             except Exception as error:
                 failed(key, error)
 
-        lane.queued = asyncio.get_running_loop().create_task(follow(), name=f"pass {key}")
+        lane.queued = self._tasks.spawn(f"pass {key}", follow())
 
     async def run(self, key: K) -> R:
         """A pass for `key` that started after this call, or its result."""

@@ -1,0 +1,1 @@
+"""When things run: the operator's background tasks (`tasks`)."""

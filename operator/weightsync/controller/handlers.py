@@ -15,6 +15,10 @@
   instead of listing; every handler binds them for the passes it starts.
 * delete -> open the readiness gates the WeightSync held (the finalizer's job).
 * admission -> `admission.inject` and `admission.claim_errors`.
+
+Retries are kopf's: every handler but the webhooks (the API server's timeout bounds
+those) is registered with `timeout=` and `backoff=` from `runtime.timing`
+(tests/unit/controller/test_handler_timing.py walks the registry).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from weightsync.controller.reconcile import (
     log_pass_failure,
 )
 from weightsync.controller.runtime.tasks import Tasks
+from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
+from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.sidecar import AgentTemplate
 from weightsync.controller.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
@@ -136,7 +142,7 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
     resource = (GROUP, VERSION, PLURAL)
 
     # kopf's default login handlers live on its default registry; ours needs its own.
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
         return info
@@ -145,13 +151,15 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
 
     # Index functions are coroutines: kopf runs plain functions in its thread pool, and
     # a thousand pod events would each cost a hop to a thread and back.
-    @kopf.index(*resource, registry=registry, id=WEIGHTSYNCS_INDEX)
+    @kopf.index(
+        *resource, registry=registry, id=WEIGHTSYNCS_INDEX, timeout=TIMEOUT, backoff=BACKOFF
+    )
     async def weightsyncs_by_namespace(
         namespace: str | None, body: kopf.Body, **_: Any
     ) -> dict[str, dict[str, Any]]:
         return {_namespaced(namespace): slim_weightsync(body)}
 
-    @kopf.index(*resource, registry=registry, id=BODIES_INDEX)
+    @kopf.index(*resource, registry=registry, id=BODIES_INDEX, timeout=TIMEOUT, backoff=BACKOFF)
     async def weightsync_bodies(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
@@ -159,15 +167,22 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
 
     _register_workload_indexes(registry)
 
-    @kopf.on.create(*resource, registry=registry, id="reconcile")
-    @kopf.on.update(*resource, registry=registry, id="reconcile")
-    @kopf.on.resume(*resource, registry=registry, id="reconcile")
+    @kopf.on.create(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
+    @kopf.on.update(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
+    @kopf.on.resume(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
     async def reconcile(namespace: str | None, name: str, **kwargs: Any) -> None:
         bind(kwargs)
         result = await reconciler.run(_namespaced(namespace), name)
         _raise_for(result)
 
-    @kopf.timer(*resource, registry=registry, id="resync", interval=settings.resync_seconds)
+    @kopf.timer(
+        *resource,
+        registry=registry,
+        id="resync",
+        interval=settings.resync_seconds,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def resync(namespace: str | None, name: str, **kwargs: Any) -> None:
         bind(kwargs)
         # Errors are the next tick's business: a timer must not back off for minutes.
@@ -176,7 +191,14 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
         except Exception as error:
             log_pass_failure(f"resync of {namespace}/{name}", error)
 
-    @kopf.timer(*resource, registry=registry, id="sources", interval=SOURCE_POLL_SECONDS)
+    @kopf.timer(
+        *resource,
+        registry=registry,
+        id="sources",
+        interval=SOURCE_POLL_SECONDS,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def sources(namespace: str | None, name: str, **kwargs: Any) -> None:
         bind(kwargs)
         try:
@@ -184,7 +206,7 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
         except Exception as error:
             log_pass_failure(f"source poll of {namespace}/{name}", error)
 
-    @kopf.on.delete(*resource, registry=registry, id="release")
+    @kopf.on.delete(*resource, registry=registry, id="release", timeout=TIMEOUT, backoff=BACKOFF)
     async def release(namespace: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:
         bind(kwargs)
         namespace = _namespaced(namespace)
@@ -195,11 +217,11 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
 
     watching: list[asyncio.Task[None]] = []
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
     async def watch_pods(**_: Any) -> None:
         watching.append(shared.tasks.spawn("pod watch", pod_watch.run()))
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
     async def close_clients(**_: Any) -> None:
         for task in watching:  # first: no new passes
             task.cancel()
@@ -213,26 +235,58 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
 def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
     """The workloads a pass reads (`cache`), kept from watches instead of read per pass."""
 
-    @kopf.index("apps", "v1", "statefulsets", registry=registry, id=STATEFULSETS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "statefulsets",
+        registry=registry,
+        id=STATEFULSETS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def statefulsets_by_name(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
         return {(_namespaced(namespace), name): slim_workload(body)}
 
-    @kopf.index("apps", "v1", "deployments", registry=registry, id=DEPLOYMENTS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "deployments",
+        registry=registry,
+        id=DEPLOYMENTS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def deployments_by_name(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
         return {(_namespaced(namespace), name): slim_workload(body)}
 
-    @kopf.index("apps", "v1", "replicasets", registry=registry, id=REPLICASETS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "replicasets",
+        registry=registry,
+        id=REPLICASETS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def replicasets_by_owner(
         namespace: str | None, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]] | None:
         key = pod_key(_namespaced(namespace), body)  # (namespace, controller uid)
         return {key: slim_workload(body)} if key is not None else None
 
-    @kopf.index("apps", "v1", "replicasets", registry=registry, id=REPLICASET_OWNERS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "replicasets",
+        registry=registry,
+        id=REPLICASET_OWNERS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def replicaset_owners(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:

@@ -18,13 +18,9 @@ from typing import Generic, TypeVar
 
 from weightsync.controller.kube import api_unavailable
 from weightsync.controller.runtime.tasks import Tasks
+from weightsync.controller.runtime.timing import PASS_TIMEOUT_SECONDS
 
 log = logging.getLogger(__name__)
-
-# A pass takes up to ~3 s at 1,000 pods and each of its API and agent calls has a
-# timeout of its own; one still running after this is stuck, and would hold every later
-# pass of its object behind it: it is cancelled (TimeoutError to its callers).
-PASS_TIMEOUT_SECONDS = 120.0
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")

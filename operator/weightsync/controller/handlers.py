@@ -14,7 +14,7 @@
 * indexes of labelled pods and of WeightSyncs (`cache`): what passes and webhooks read
   instead of listing; every handler binds them for the passes it starts.
 * delete -> open the readiness gates the WeightSync held (the finalizer's job).
-* admission -> `admission.inject` and `admission.claim_errors`.
+* admission -> `admission.review.inject` and `admission.review.claim_errors`.
 
 Retries are kopf's: every handler but the webhooks (the API server's timeout bounds
 those) is registered with `timeout=` and `backoff=` from `runtime.timing`
@@ -32,10 +32,13 @@ from typing import Any
 import kopf
 
 from weightsync.api import GROUP, PLURAL, VERSION
-from weightsync.controller import admission, metrics, names
-from weightsync.controller import pods as pod_actions
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.cache import (
+from weightsync.controller import metrics, names
+from weightsync.controller.admission import review
+from weightsync.controller.admission.sidecar import AgentTemplate
+from weightsync.controller.admission.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster.cache import (
     BODIES_INDEX,
     DEPLOYMENTS_INDEX,
     REPLICASET_OWNERS_INDEX,
@@ -48,10 +51,10 @@ from weightsync.controller.cache import (
     slim_weightsync,
     slim_workload,
 )
-from weightsync.controller.events import EventPoster
-from weightsync.controller.kube import Kube
-from weightsync.controller.podwatch import DELETED, PodWatch
-from weightsync.controller.reconcile import (
+from weightsync.controller.cluster.events import EventPoster
+from weightsync.controller.cluster.kube import Kube
+from weightsync.controller.cluster.podwatch import DELETED, PodWatch
+from weightsync.controller.passes.reconcile import (
     SOURCE_POLL_SECONDS,
     Outcome,
     Reconciler,
@@ -62,8 +65,6 @@ from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
 from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.sidecar import AgentTemplate
-from weightsync.controller.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ def _register_admission(registry: kopf.OperatorRegistry, shared: Shared) -> None
         if not shared.serves(body.metadata.namespace):
             metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
             return
-        admission.inject(shared.kube, shared.template, body, patch, shared.indexes)
+        review.inject(shared.kube, shared.template, body, patch, shared.indexes)
 
     @kopf.on.validate(
         claims.group, claims.version, claims.plural,
@@ -328,8 +329,8 @@ def _register_admission(registry: kopf.OperatorRegistry, shared: Shared) -> None
             raise kopf.AdmissionError(
                 f"cannot list WeightSyncs to check claims: {error}", code=503
             ) from None
-        errors = admission.claim_errors(dict(body), dict(old) if old else None, listing)
-        errors += admission.front_errors(dict(body), shared.template)
+        errors = review.claim_errors(dict(body), dict(old) if old else None, listing)
+        errors += review.front_errors(dict(body), shared.template)
         if errors:
             metrics.ADMISSIONS.labels("validate-claims", "denied").inc()
             # 403, a refusal: 409 would read as a field-manager conflict, and `kubectl

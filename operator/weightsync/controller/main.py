@@ -18,20 +18,22 @@ from typing import Any
 import kopf
 
 from weightsync.api import GROUP
-from weightsync.controller import events, handlers, metrics, names, taskdump, tokens
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.cache import Indexes
-from weightsync.controller.events import EventPoster
-from weightsync.controller.kube import Kube, load_config
-from weightsync.controller.podwatch import PodStore, PodWatch
-from weightsync.controller.reconcile import Reconciler
+from weightsync.controller import handlers, metrics, names
+from weightsync.controller.admission.sidecar import AgentTemplate
+from weightsync.controller.admission.webhook import build_server
+from weightsync.controller.admission.webhook_config import Configurations
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.cluster import events, tokens
+from weightsync.controller.cluster.cache import Indexes
+from weightsync.controller.cluster.events import EventPoster
+from weightsync.controller.cluster.kube import Kube, load_config
+from weightsync.controller.cluster.podwatch import PodStore, PodWatch
+from weightsync.controller.passes.reconcile import Reconciler
+from weightsync.controller.runtime import taskdump
 from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
 from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
 from weightsync.controller.settings import OperatorSettings, SettingsError
-from weightsync.controller.sidecar import AgentTemplate
-from weightsync.controller.webhook import build_server
-from weightsync.controller.webhook_config import Configurations
 
 log = logging.getLogger("weightsync.operator")
 

@@ -9,7 +9,8 @@ import kopf
 import pytest
 
 from weightsync.controller import handlers
-from weightsync.controller.cache import Indexes
+from weightsync.controller.admission.sidecar import AgentTemplate
+from weightsync.controller.cluster.cache import Indexes
 from weightsync.controller.main import build_registry
 from weightsync.controller.runtime.timing import (
     HANDLER_BACKOFF_SECONDS,
@@ -17,7 +18,6 @@ from weightsync.controller.runtime.timing import (
     PASS_TIMEOUT_SECONDS,
 )
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.sidecar import AgentTemplate
 
 # Registries of the kinds of handlers kopf retries. Webhooks are not among them: the API
 # server's webhook timeout bounds each call, and kopf takes no `timeout=` or `backoff=`.

@@ -30,7 +30,7 @@ from tests.support.operator import (
 )
 from weightsync.api import reasons
 from weightsync.controller import names
-from weightsync.controller.workloads import parse_time
+from weightsync.controller.membership.workloads import parse_time
 
 pytestmark = pytest.mark.cluster
 

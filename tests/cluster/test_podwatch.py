@@ -16,8 +16,8 @@ from kubernetes import client
 from tests.cluster.controlplane import LocalCluster
 from tests.support.eventually import Timeouts
 from tests.support.kube import deployment
-from weightsync.controller.apihttp import ssl_context
-from weightsync.controller.podwatch import (
+from weightsync.controller.cluster.apihttp import ssl_context
+from weightsync.controller.cluster.podwatch import (
     ADDED,
     DELETED,
     MODIFIED,

@@ -45,7 +45,7 @@ from tests.scale.observe import OperatorSampler, PodWatch, SyncWatch, Watched
 from tests.scale.report import Figures
 from tests.support.eventually import Timeouts, eventually
 from tests.support.operator import CRD_FILE, OperatorProcess, engines, trainer
-from weightsync.controller.apiwriter import ApiWriter
+from weightsync.controller.cluster.apiwriter import ApiWriter
 from weightsync.controller.settings import OperatorSettings
 
 NAMESPACE = "scale"

@@ -29,8 +29,8 @@ from tests.cluster.controlplane import LocalCluster, build_binaries
 from tests.support.operator import CRD_FILE
 from tests.unit.api.builders import weightsync
 from weightsync.api import GROUP, PLURAL, VERSION, parse_weightsync
-from weightsync.controller.apiwriter import ApiWriter
-from weightsync.controller.observe import without_status
+from weightsync.controller.cluster.apiwriter import ApiWriter
+from weightsync.controller.passes.observe import without_status
 
 NAMESPACE = "status-patch"
 WARM_UP = 5  # patches left out of the figures

@@ -14,7 +14,11 @@
 * indexes of labelled pods and of WeightSyncs (`cache`): what passes and webhooks read
   instead of listing; every handler binds them for the passes it starts.
 * delete -> open the readiness gates the WeightSync held (the finalizer's job).
-* admission -> `admission.inject` and `admission.claim_errors`.
+* admission -> `admission.review.inject` and `admission.review.claim_errors`.
+
+Retries are kopf's: every handler but the webhooks (the API server's timeout bounds
+those) is registered with `timeout=` and `backoff=` from `runtime.timing`
+(tests/unit/controller/test_handler_timing.py walks the registry).
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from typing import Any
 import kopf
 
 from weightsync.api import GROUP, PLURAL, VERSION
-from weightsync.controller import admission, metrics, names
-from weightsync.controller import pods as pod_actions
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.cache import (
+from weightsync.controller import metrics, names
+from weightsync.controller.admission import review
+from weightsync.controller.admission.sidecar import AgentTemplate
+from weightsync.controller.admission.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster.cache import (
     BODIES_INDEX,
     DEPLOYMENTS_INDEX,
     REPLICASET_OWNERS_INDEX,
@@ -44,25 +51,26 @@ from weightsync.controller.cache import (
     slim_weightsync,
     slim_workload,
 )
-from weightsync.controller.events import EventPoster
-from weightsync.controller.kube import Kube
-from weightsync.controller.podwatch import DELETED, PodWatch
-from weightsync.controller.reconcile import (
+from weightsync.controller.cluster.events import EventPoster
+from weightsync.controller.cluster.kube import Kube
+from weightsync.controller.cluster.podwatch import DELETED, PodWatch
+from weightsync.controller.passes.reconcile import (
     SOURCE_POLL_SECONDS,
     Outcome,
     Reconciler,
     Result,
     log_pass_failure,
 )
+from weightsync.controller.runtime.tasks import Tasks
+from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
+from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.sidecar import AgentTemplate
-from weightsync.controller.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Runtime:
+class Shared:
     """What the handlers share; built once in `main`."""
 
     settings: OperatorSettings
@@ -73,7 +81,7 @@ class Runtime:
     template: AgentTemplate
     indexes: Indexes
     namespaces: tuple[str, ...] = ()  # served namespaces; empty: the whole cluster
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    tasks: Tasks = field(default_factory=Tasks)  # every background task (`runtime.tasks`)
 
     def serves(self, namespace: str | None) -> bool:
         """kopf registers webhooks cluster-wide (no namespaceSelector); an operator that
@@ -90,7 +98,11 @@ class Runtime:
         # The label is the WeightSync's name or, for a long name, a hash of it.
         targets = [n for n in known if names.sync_label(n) == label] or known
         if label and change != DELETED and pod_actions.restarting_behind_open_gate(pod):
-            self._spawn(self._close_gate(namespace, str(pod["metadata"]["name"]), targets))
+            name = str(pod["metadata"]["name"])
+            task = self.tasks.spawn(
+                f"close gate {namespace}/{name}", self._close_gate(namespace, name, targets)
+            )
+            task.add_done_callback(self._done)
             return
         for target in targets:
             self.reconciler.request(namespace, target)
@@ -102,13 +114,7 @@ class Runtime:
             for target in targets:
                 self.reconciler.request(namespace, target)
 
-    def _spawn(self, work: Any) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
     def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
         error = None if task.cancelled() else task.exception()
         if isinstance(error, Exception):
             log_pass_failure("closing a gate at once", error)
@@ -130,29 +136,31 @@ def _namespaced(namespace: str | None) -> str:
     return namespace
 
 
-def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWatch) -> None:
+def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatch) -> None:
     """Register every handler on `registry` (no module-level registration)."""
-    settings = runtime.settings
-    reconciler = runtime.reconciler
+    settings = shared.settings
+    reconciler = shared.reconciler
     resource = (GROUP, VERSION, PLURAL)
 
     # kopf's default login handlers live on its default registry; ours needs its own.
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
         return info
 
-    bind = runtime.indexes.bind
+    bind = shared.indexes.bind
 
     # Index functions are coroutines: kopf runs plain functions in its thread pool, and
     # a thousand pod events would each cost a hop to a thread and back.
-    @kopf.index(*resource, registry=registry, id=WEIGHTSYNCS_INDEX)
+    @kopf.index(
+        *resource, registry=registry, id=WEIGHTSYNCS_INDEX, timeout=TIMEOUT, backoff=BACKOFF
+    )
     async def weightsyncs_by_namespace(
         namespace: str | None, body: kopf.Body, **_: Any
     ) -> dict[str, dict[str, Any]]:
         return {_namespaced(namespace): slim_weightsync(body)}
 
-    @kopf.index(*resource, registry=registry, id=BODIES_INDEX)
+    @kopf.index(*resource, registry=registry, id=BODIES_INDEX, timeout=TIMEOUT, backoff=BACKOFF)
     async def weightsync_bodies(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
@@ -160,15 +168,22 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
 
     _register_workload_indexes(registry)
 
-    @kopf.on.create(*resource, registry=registry, id="reconcile")
-    @kopf.on.update(*resource, registry=registry, id="reconcile")
-    @kopf.on.resume(*resource, registry=registry, id="reconcile")
+    @kopf.on.create(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
+    @kopf.on.update(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
+    @kopf.on.resume(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
     async def reconcile(namespace: str | None, name: str, **kwargs: Any) -> None:
         bind(kwargs)
         result = await reconciler.run(_namespaced(namespace), name)
         _raise_for(result)
 
-    @kopf.timer(*resource, registry=registry, id="resync", interval=settings.resync_seconds)
+    @kopf.timer(
+        *resource,
+        registry=registry,
+        id="resync",
+        interval=settings.resync_seconds,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def resync(namespace: str | None, name: str, **kwargs: Any) -> None:
         bind(kwargs)
         # Errors are the next tick's business: a timer must not back off for minutes.
@@ -177,7 +192,14 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
         except Exception as error:
             log_pass_failure(f"resync of {namespace}/{name}", error)
 
-    @kopf.timer(*resource, registry=registry, id="sources", interval=SOURCE_POLL_SECONDS)
+    @kopf.timer(
+        *resource,
+        registry=registry,
+        id="sources",
+        interval=SOURCE_POLL_SECONDS,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def sources(namespace: str | None, name: str, **kwargs: Any) -> None:
         bind(kwargs)
         try:
@@ -185,62 +207,96 @@ def register(registry: kopf.OperatorRegistry, runtime: Runtime, pod_watch: PodWa
         except Exception as error:
             log_pass_failure(f"source poll of {namespace}/{name}", error)
 
-    @kopf.on.delete(*resource, registry=registry, id="release")
+    @kopf.on.delete(*resource, registry=registry, id="release", timeout=TIMEOUT, backoff=BACKOFF)
     async def release(namespace: str | None, name: str, body: kopf.Body, **kwargs: Any) -> None:
         bind(kwargs)
         namespace = _namespaced(namespace)
         await reconciler.release(namespace, dict(body))
         log.info("released the pods of %s/%s", namespace, name)
 
-    _register_admission(registry, runtime)
+    _register_admission(registry, shared)
 
     watching: list[asyncio.Task[None]] = []
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
     async def watch_pods(**_: Any) -> None:
-        watching.append(asyncio.get_running_loop().create_task(pod_watch.run()))
+        watching.append(shared.tasks.spawn("pod watch", pod_watch.run()))
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
     async def close_clients(**_: Any) -> None:
-        for task in watching:
+        for task in watching:  # first: no new passes
             task.cancel()
-        await runtime.events.drain()
-        await runtime.agents.close()
-        await runtime.kube.writer.close()
+        await shared.events.drain()
+        # What is still running (follow-ups, plans, gate writes) would meet closed clients.
+        shared.tasks.cancel_all()
+        await shared.agents.close()
+        await shared.kube.writer.close()
 
 
 def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
     """The workloads a pass reads (`cache`), kept from watches instead of read per pass."""
 
-    @kopf.index("apps", "v1", "statefulsets", registry=registry, id=STATEFULSETS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "statefulsets",
+        registry=registry,
+        id=STATEFULSETS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def statefulsets_by_name(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
         return {(_namespaced(namespace), name): slim_workload(body)}
 
-    @kopf.index("apps", "v1", "deployments", registry=registry, id=DEPLOYMENTS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "deployments",
+        registry=registry,
+        id=DEPLOYMENTS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def deployments_by_name(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
         return {(_namespaced(namespace), name): slim_workload(body)}
 
-    @kopf.index("apps", "v1", "replicasets", registry=registry, id=REPLICASETS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "replicasets",
+        registry=registry,
+        id=REPLICASETS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def replicasets_by_owner(
         namespace: str | None, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]] | None:
         key = pod_key(_namespaced(namespace), body)  # (namespace, controller uid)
         return {key: slim_workload(body)} if key is not None else None
 
-    @kopf.index("apps", "v1", "replicasets", registry=registry, id=REPLICASET_OWNERS_INDEX)
+    @kopf.index(
+        "apps",
+        "v1",
+        "replicasets",
+        registry=registry,
+        id=REPLICASET_OWNERS_INDEX,
+        timeout=TIMEOUT,
+        backoff=BACKOFF,
+    )
     async def replicaset_owners(
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
         return {(_namespaced(namespace), name): replicaset_owner(body)}
 
 
-def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> None:
+def _register_admission(registry: kopf.OperatorRegistry, shared: Shared) -> None:
     """The pod webhook (inject the agent) and the WeightSync webhook (claims)."""
-    bind = runtime.indexes.bind
+    bind = shared.indexes.bind
     inject, claims = INJECT_AGENT, VALIDATE_CLAIMS  # their configuration: webhook_config
 
     @kopf.on.mutate(
@@ -250,10 +306,10 @@ def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> No
     )  # fmt: skip
     def inject_agent(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
         bind(kwargs)
-        if not runtime.serves(body.metadata.namespace):
+        if not shared.serves(body.metadata.namespace):
             metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
             return
-        admission.inject(runtime.kube, runtime.template, body, patch, runtime.indexes)
+        review.inject(shared.kube, shared.template, body, patch, shared.indexes)
 
     @kopf.on.validate(
         claims.group, claims.version, claims.plural,
@@ -263,18 +319,18 @@ def _register_admission(registry: kopf.OperatorRegistry, runtime: Runtime) -> No
     def validate_claims(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
         bind(kwargs)
         old: kopf.Body | None = kwargs.get("old")  # the stored object, on UPDATE
-        if not runtime.serves(namespace):
+        if not shared.serves(namespace):
             metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()
             return
         try:
-            listing = runtime.kube.weightsyncs(_namespaced(namespace), runtime.indexes)
+            listing = shared.kube.weightsyncs(_namespaced(namespace), shared.indexes)
         except Exception as error:
             metrics.ADMISSIONS.labels("validate-claims", "error").inc()
             raise kopf.AdmissionError(
                 f"cannot list WeightSyncs to check claims: {error}", code=503
             ) from None
-        errors = admission.claim_errors(dict(body), dict(old) if old else None, listing)
-        errors += admission.front_errors(dict(body), runtime.template)
+        errors = review.claim_errors(dict(body), dict(old) if old else None, listing)
+        errors += review.front_errors(dict(body), shared.template)
         if errors:
             metrics.ADMISSIONS.labels("validate-claims", "denied").inc()
             # 403, a refusal: 409 would read as a field-manager conflict, and `kubectl

@@ -18,17 +18,22 @@ from typing import Any
 import kopf
 
 from weightsync.api import GROUP
-from weightsync.controller import events, handlers, metrics, names, taskdump, tokens
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.cache import Indexes
-from weightsync.controller.events import EventPoster
-from weightsync.controller.kube import Kube, load_config
-from weightsync.controller.podwatch import PodStore, PodWatch
-from weightsync.controller.reconcile import Reconciler
+from weightsync.controller import handlers, metrics, names
+from weightsync.controller.admission.sidecar import AgentTemplate
+from weightsync.controller.admission.webhook import build_server
+from weightsync.controller.admission.webhook_config import Configurations
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.cluster import events, tokens
+from weightsync.controller.cluster.cache import Indexes
+from weightsync.controller.cluster.events import EventPoster
+from weightsync.controller.cluster.kube import Kube, load_config
+from weightsync.controller.cluster.podwatch import PodStore, PodWatch
+from weightsync.controller.passes.reconcile import Reconciler
+from weightsync.controller.runtime import taskdump
+from weightsync.controller.runtime.tasks import Tasks
+from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
+from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
 from weightsync.controller.settings import OperatorSettings, SettingsError
-from weightsync.controller.sidecar import AgentTemplate
-from weightsync.controller.webhook import build_server
-from weightsync.controller.webhook_config import Configurations
 
 log = logging.getLogger("weightsync.operator")
 
@@ -99,8 +104,11 @@ def configure_kopf(
     # Plain API requests (patches, Events) fail after 30 s and are retried with backoff.
     kopf_settings.networking.request_timeout = 30
     kopf_settings.networking.connect_timeout = 10
-    # A handler that hangs is cancelled after this; a pass is bounded by agent timeouts
-    # well below it.
+    # Retries are kopf's, set on each handler at registration (`runtime.timing`): one that
+    # raised is called again after HANDLER_BACKOFF_SECONDS until HANDLER_TIMEOUT_SECONDS
+    # from its first call. kopf cancels no handler that hangs: a pass's own deadline
+    # (PASS_TIMEOUT_SECONDS, well below the timeout) does.
+    kopf_settings.execution.default_backoff = BACKOFF
     kopf_settings.execution.max_workers = 8  # sync admission handlers run in threads
     # On SIGTERM, handlers get 20 s to finish before kopf cancels them (the chart's
     # terminationGracePeriodSeconds is longer).
@@ -109,6 +117,25 @@ def configure_kopf(
     # Not kopf's: it creates configurations before patching them, a right that cannot be
     # limited to a name. The server writes them (`controller.webhook_config`).
     kopf_settings.admission.managed = None
+
+
+def build_registry(
+    shared: handlers.Shared, pod_watch: PodWatch, server: Any
+) -> kopf.OperatorRegistry:
+    """Every handler the operator runs, on a registry of its own (`handlers.register`,
+    and the startup handlers that configure kopf)."""
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, shared, pod_watch)
+
+    @kopf.on.startup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
+    async def dump_tasks_on_sigusr1(**_: Any) -> None:
+        taskdump.install(asyncio.get_running_loop())
+
+    @kopf.on.startup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_kopf(settings, shared.settings, server)
+
+    return registry
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,33 +160,28 @@ def main(argv: list[str] | None = None) -> None:
     token_key = tokens.load_key(kube.core, settings.namespace, settings.token_key_secret)
     agents = AgentClient(settings.agent_timeout_seconds)
     namespaces = args.namespace or list(settings.watch_namespaces)
-    post_events = EventPoster(kube)
+    tasks = Tasks()  # every background task, cancelled at cleanup (`runtime.tasks`)
+    post_events = EventPoster(kube, tasks)
     pods = PodStore()
     indexes = Indexes(pods)
-    runtime = handlers.Runtime(
+    reconciler = Reconciler(
+        kube, agents, settings, post_events, token_key, indexes=indexes, tasks=tasks
+    )
+    shared = handlers.Shared(
         settings=settings,
         kube=kube,
         agents=agents,
-        reconciler=Reconciler(kube, agents, settings, post_events, token_key, indexes=indexes),
+        reconciler=reconciler,
         events=post_events,
         template=agent_template(settings),
         indexes=indexes,
         namespaces=tuple(namespaces),
+        tasks=tasks,
     )
-    registry = kopf.OperatorRegistry()
     selector = f"{names.INJECT_LABEL}={names.INJECT_VALUE}"
-    pod_watch = PodWatch(kube.api, selector, namespaces, pods, runtime.pod_changed)
-    handlers.register(registry, runtime, pod_watch)
+    pod_watch = PodWatch(kube.api, selector, namespaces, pods, shared.pod_changed)
     configurations = Configurations(kube.api, settings.webhook_configuration)
-    server = build_server(kube.core, settings, configurations)
-
-    @kopf.on.startup(registry=registry)
-    async def dump_tasks_on_sigusr1(**_: Any) -> None:
-        taskdump.install(asyncio.get_running_loop())
-
-    @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure_kopf(settings, runtime.settings, server)
+    registry = build_registry(shared, pod_watch, build_server(kube.core, settings, configurations))
 
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)

@@ -29,9 +29,9 @@ from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import names
-from weightsync.controller import pods as pod_actions
-from weightsync.controller.cache import Indexes
-from weightsync.controller.kube import Kube, load_config
+from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster.cache import Indexes
+from weightsync.controller.cluster.kube import Kube, load_config
 
 log = logging.getLogger("weightsync.uninstall")
 

@@ -184,8 +184,8 @@ def test_pod_monitor_scrapes_the_port_and_label_the_webhook_injects() -> None:
     from weightsync.api.control import Role
     from weightsync.api.v1alpha1 import WeightSync
     from weightsync.controller import names
+    from weightsync.controller.admission.sidecar import agent_container
     from weightsync.controller.main import agent_template
-    from weightsync.controller.sidecar import agent_container
 
     objects = render(api_versions=(MONITORING_API,))
     monitor = one(objects, "PodMonitor")["spec"]
@@ -203,7 +203,7 @@ def test_pod_monitor_scrapes_the_port_and_label_the_webhook_injects() -> None:
             },
         }
     )
-    from weightsync.controller.trainer_ranks import ServedRanks
+    from weightsync.controller.membership.trainer_ranks import ServedRanks
 
     template = agent_template(settings)
     sink = agent_container(sync, Role.SINK, 0, "cpu", template)
@@ -260,7 +260,7 @@ def api_calls_in_controller() -> set[tuple[str, str, str]]:
     """(group, resource, verb) of every client method named in weightsync.controller, and
     of the requests a module sends past the client (its `API_CALLS`)."""
     calls = set()
-    for path in sorted((ROOT / "operator" / "weightsync" / "controller").glob("*.py")):
+    for path in sorted((ROOT / "operator" / "weightsync" / "controller").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "API_CALLS" for t in node.targets

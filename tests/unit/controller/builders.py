@@ -23,12 +23,12 @@ from weightsync.api.control import (
 )
 from weightsync.api.v1alpha1 import Role, WeightSync
 from weightsync.controller import names
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.events import EventPoster
-from weightsync.controller.kube import Kube
-from weightsync.controller.reconcile import Reconciler
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.cluster.events import EventPoster
+from weightsync.controller.cluster.kube import Kube
+from weightsync.controller.membership.workloads import PodView, pod_view
+from weightsync.controller.passes.reconcile import Reconciler
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.workloads import PodView, pod_view
 
 
 def sync(name: str = "sync", **paths: Any) -> WeightSync:

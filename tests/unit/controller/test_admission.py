@@ -11,10 +11,10 @@ from kubernetes import client
 
 from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import pod
-from weightsync.controller.admission import apply_patch, front_errors, inject, set_patch
-from weightsync.controller.cache import REPLICASET_OWNERS_INDEX, Indexes, replicaset_owner
-from weightsync.controller.kube import Kube
-from weightsync.controller.sidecar import AgentTemplate
+from weightsync.controller.admission.review import apply_patch, front_errors, inject, set_patch
+from weightsync.controller.admission.sidecar import AgentTemplate
+from weightsync.controller.cluster.cache import REPLICASET_OWNERS_INDEX, Indexes, replicaset_owner
+from weightsync.controller.cluster.kube import Kube
 
 TEMPLATE = AgentTemplate(image="agent:1")
 

@@ -8,8 +8,8 @@ from aiohttp import web
 
 from tests.unit.controller.builders import agent, agent_server
 from weightsync.api.control import STATUS_ADDITIONS, AgentStatus
-from weightsync.controller.agents import AgentAddress, AgentClient
-from weightsync.controller.agentview import silent
+from weightsync.controller.agents.client import AgentAddress, AgentClient
+from weightsync.controller.agents.view import silent
 
 
 def test_an_answer_for_another_pod_is_no_answer() -> None:

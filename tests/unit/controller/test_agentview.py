@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tests.unit.controller.builders import agent
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller.agentview import AgentView, silent
-from weightsync.controller.status import listing
+from weightsync.controller.agents.view import AgentView, silent
+from weightsync.controller.status.observed import listing
 
 
 def test_each_pod_keeps_its_latest_poll_answer_or_error() -> None:

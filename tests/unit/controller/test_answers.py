@@ -7,9 +7,9 @@ import asyncio
 
 from tests.unit.controller.builders import agent_server, sink_view
 from tests.unit.controller.builders import reconciler as make_reconciler
-from weightsync.controller import observe
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.memory import Memory
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.passes import observe
+from weightsync.controller.passes.memory import Memory
 
 SLOW_SECONDS = observe.NEWCOMER_WAIT_SECONDS + 1.5
 

@@ -9,8 +9,8 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from weightsync.controller.kube import api_unavailable
-from weightsync.controller.reconcile import log_pass_failure
+from weightsync.controller.cluster.kube import api_unavailable
+from weightsync.controller.passes.reconcile import log_pass_failure
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_what_counts_as_the_api_server_being_away(error: Exception, away: bool) 
 def test_a_pass_failure_logs_one_line_when_the_api_is_away_and_a_traceback_otherwise(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="weightsync.controller.reconcile")
+    caplog.set_level(logging.WARNING, logger="weightsync.controller.passes.reconcile")
     log_pass_failure("resync of ns/sync", ApiException(status=503))
     log_pass_failure("resync of ns/sync", ValueError("a bug"))
     away, bug = caplog.records

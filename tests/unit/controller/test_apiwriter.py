@@ -12,7 +12,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
-from weightsync.controller.apiwriter import ApiWriter
+from weightsync.controller.cluster.apiwriter import ApiWriter
 
 
 def _writer(api_key: dict[str, str], prefix: dict[str, str] | None = None) -> ApiWriter:

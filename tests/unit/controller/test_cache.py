@@ -14,12 +14,12 @@ from tests.unit.controller.builders import pod
 from weightsync.api import parse_weightsync
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
-from weightsync.controller.cache import Indexes, newest, pod_key, slim_pod
-from weightsync.controller.kube import Kube, NotCachedError
-from weightsync.controller.memory import Memory
-from weightsync.controller.observe import cached_status, without_status
-from weightsync.controller.podwatch import PodStore
-from weightsync.controller.workloads import pod_view
+from weightsync.controller.cluster.cache import Indexes, newest, pod_key, slim_pod
+from weightsync.controller.cluster.kube import Kube, NotCachedError
+from weightsync.controller.cluster.podwatch import PodStore
+from weightsync.controller.membership.workloads import pod_view
+from weightsync.controller.passes.memory import Memory
+from weightsync.controller.passes.observe import cached_status, without_status
 
 
 def test_a_slim_pod_reads_as_the_whole_pod() -> None:

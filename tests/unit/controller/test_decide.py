@@ -12,12 +12,12 @@ from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api import ConditionType, find_condition, reasons
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Member, Role, WeightSync, WeightSyncStatus
-from weightsync.controller.actions import Actions, Outcome
-from weightsync.controller.agentview import AgentView
-from weightsync.controller.decide import decide
-from weightsync.controller.memory import SoftState
-from weightsync.controller.observe import Blocked, Observed
-from weightsync.controller.workloads import PodView
+from weightsync.controller.agents.view import AgentView
+from weightsync.controller.membership.workloads import PodView
+from weightsync.controller.passes.actions import Actions, Outcome
+from weightsync.controller.passes.decide import decide
+from weightsync.controller.passes.memory import SoftState
+from weightsync.controller.passes.observe import Blocked, Observed
 
 NOW = 5000.0  # monotonic, the observation's
 AT = datetime(2026, 1, 1, tzinfo=UTC)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from weightsync.controller.events import MAX_MESSAGE, event_body
-from weightsync.controller.status import EventSpec
+from weightsync.controller.cluster.events import MAX_MESSAGE, event_body
+from weightsync.controller.status.observed import EventSpec
 
 SYNC = {
     "apiVersion": "weightsync.io/v1alpha1",

@@ -6,8 +6,8 @@ import asyncio
 from typing import Any
 
 from tests.unit.controller.builders import sink_view
-from weightsync.controller.gatesync import REASON_SETTLE_SECONDS, GateSync
-from weightsync.controller.readiness import GateDecision
+from weightsync.controller.cluster.gatesync import REASON_SETTLE_SECONDS, GateSync
+from weightsync.controller.readiness.gates import GateDecision
 
 
 class SlowWriter:

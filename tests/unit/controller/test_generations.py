@@ -9,9 +9,9 @@ from typing import Any
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role, WeightSyncStatus
-from weightsync.controller.generations import Planned, Planner, Stored
-from weightsync.controller.memory import Memory
-from weightsync.controller.plan import Slot, desired_members, needs_new_generation, slots
+from weightsync.controller.membership.plan import Slot, desired_members, needs_new_generation, slots
+from weightsync.controller.passes.generations import Planned, Planner, Stored
+from weightsync.controller.passes.memory import Memory
 from weightsync.controller.settings import OperatorSettings
 
 B, A, F = GenerationState.BROKEN, GenerationState.ACTIVE, GenerationState.FORMING

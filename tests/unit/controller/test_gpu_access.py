@@ -11,9 +11,9 @@ from tests.unit.controller.builders import pod, sync
 from tests.unit.controller.test_injection import agent_of, env_of, inject
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
-from weightsync.controller.gpu_access import GpusNotShareableError, gpu_access
-from weightsync.controller.injection import injection_patch
-from weightsync.controller.sidecar import AgentTemplate
+from weightsync.controller.admission.gpu_access import GpusNotShareableError, gpu_access
+from weightsync.controller.admission.injection import injection_patch
+from weightsync.controller.admission.sidecar import AgentTemplate
 
 CLAIMED = [{"name": "gpus", "resourceClaimTemplateName": "one-gpu"}, {"name": "nic"}]
 

@@ -9,7 +9,7 @@ import kopf
 import pytest
 
 from weightsync.controller.handlers import _raise_for
-from weightsync.controller.reconcile import Outcome, Result
+from weightsync.controller.passes.reconcile import Outcome, Result
 
 
 def test_a_missing_workload_is_no_error_and_an_invalid_spec_is_permanent(

@@ -14,8 +14,8 @@ from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import PauseMode
 from weightsync.controller import names
-from weightsync.controller.injection import injection_patch
-from weightsync.controller.sidecar import AgentTemplate
+from weightsync.controller.admission.injection import injection_patch
+from weightsync.controller.admission.sidecar import AgentTemplate
 
 TEMPLATE = AgentTemplate(
     image="agent:1", requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tests.unit.controller.builders import agent
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller.agentview import AgentView
-from weightsync.controller.memory import KEEP_DELIVERIES, Memory
-from weightsync.controller.plan import Slot
+from weightsync.controller.agents.view import AgentView
+from weightsync.controller.membership.plan import Slot
+from weightsync.controller.passes.memory import KEEP_DELIVERIES, Memory
 
 
 def test_members_asked_before_a_delivery_are_unheard_about_it() -> None:

@@ -22,14 +22,14 @@ from weightsync.api import GROUP, PLURAL, VERSION, reasons
 from weightsync.api.control import AgentStatus, GenerationState, MembershipPlan, PlanAccepted
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
-from weightsync.controller.actions import Outcome
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.cache import Indexes
-from weightsync.controller.kube import Kube
-from weightsync.controller.reconcile import Reconciler
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.cluster.cache import Indexes
+from weightsync.controller.cluster.kube import Kube
+from weightsync.controller.membership.workloads import World
+from weightsync.controller.passes.actions import Outcome
+from weightsync.controller.passes.reconcile import Reconciler
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.status import EventSpec
-from weightsync.controller.workloads import World
+from weightsync.controller.status.observed import EventSpec
 
 KEY = ("ns", "sync")
 SETTLED = 10.0  # how long the background gate writes may take

@@ -9,7 +9,7 @@ import pytest
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api.control import AgentStatus, Backend, GenerationState
 from weightsync.api.v1alpha1 import Role, SyncMode
-from weightsync.controller.plan import (
+from weightsync.controller.membership.plan import (
     JOIN_BATCH_SECONDS,
     Desired,
     Slot,
@@ -22,7 +22,7 @@ from weightsync.controller.plan import (
     next_generation,
     slots,
 )
-from weightsync.controller.workloads import PodView
+from weightsync.controller.membership.workloads import PodView
 
 W, A, B, F = (
     GenerationState.WARM,

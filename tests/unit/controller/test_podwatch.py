@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from tests.unit.controller.builders import pod
-from weightsync.controller import pods as pod_actions
-from weightsync.controller.cache import Indexes, slim_pod
-from weightsync.controller.podwatch import ADDED, DELETED, MODIFIED, PodStore
+from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster.cache import Indexes, slim_pod
+from weightsync.controller.cluster.podwatch import ADDED, DELETED, MODIFIED, PodStore
 
 
 def engine(name: str, version: str, *, namespace: str = "ns", rs: str = "engine-a-abc") -> Any:

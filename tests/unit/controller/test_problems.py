@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit.controller.builders import sync
 from weightsync.api import reasons
-from weightsync.controller.problems import unmet
+from weightsync.controller.status.problems import unmet
 
 
 def statefulset(replicas: int | None) -> dict[str, Any]:

@@ -12,10 +12,14 @@ from weightsync.api import reasons
 from weightsync.api.conditions import ConditionUpdate, set_conditions
 from weightsync.api.control import AgentStatus, RecoveryTransport
 from weightsync.api.v1alpha1 import RecoveryProtocol, Role, WeightSyncStatus
-from weightsync.controller.pull_protocol import member_transport, protocol_condition, pull_over
-from weightsync.controller.readiness import Current
-from weightsync.controller.recovery import Step, plan_recoveries
-from weightsync.controller.transitions import transition_events
+from weightsync.controller.readiness.gates import Current
+from weightsync.controller.recovery.decisions import Step, plan_recoveries
+from weightsync.controller.recovery.pull_protocol import (
+    member_transport,
+    protocol_condition,
+    pull_over,
+)
+from weightsync.controller.status.transitions import transition_events
 
 AUTO, RDMA, TCP = RecoveryProtocol.AUTO, RecoveryProtocol.RDMA, RecoveryProtocol.TCP
 ON_RDMA = RecoveryTransport(protocol=RDMA, usable=True, detail="Auto: RDMA on mlx5_0")

@@ -9,7 +9,8 @@ from weightsync.api import reasons
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
-from weightsync.controller.readiness import (
+from weightsync.controller.membership.workloads import pod_view
+from weightsync.controller.readiness.gates import (
     Current,
     current_version,
     decide,
@@ -17,7 +18,6 @@ from weightsync.controller.readiness import (
     round_vouches,
     rounds_reach,
 )
-from weightsync.controller.workloads import pod_view
 
 W, A, F = GenerationState.WARM, GenerationState.ACTIVE, GenerationState.FORMING
 

@@ -20,10 +20,10 @@ from weightsync.api.control import (
 )
 from weightsync.api.v1alpha1 import RecoveryProtocol, Role
 from weightsync.controller import metrics
-from weightsync.controller.agents import AgentAddress, AgentClient
-from weightsync.controller.apply import carry_out
-from weightsync.controller.readiness import Current
-from weightsync.controller.recovery import (
+from weightsync.controller.agents.client import AgentAddress, AgentClient
+from weightsync.controller.passes.apply import carry_out
+from weightsync.controller.readiness.gates import Current
+from weightsync.controller.recovery.decisions import (
     RecoveryPass,
     Step,
     Tracker,
@@ -33,7 +33,7 @@ from weightsync.controller.recovery import (
     holders_of,
     plan_recoveries,
 )
-from weightsync.controller.status import EventSpec
+from weightsync.controller.status.observed import EventSpec
 
 PORT = 8470
 SPEC = sync(spec__recovery={"protocol": "TCP", "holders": 2}).spec

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from weightsync.controller.scheduling import PassScheduler
+from weightsync.controller.passes.scheduling import PassScheduler
 
 
 class Passes:

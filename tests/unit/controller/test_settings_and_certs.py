@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.controller import certs
+from weightsync.controller.admission import certs
+from weightsync.controller.admission.webhook import client_config, serving_hosts
 from weightsync.controller.settings import CertMode, OperatorSettings, SettingsError
-from weightsync.controller.webhook import client_config, serving_hosts
 
 URL_MODE = {"WEIGHTSYNC_OPERATOR_WEBHOOK_URL": "https://127.0.0.1:9443"}
 

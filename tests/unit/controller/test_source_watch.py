@@ -12,8 +12,8 @@ from tests.unit.controller.builders import agent, agent_server, sink_view, sourc
 from tests.unit.controller.builders import reconciler as make_reconciler
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.memory import Memory
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.passes.memory import Memory
 
 KEY = ("ns", "sync")
 

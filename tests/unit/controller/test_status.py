@@ -8,14 +8,14 @@ from tests.unit.controller.builders import agent, round_report, sink_view, sourc
 from weightsync.api import find_condition, reasons
 from weightsync.api.control import AgentStatus, GenerationState
 from weightsync.api.v1alpha1 import Role, RoundFailure, RoundSummary, WeightSyncStatus
-from weightsync.controller.plan import Slot, desired_members, slots
-from weightsync.controller.readiness import Current
-from weightsync.controller.status import (
+from weightsync.controller.membership.plan import Slot, desired_members, slots
+from weightsync.controller.readiness.gates import Current
+from weightsync.controller.status.observed import (
     Observation,
     observed_status,
     problem_status,
 )
-from weightsync.controller.transitions import transition_events
+from weightsync.controller.status.transitions import transition_events
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 W, A = GenerationState.WARM, GenerationState.ACTIVE

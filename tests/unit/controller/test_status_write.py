@@ -21,15 +21,15 @@ from weightsync.api import GROUP, PLURAL, VERSION, ConditionType, find_condition
 from weightsync.api.base import utc_now
 from weightsync.api.control import ErrorResponse, MembershipPlan, PlanAccepted
 from weightsync.api.v1alpha1 import WeightSyncStatus
-from weightsync.controller import apply
-from weightsync.controller.actions import StatusWrite, status_write
-from weightsync.controller.agents import AgentClient
-from weightsync.controller.generations import Planned, Stored
-from weightsync.controller.memory import Memory
-from weightsync.controller.plan import Desired, Slot, desired_members
-from weightsync.controller.readiness import Current
-from weightsync.controller.reconcile import Reconciler
-from weightsync.controller.status import EventSpec, Observation, observed_status
+from weightsync.controller.agents.client import AgentClient
+from weightsync.controller.membership.plan import Desired, Slot, desired_members
+from weightsync.controller.passes import apply
+from weightsync.controller.passes.actions import StatusWrite, status_write
+from weightsync.controller.passes.generations import Planned, Stored
+from weightsync.controller.passes.memory import Memory
+from weightsync.controller.passes.reconcile import Reconciler
+from weightsync.controller.readiness.gates import Current
+from weightsync.controller.status.observed import EventSpec, Observation, observed_status
 
 WAIT = 10.0  # how long the slow member's plan waits for the status to arrive
 

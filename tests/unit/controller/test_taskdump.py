@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from weightsync.controller import taskdump
+from weightsync.controller.runtime import taskdump
 
 
 async def stuck_in_a_pass(never: asyncio.Event) -> None:

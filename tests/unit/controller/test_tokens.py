@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weightsync.controller.tokens import derive
+from weightsync.controller.cluster.tokens import derive
 
 
 def test_tokens_are_stable_per_weightsync_and_differ_between_them() -> None:

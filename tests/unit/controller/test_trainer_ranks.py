@@ -12,15 +12,15 @@ from tests.unit.controller.test_injection import TEMPLATE, agent_of, env_of
 from weightsync.api import agent_env
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
-from weightsync.controller.injection import injection_patch
-from weightsync.controller.plan import desired_members
-from weightsync.controller.trainer_ranks import (
+from weightsync.controller.admission.injection import injection_patch
+from weightsync.controller.membership.plan import desired_members
+from weightsync.controller.membership.trainer_ranks import (
     ServedRanks,
     recorded_ranks,
     served_ranks,
     source_ranks,
 )
-from weightsync.controller.workloads import (
+from weightsync.controller.membership.workloads import (
     WorkloadRef,
     World,
     planned_sources,
@@ -187,7 +187,7 @@ def test_an_uninjected_pod_of_several_ranks_is_recreated_once() -> None:
 
 
 def test_the_watch_keeps_what_the_ranks_of_a_pod_are_read_from() -> None:
-    from weightsync.controller.cache import slim_pod
+    from weightsync.controller.cluster.cache import slim_pod
 
     paths = {"spec.trainer.sourceRanks": ["all"], "spec.trainer.ranksPerPod": 2}
     spec = sync(**paths)

@@ -19,9 +19,9 @@ from weightsync.api import agent_env, parse_weightsync
 from weightsync.api.engines import VLLM_INJECTION
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
-from weightsync.controller.injection import injection_patch
-from weightsync.controller.sidecar import AgentTemplate
-from weightsync.controller.trainer_ranks import served_ranks
+from weightsync.controller.admission.injection import injection_patch
+from weightsync.controller.admission.sidecar import AgentTemplate
+from weightsync.controller.membership.trainer_ranks import served_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "examples" / "vllm-tp"
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "real-cluster.md"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from weightsync.controller import names
-from weightsync.controller.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS, entries
+from weightsync.controller.admission.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS, entries
 
 SERVICE = {
     "service": {"name": "ws-webhook", "namespace": "ops", "port": 443, "path": ""},

@@ -9,9 +9,9 @@ from typing import Any
 from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import pod, sink_view, sync
 from weightsync.api.v1alpha1 import Role
-from weightsync.controller.admission import claim_errors, older_than, workload_of
-from weightsync.controller.kube import selector_string
-from weightsync.controller.workloads import (
+from weightsync.controller.admission.review import claim_errors, older_than, workload_of
+from weightsync.controller.cluster.kube import selector_string
+from weightsync.controller.membership.workloads import (
     PodView,
     WorkloadRef,
     World,

@@ -1,0 +1,150 @@
+"""The HTTPS server kopf serves admission reviews on, and its certificates.
+
+kopf's `WebhookServer` serves TLS and yields the `clientConfig` that goes into the webhook
+configurations (`webhook_config` writes them). It derives the URL from its listening address;
+this subclass replaces that with what the API server must really call: the configured
+`WEBHOOK_URL` (URL mode: local control planes, the demo, an operator outside the
+cluster), or a `service` reference (Service mode: real clusters). The caBundle is
+kopf's, i.e. the CA of whichever certificates the server was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import copy
+import logging
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from weightsync.controller.admission import certs
+from weightsync.controller.admission.webhook_config import Configurations
+from weightsync.controller.cluster.kube import CONFLICT, NOT_FOUND
+from weightsync.controller.settings import CertMode, OperatorSettings
+
+log = logging.getLogger(__name__)
+
+
+class WeightsyncWebhookServer(kopf.WebhookServer):
+    """kopf's server with the client config the API server needs (URL or Service),
+    written into the webhook configurations by `configurations` (kopf manages none)."""
+
+    def __init__(
+        self, *, client_config: dict[str, Any], configurations: Configurations, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self._client_config = client_config
+        self._configurations = configurations
+
+    async def __call__(self, fn: Any) -> AsyncIterator[kopf.WebhookClientConfig]:
+        written = False
+        try:
+            async for config in super().__call__(fn):
+                rewritten: kopf.WebhookClientConfig = copy.deepcopy(self._client_config)  # type: ignore[assignment]
+                if "caBundle" in config:
+                    rewritten["caBundle"] = config["caBundle"]
+                await asyncio.to_thread(self._configurations.apply, dict(rewritten))
+                written = True
+                yield rewritten
+        finally:
+            if written:  # a stopped operator blocks nothing: its webhooks go with it
+                try:
+                    await asyncio.to_thread(self._configurations.apply, None)
+                except Exception as error:  # exiting anyway: say so, do not mask the cause
+                    log.warning("could not remove the webhooks on exit: %s", error)
+
+
+def client_config(settings: OperatorSettings) -> dict[str, Any]:
+    if settings.webhook_url is not None:
+        return {"url": settings.webhook_url.rstrip("/")}
+    return {
+        "service": {
+            "name": settings.webhook_service_name,
+            "namespace": settings.service_namespace,
+            "port": settings.webhook_service_port,
+            "path": "",
+        }
+    }
+
+
+def serving_hosts(settings: OperatorSettings) -> list[str]:
+    """Names the serving certificate must cover."""
+    if settings.webhook_url is not None:
+        return [settings.webhook_host]
+    name = settings.webhook_service_name or ""
+    return certs.dns_names_for_service(name, settings.service_namespace)
+
+
+def managed_bundle(core: client.CoreV1Api, settings: OperatorSettings) -> certs.TlsBundle:
+    """The stored certificates if still good for our hosts, else new ones (stored first)."""
+    hosts = serving_hosts(settings)
+    namespace, name = settings.namespace, settings.webhook_cert_secret
+    try:
+        secret = core.read_namespaced_secret(name, namespace)
+    except ApiException as error:
+        if error.status != NOT_FOUND:
+            raise
+        secret = None
+    if secret is not None:
+        stored = certs.TlsBundle.from_secret_data(
+            {key: str(value) for key, value in (secret.data or {}).items()}
+        )
+        if stored is not None and certs.usable(stored, hosts):
+            log.info("reusing the webhook certificates in Secret %s/%s", namespace, name)
+            return stored
+    bundle = certs.generate(hosts)
+    body = client.V1Secret(
+        metadata=client.V1ObjectMeta(
+            name=name, labels={"app.kubernetes.io/managed-by": "weightsync-operator"}
+        ),
+        type="kubernetes.io/tls",
+        data=bundle.to_secret_data(),
+    )
+    if secret is None:
+        try:
+            core.create_namespaced_secret(namespace, body)
+        except ApiException as error:
+            if error.status != CONFLICT:
+                raise
+            return managed_bundle(core, settings)  # another replica stored one first
+    else:
+        # Replace only the version we read: a concurrent writer makes this fail loudly.
+        if body.metadata is not None and secret.metadata is not None:
+            body.metadata.resource_version = secret.metadata.resource_version
+        core.replace_namespaced_secret(name, namespace, body)
+    log.info("generated webhook certificates for %s into Secret %s/%s", hosts, namespace, name)
+    return bundle
+
+
+def build_server(
+    core: client.CoreV1Api, settings: OperatorSettings, configurations: Configurations
+) -> WeightsyncWebhookServer:
+    """The webhook server with certificates per `WEBHOOK_CERTS` (blocks: API calls)."""
+    if settings.webhook_certs is CertMode.DIRECTORY:
+        directory = settings.webhook_cert_dir or Path()
+        paths = directory / certs.CERT_FILE, directory / certs.KEY_FILE, directory / certs.CA_FILE
+    else:
+        bundle = managed_bundle(core, settings)
+        # The key lives in the operator's memory-backed temp dir for the process' life,
+        # and goes with it (an operator run outside a pod leaves no key behind).
+        directory = Path(tempfile.mkdtemp(prefix="weightsync-webhook-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        paths = bundle.write(directory)
+    return WeightsyncWebhookServer(
+        client_config=client_config(settings),
+        configurations=configurations,
+        addr=settings.webhook_listen_host,
+        port=settings.webhook_listen_port,
+        certfile=paths[0],
+        pkeyfile=paths[1],
+        cafile=paths[2],
+        # Directory mode: cert-manager renews the files in place; re-read them this often.
+        file_check_interval=60.0,
+    )

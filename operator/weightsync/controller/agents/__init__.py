@@ -1,0 +1,1 @@
+"""The agents' control API: the client (`client`) and their latest answers (`view`)."""

@@ -1,0 +1,314 @@
+"""Every call the operator makes to the API server, through the official (synchronous) client.
+
+These functions block: async code calls them with `asyncio.to_thread`. Objects come
+back as plain dicts in the API server's JSON shape, so the pure modules never see the
+client's model classes: reads and writes skip them altogether (`_preload_content=False`,
+the JSON parsed as it came), since building a pod's model objects costs milliseconds
+and a thousand of them cost seconds. Every request is counted by verb, resource and
+result (`weightsync_operator_api_requests_total`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from weightsync.api import GROUP, PLURAL, VERSION
+from weightsync.controller import metrics, names
+from weightsync.controller.cluster.apiwriter import ApiWriter
+from weightsync.controller.cluster.cache import Indexes, deployment_of
+from weightsync.controller.membership.workloads import World, template_labelled
+
+NOT_FOUND = 404
+CONFLICT = 409
+# Connections the official client keeps to the API server (its default: 5 per CPU).
+CONNECTIONS = 16
+# (connect, read) seconds for every request. The official client waits forever by
+# default, and a request on a connection that an API-server restart left dangling then
+# held its pass, and every later pass of its WeightSync, for good (the fault matrix saw
+# an operator stop reconciling after a restart). The largest read, 1,000 pods, takes
+# about 2 s.
+REQUEST_TIMEOUT = (5.0, 30.0)
+
+
+def load_config() -> client.ApiClient:
+    """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG)."""
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = CONNECTIONS
+    return client.ApiClient(configuration)
+
+
+def _result(error: ApiException) -> str:
+    if error.status == NOT_FOUND:
+        return "not_found"
+    if error.status == CONFLICT:
+        return "conflict"
+    return "error"
+
+
+def selector_string(selector: Mapping[str, Any] | None) -> str:
+    """A LabelSelector as the `labelSelector` query parameter."""
+    if not selector:
+        return ""
+    parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        if op == "In":
+            parts.append(f"{key} in ({','.join(values)})")
+        elif op == "NotIn":
+            parts.append(f"{key} notin ({','.join(values)})")
+        elif op == "Exists":
+            parts.append(key)
+        elif op == "DoesNotExist":
+            parts.append(f"!{key}")
+        else:
+            raise ValueError(f"unknown label selector operator {op!r}")
+    return ",".join(parts)
+
+
+class NotCachedError(LookupError):
+    """What `Kube.observe(cached_only=True)` needs is not in the watches' caches."""
+
+
+# How `Kube.observe` reads: (namespace, the watches' caches, whether only from them).
+_Read = tuple[str, Indexes, bool]
+
+
+class Kube:
+    """The API calls of the reconcile and the webhook."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.writer = ApiWriter(api)  # writes on the event loop: gates (many at once), status
+        self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def _call(
+        self, verb: str, resource: str, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> bytes:
+        """One request and its raw reply, counted."""
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
+        try:
+            response = call(*args, _preload_content=False, **kwargs)
+        except ApiException as error:
+            metrics.API_REQUESTS.labels(verb, resource, _result(error)).inc()
+            raise
+        except Exception:
+            metrics.API_REQUESTS.labels(verb, resource, "unreachable").inc()
+            raise
+        try:
+            data = response.data
+        finally:
+            response.release_conn()
+        metrics.API_REQUESTS.labels(verb, resource, "ok").inc()
+        return bytes(data or b"")
+
+    def _get(self, resource: str, call: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = json.loads(self._call("get", resource, call, *args))
+        except ApiException as error:
+            if error.status == NOT_FOUND:
+                return None
+            raise
+        return found
+
+    def _list(
+        self, resource: str, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> list[dict[str, Any]]:
+        listing = json.loads(self._call("list", resource, call, *args, **kwargs) or b"{}")
+        return list(listing.get("items") or [])
+
+    # -- WeightSyncs ---------------------------------------------------------------
+
+    def get_weightsync(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get(
+            "weightsyncs", self.custom.get_namespaced_custom_object,
+            GROUP, VERSION, namespace, PLURAL, name,
+        )  # fmt: skip
+
+    def list_weightsyncs(self, namespace: str) -> list[dict[str, Any]]:
+        return self._list(
+            "weightsyncs", self.custom.list_namespaced_custom_object,
+            GROUP, VERSION, namespace, PLURAL,
+        )  # fmt: skip
+
+    def weightsyncs(self, namespace: str, indexes: Indexes | None) -> Sequence[Mapping[str, Any]]:
+        """The namespace's WeightSyncs from the watch (`indexes`), listed until it is bound."""
+        watched = indexes.weightsyncs(namespace) if indexes is not None else None
+        return watched if watched is not None else self.list_weightsyncs(namespace)
+
+    # -- workloads -----------------------------------------------------------------
+
+    def observe(
+        self,
+        namespace: str,
+        trainer: str,
+        deployments: list[str],
+        indexes: Indexes,
+        *,
+        cached_only: bool = False,
+    ) -> World:
+        """The trainer StatefulSet, the Deployments, their ReplicaSets and their pods.
+
+        Pods come from the watch (`indexes`) for every controller whose pod template
+        carries the inject label; the others' pods (no sidecar, reported) are listed.
+        `cached_only`: raise `NotCachedError` rather than call the API (so that the event
+        loop may call it: it then blocks on nothing).
+        """
+        read = (namespace, indexes, cached_only)
+        statefulset = self._workload(read, "StatefulSet", trainer)
+        found = {name: self._workload(read, "Deployment", name) for name in deployments}
+        replicasets: dict[str, Mapping[str, Any]] = {}
+        for deployment in found.values():
+            if deployment is None:
+                continue
+            for rs in self._replicasets(read, deployment):
+                replicasets[rs["metadata"]["uid"]] = rs
+        owners = [*replicasets.values(), *([statefulset] if statefulset else [])]
+        pods: dict[str, Mapping[str, Any]] = {}
+        for owner in owners:
+            for pod in self._owned_pods(read, owner):
+                pods[pod["metadata"]["uid"]] = pod
+        return World(statefulset, found, list(replicasets.values()), list(pods.values()))
+
+    def _workload(self, read: _Read, kind: str, name: str) -> Mapping[str, Any] | None:
+        namespace, indexes, cached_only = read
+        watched = indexes.workload(kind, namespace, name)
+        if watched is not None:
+            return watched[0]
+        if cached_only:
+            raise NotCachedError(f"{kind} {namespace}/{name}")
+        if kind == "StatefulSet":
+            return self._get(
+                "statefulsets", self.apps.read_namespaced_stateful_set, name, namespace
+            )
+        return self._get("deployments", self.apps.read_namespaced_deployment, name, namespace)
+
+    def _replicasets(
+        self, read: _Read, deployment: Mapping[str, Any]
+    ) -> Sequence[Mapping[str, Any]]:
+        namespace, indexes, cached_only = read
+        watched = indexes.replicasets_of(namespace, deployment["metadata"]["uid"])
+        if watched is not None:
+            return watched
+        if cached_only:
+            raise NotCachedError(f"the ReplicaSets of {namespace}/{deployment['metadata']['name']}")
+        selector = selector_string(deployment["spec"].get("selector"))
+        return self._list(
+            "replicasets", self.apps.list_namespaced_replica_set, namespace,
+            label_selector=selector,
+        )  # fmt: skip
+
+    def _owned_pods(self, read: _Read, owner: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
+        namespace, indexes, cached_only = read
+        spec, status = owner.get("spec") or {}, owner.get("status") or {}
+        if not spec.get("replicas") and not status.get("replicas"):
+            return []  # a ReplicaSet of an old revision, scaled to nothing
+        if template_labelled(owner):
+            watched = indexes.pods_of(namespace, owner["metadata"]["uid"])
+            if watched is not None:
+                return watched
+        if cached_only:
+            raise NotCachedError(f"the pods of {namespace}/{owner['metadata']['name']}")
+        selector = selector_string(owner["spec"].get("selector"))
+        return self._list("pods", self.core.list_namespaced_pod, namespace, label_selector=selector)
+
+    def replicaset_owner(
+        self, namespace: str, name: str, indexes: Indexes | None = None
+    ) -> str | None:
+        """The Deployment that controls ReplicaSet `name`, if any (for the webhook): from
+        the watch, else (unbound, or the ReplicaSet is newer than the watch) one GET."""
+        watched = indexes.replicaset_owner(namespace, name) if indexes is not None else None
+        if watched is not None:
+            return watched[0]
+        rs = self._get("replicasets", self.apps.read_namespaced_replica_set, name, namespace)
+        return deployment_of(rs) if rs else None
+
+    def create_event(self, namespace: str, body: dict[str, Any]) -> None:
+        self._call("create", "events", self.core.create_namespaced_event, namespace, body)
+
+    # -- the agents' token ---------------------------------------------------------
+
+    def write_token(self, namespace: str, sync: Mapping[str, Any], token: str) -> None:
+        """Write the WeightSync's agent token Secret (owned by the WeightSync): created, or
+        replaced whole where one exists (a WeightSync deleted and created again before the
+        old Secret was collected: its owner is the new one now). Never read back
+        (`controller.tokens`): a PATCH answers with the whole Secret, dry run included, so
+        the operator may not patch Secrets; a replace answers with what it wrote."""
+        name = names.token_secret_name(sync["metadata"]["name"])
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": name,
+                "labels": {names.SYNC_LABEL: names.sync_label(sync["metadata"]["name"])},
+                "ownerReferences": [owner_reference(sync)],
+            },
+            "type": "Opaque",
+            "stringData": {names.TOKEN_KEY: token},
+        }
+        try:
+            self._call("create", "secrets", self.core.create_namespaced_secret, namespace, body)
+        except ApiException as error:
+            if error.status != CONFLICT:
+                raise
+            self._call(
+                "replace", "secrets", self.core.replace_namespaced_secret, name, namespace, body
+            )
+
+    # -- pods ----------------------------------------------------------------------
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete exactly this pod (a UID precondition spares a same-named replacement)."""
+        try:
+            self._call(
+                "delete", "pods", self.core.delete_namespaced_pod, name, namespace,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+            )  # fmt: skip
+        except ApiException as error:
+            if error.status not in (NOT_FOUND, CONFLICT):
+                raise
+
+
+def pod_condition(
+    *, kind: str, status: str, reason: str, message: str, since: str
+) -> dict[str, Any]:
+    """A pod condition as the API server stores it."""
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+        "lastProbeTime": None,
+    }
+
+
+def owner_reference(sync: Mapping[str, Any]) -> dict[str, Any]:
+    meta = sync["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "WeightSync",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def api_unavailable(error: BaseException) -> bool:
+    """Whether `error` says the API server is away (down, restarting, overloaded) rather
+    than that a request was wrong: the next pass retries, nothing to debug."""
+    if isinstance(error, ApiException):
+        return error.status == 429 or (error.status or 0) >= 500
+    return isinstance(error, urllib3.exceptions.HTTPError | ConnectionError)

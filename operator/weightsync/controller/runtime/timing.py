@@ -1,0 +1,28 @@
+"""How long kopf retries a handler, how long it waits between tries, and how long a pass
+may run: each value once, for `handlers` and `main` to register and `scheduling` to use.
+
+kopf owns retries (crate-operator's way: `timeout=` and `backoff=` at registration, no
+retry loop of ours). A handler that raises anything but a `PermanentError` is called
+again `HANDLER_BACKOFF_SECONDS` later, until `HANDLER_TIMEOUT_SECONDS` after its first
+call; then kopf gives it up for that change (a timer's next tick starts afresh, and the
+drift timer's pass comes by anyway: level-based, nothing is lost).
+
+kopf does not cancel a handler that hangs: a pass's own deadline does
+(`PASS_TIMEOUT_SECONDS`, `scheduling.PassScheduler`). A reconcile handler's call waits at
+most for the pass running when it came and then for its own, so each call ends within
+two pass deadlines, and the retry window leaves room for a few calls after that.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# A pass takes up to ~3 s at 1,000 pods and each of its API and agent calls has a
+# timeout of its own; one still running after this is stuck, and would hold every later
+# pass of its object behind it: it is cancelled (TimeoutError to its callers).
+PASS_TIMEOUT_SECONDS: Final = 120.0
+# Between two calls of a handler that raised: kopf's own default
+# (`settings.execution.default_backoff`), the operator's behaviour before it was explicit.
+HANDLER_BACKOFF_SECONDS: Final = 60.0
+# How long kopf keeps calling a handler that raises, from its first call.
+HANDLER_TIMEOUT_SECONDS: Final = 600.0

@@ -130,8 +130,11 @@ def start_stack(st: Stack, bench: Bench, agent_env: dict[str, str]) -> list[Agen
         device = bench.device(i)
         engine = st.start_engine(f"engine-{i}", preset=bench.args.preset, seed=0, device=device)
         sinks.append(
+            # One GPU per engine: this host's agents see every GPU, where a sidecar sees
+            # only its engine's (unset, a sink would copy each bucket to the GPUs after
+            # its own, for a tensor-parallel engine).
             st.start_agent(f"sink-{i}", role="sink", device=device, engine=engine,
-                           extra_env=agent_env)
+                           extra_env={**agent_env, "WEIGHTSYNC_ENGINE_DEVICES": "1"})
         )  # fmt: skip
     agents = [*sources, *sinks]
     st.wait_ready(agents, [s.engine for s in sinks if s.engine is not None])

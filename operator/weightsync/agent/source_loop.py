@@ -32,7 +32,7 @@ from weightsync.agent.sharded import ShardPlans, report_of
 from weightsync.agent.sharded_source import ShardedSourceRound
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source import FillChannel, SourceRound
-from weightsync.api.control import GenerationState, LocalEngine
+from weightsync.api.control import DEFAULT_TRANSFER, GenerationState, LocalEngine
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.buffers import BucketSlots, SlotHandles, TensorSources
@@ -91,7 +91,7 @@ class SourceLoop:
     @property
     def fill_timeout(self) -> float:
         plan = self.generations.newest_plan()
-        return plan.transfer.timeout_seconds if plan else 60.0
+        return (plan.transfer if plan else DEFAULT_TRANSFER).timeout_seconds
 
     async def close(self) -> None:
         if self._planned_engine is not None:

@@ -70,7 +70,7 @@ class RoundOutcome:
     finished_at: float = 0.0
     lineage: str = ""
     member: str = ""  # the member the failure is put down to ("pod (rank r, role)")
-    stage: str = ""
+    stage: Stage | None = None  # where it failed; None when it did not
 
     @classmethod
     def failed(
@@ -83,7 +83,7 @@ class RoundOutcome:
         *,
         lineage: str = "",
         member: str = "",
-        stage: str = "",
+        stage: Stage | None = None,
     ) -> RoundOutcome:
         return cls(
             version=version,
@@ -118,8 +118,13 @@ class RoundOutcome:
             cause.describe(),
             lineage=lineage,
             member=f"{cause.pod} (rank {cause.rank}, {cause.role})",
-            stage=cause.stage.value,
+            stage=cause.stage,
         )
+
+    @property
+    def stage_label(self) -> str:
+        """The stage as the wire and the metrics name it: "" when it did not fail."""
+        return "" if self.stage is None else self.stage.value
 
     def result(self) -> PublishResult:
         """What the Publisher is answered."""
@@ -132,7 +137,7 @@ class RoundOutcome:
             message=self.message,
             generation=self.generation,
             member=self.member,
-            stage=self.stage,
+            stage=self.stage_label,
         )
 
     def report(self) -> RoundReport:
@@ -150,7 +155,7 @@ class RoundOutcome:
             finished_at_unix_millis=int(self.finished_at * 1000),
             lineage=self.lineage,
             member=self.member,
-            stage=self.stage,
+            stage=self.stage_label,
         )
 
 

@@ -221,7 +221,7 @@ class SinkRound(RankRound):
             failure.reason,
             str(failure),
             lineage=header.lineage,
-            stage=failure.stage.value,
+            stage=failure.stage,
         )
 
     def _log_trace(self, *, ok: bool) -> None:

@@ -188,7 +188,7 @@ class SinkLoop:
                     reason,
                     str(exc),
                     lineage=header.lineage,
-                    stage=Stage.PREPARE.value,
+                    stage=Stage.PREPARE,
                 ),
             )
             return

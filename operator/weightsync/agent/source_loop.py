@@ -165,7 +165,7 @@ class SourceLoop:
                     str(exc),
                     lineage=request.lineage,
                     member=self._member(),
-                    stage=stage.value,
+                    stage=stage,
                 )
             except Exception as exc:
                 log.exception("round for version %d failed unexpectedly", request.version)

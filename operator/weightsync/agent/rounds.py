@@ -29,6 +29,7 @@ from weightsync.agent.failures import (
 from weightsync.agent.generations import Generation
 from weightsync.agent.trace import PhaseTrace
 from weightsync.api.control import PlanMember, RoundReport
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.handoff import PublishResult
 
@@ -172,7 +173,9 @@ class RankRound:
         deadline: float | None = None,
     ) -> None:
         if generation.group is None:
-            raise RoundFailed("no_group", f"generation {generation.number} is not formed")
+            raise RoundFailed(
+                FailureReason.NO_GROUP, f"generation {generation.number} is not formed"
+            )
         self.generation = generation
         self.group = generation.group
         self.seq = seq
@@ -281,9 +284,9 @@ class RankRound:
 
     def _transfer_failure(self, exc: Exception) -> RoundFailed:
         """A transport or store failure as this rank's failure, naming the peer it lost."""
-        reason = exc.reason if isinstance(exc, TransferError) else "store_error"
+        reason = exc.reason if isinstance(exc, TransferError) else FailureReason.STORE_ERROR
         plan = self.generation.plan
-        stage = Stage.TIMEOUT if reason == "timeout" else Stage.TRANSFER
+        stage = Stage.TIMEOUT if reason == FailureReason.TIMEOUT else Stage.TRANSFER
         return RoundFailed(reason, naming_peers(str(exc), plan.members, plan.rank), stage)
 
     async def _flag_failure(self, version: int, label: str, failure: RoundFailed) -> None:

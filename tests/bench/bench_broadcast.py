@@ -59,7 +59,7 @@ from tests.support.plans import local_plan
 from weightsync.api.control import Backend, MembershipPlan, TransferOptions
 from weightsync.api.v1alpha1 import SyncMode
 from weightsync.client import Publisher, PublishResult
-from weightsync.engines.reference.model import preset, state_dict_metas
+from weightsync.reference.model import preset, state_dict_metas
 from weightsync.transfer.buffers import torch_dtype
 
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]

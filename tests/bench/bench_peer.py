@@ -65,7 +65,7 @@ from tests.bench.bench_broadcast import (
 )
 from tests.bench.peer_workers import PHASES, run_peer
 from weightsync.api.control import Backend, TransferOptions
-from weightsync.engines.reference.model import preset, state_dict_metas
+from weightsync.reference.model import preset, state_dict_metas
 
 TARGET = 5.0  # checkpoint-engine's time over weightsync's, from the same starting point
 MODES = {"kept": "broadcast, kept pg", "auto_pg": "broadcast, auto_pg", "p2p": "P2P, kept pg"}

@@ -16,7 +16,7 @@ from typing import Any
 
 from weightsync.agent.trace import PHASES_LOG_PREFIX
 from weightsync.client.filling import PublishTimings
-from weightsync.engines.reference.engine import UPDATE_LOG_PREFIX
+from weightsync.reference.engine import UPDATE_LOG_PREFIX
 
 Summary = dict[str, Any]
 

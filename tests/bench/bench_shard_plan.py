@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from weightsync.engines.reference.model import PRESETS, state_dict_metas
+from weightsync.reference.model import PRESETS, state_dict_metas
 from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.layout import TensorMeta
 from weightsync.transfer.shards import Box, RankReport, plan_shards, staging_bound

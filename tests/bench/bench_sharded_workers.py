@@ -30,7 +30,7 @@ from torch.distributed import TCPStore
 
 from tests.bench.bench_workers import _store_barrier
 from tests.integration.stack import free_port
-from weightsync.engines.reference.model import preset, state_dict_metas
+from weightsync.reference.model import preset, state_dict_metas
 from weightsync.transfer.layout import TensorMeta
 
 _FILL_CHUNK = 1 << 26  # elements per fill step: bounds the int64 index scratch (512 MiB)
@@ -116,7 +116,7 @@ def _check_cut(state: list[tuple[TensorMeta, int, torch.Tensor]], mesh: Any, ver
 
 def full_digests(metas: list[TensorMeta], version: int, device: torch.device) -> dict[str, str]:
     """The full tensors of `version`, rebuilt one at a time, as the engines digest them."""
-    from weightsync.engines.reference.engine import tensor_digest
+    from weightsync.reference.engine import tensor_digest
 
     out = {}
     for i, meta in enumerate(metas):

@@ -25,8 +25,8 @@ from torch._C._distributed_c10d import (
 )
 
 from tests.integration.stack import free_port
-from weightsync.engines.reference.adapter import ReferenceEngineAdapter
-from weightsync.engines.reference.model import preset, state_dict_metas
+from weightsync.engines.reference import ReferenceEngineAdapter
+from weightsync.reference.model import preset, state_dict_metas
 from weightsync.transfer.buffers import BucketSlots, torch_dtype
 from weightsync.transfer.layout import TensorSlice, align_up
 

@@ -42,7 +42,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from tests.integration.stack import free_port
-from weightsync.engines.reference.model import preset, state_dict_metas
+from weightsync.reference.model import preset, state_dict_metas
 from weightsync.transfer.buffers import torch_dtype
 
 HOST = "127.0.0.1"

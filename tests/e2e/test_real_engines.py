@@ -51,8 +51,8 @@ from tests.support.operator import (
     weightsync,
 )
 from tests.support.recovery import engine_digest, http_json, kill_container, pod_logs
-from weightsync.engines.reference.engine import tensor_digest
-from weightsync.engines.reference.model import build_model
+from weightsync.reference.engine import tensor_digest
+from weightsync.reference.model import build_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.timeout(1500)]
 

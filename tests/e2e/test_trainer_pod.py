@@ -49,7 +49,7 @@ def two_rank_trainer() -> dict[str, Any]:
         "image": ENGINE_IMAGE,
         "imagePullPolicy": "Never",
         "command": ["python", "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "2", "-m", "weightsync.engines.reference.trainer",
+                    "--nproc-per-node", "2", "-m", "weightsync.reference.trainer",
                     "--host", "$(POD_IP)", "--port", str(TRAINER_PORT), "--interval", "0",
                     "--preset", "tiny"],
         "env": [POD_IP_ENV],

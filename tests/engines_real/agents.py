@@ -11,7 +11,7 @@ from tests.integration.stack import free_port, stack
 from tests.support.eventually import eventually
 from weightsync.api.control import Backend
 from weightsync.client import Publisher
-from weightsync.engines.reference.model import LlamaForCausalLM, randomize
+from weightsync.reference.model import LlamaForCausalLM, randomize
 
 CONFIG = ContractConfig(
     backend=Backend.GLOO,

@@ -24,7 +24,7 @@ from tests.engines_real.servers import MODEL, EngineServer
 from tests.support.eventually import eventually
 from weightsync.engines._rounds import RoundAdapter
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.model import LlamaForCausalLM, build_model, greedy_generate
+from weightsync.reference.model import LlamaForCausalLM, build_model, greedy_generate
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.layout import TensorSlice
 

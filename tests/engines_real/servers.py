@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightsync.engines.reference.model import PRESETS, ModelConfig
+from weightsync.reference.model import PRESETS, ModelConfig
 
 # Vocabulary 256, a multiple of 64: neither engine pads the embedding. Head size 32.
 PRESET = "tiny-hd32"

@@ -29,8 +29,8 @@ from tests.engines_real.rig import (
 )
 from tests.engines_real.servers import EngineServer
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.model import LlamaForCausalLM
 from weightsync.engines.sglang import SGLangAdapter, SGLangSettings
+from weightsync.reference.model import LlamaForCausalLM
 
 LONG = 160  # tokens of a request kept in flight across a round (about 30 ms each)
 

@@ -36,8 +36,8 @@ from tests.engines_real.rig import (
 from tests.engines_real.servers import EngineServer
 from tests.engines_real.test_sglang import resumed_on_new_weights
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.model import LlamaForCausalLM
 from weightsync.engines.vllm import SHM_BACKEND, VLLMAdapter, VLLMSettings
+from weightsync.reference.model import LlamaForCausalLM
 
 LONG = 160
 KEPT_AS_LOADED = 7  # embed_tokens, 2 x 2 layer norms, norm, lm_head

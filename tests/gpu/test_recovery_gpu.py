@@ -20,7 +20,7 @@ from tests.support.eventually import eventually
 from weightsync.api.control import Backend, Holding, RecoverRequest, RecoveryState, RecoveryStatus
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.client import Publisher
-from weightsync.engines.reference.model import PRESETS, build_model, randomize
+from weightsync.reference.model import PRESETS, build_model, randomize
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 

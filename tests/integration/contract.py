@@ -27,8 +27,8 @@ from weightsync.api.control import (
 )
 from weightsync.api.v1alpha1 import SyncMode
 from weightsync.client import Publisher, PublishResult
-from weightsync.engines.reference.engine import tensor_digest
-from weightsync.engines.reference.model import (
+from weightsync.reference.engine import tensor_digest
+from weightsync.reference.model import (
     PRESETS,
     LlamaForCausalLM,
     build_model,

@@ -158,7 +158,7 @@ class Stack:
         act while a round or a recovery runs; `tp` workers from `device` on."""
         port = free_port()
         argv = [
-            sys.executable, "-m", "weightsync.engines.reference.server",
+            sys.executable, "-m", "weightsync.reference.server",
             "--port", str(port), "--preset", preset, "--seed", str(seed), "--device", device,
             "--load-delay-seconds", str(load_delay_seconds), "--tp", str(tp), *self.engine_args,
         ]  # fmt: skip

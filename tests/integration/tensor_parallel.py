@@ -19,7 +19,7 @@ from tests.integration.stack import free_port, stack
 from weightsync.api import agent_env
 from weightsync.api.control import Backend
 from weightsync.client import Publisher
-from weightsync.engines.reference.model import PRESETS, build_model, randomize
+from weightsync.reference.model import PRESETS, build_model, randomize
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from tests.integration.contract import ContractConfig, make_plan
 from tests.integration.stack import free_port, stack, wait_warm
 from weightsync.api.control import Backend
 from weightsync.client import Publisher
-from weightsync.engines.reference.model import PRESETS, build_model
+from weightsync.reference.model import PRESETS, build_model
 
 pytestmark = pytest.mark.timeout(120)
 

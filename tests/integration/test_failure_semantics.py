@@ -32,7 +32,7 @@ from tests.integration.stack import AgentProc, Engine, free_port, stack
 from tests.support.eventually import eventually
 from weightsync.api.control import Backend
 from weightsync.client import Publisher, PublishInputError, PublishResult
-from weightsync.engines.reference.model import PRESETS, build_model, randomize
+from weightsync.reference.model import PRESETS, build_model, randomize
 
 CONFIG = ContractConfig(
     backend=Backend.GLOO,

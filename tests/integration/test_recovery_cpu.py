@@ -44,7 +44,7 @@ from weightsync.api.control import (
 )
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.client import Publisher
-from weightsync.engines.reference.model import PRESETS, build_model, randomize
+from weightsync.reference.model import PRESETS, build_model, randomize
 from weightsync.transfer.held import held_offsets
 from weightsync.transfer.layout import Bucket, TensorMeta, plan_layout
 from weightsync.transfer.p2p import Chunk, Endpoints, HeldRegion, pull

@@ -238,7 +238,7 @@ def trainer(
         "name": "trainer",
         "image": ENGINE_IMAGE,
         "imagePullPolicy": "Never",
-        "command": ["python", "-m", "weightsync.engines.reference.trainer", "--host", "$(POD_IP)",
+        "command": ["python", "-m", "weightsync.reference.trainer", "--host", "$(POD_IP)",
                     "--port", str(TRAINER_PORT), "--interval", "0", "--preset", preset],
         "env": [POD_IP_ENV],
     }  # fmt: skip

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from weightsync.agent.failures import Stage
 from weightsync.agent.rounds import RoundFailed
 from weightsync.agent.trace import PhaseTrace
+from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineError
 
 
@@ -56,7 +57,7 @@ class EngineLane:
             self.error = RoundFailed(f"engine_{exc.reason}", f"{what}: {exc}", stage)
         except TimeoutError:
             message = f"{what}: no answer in {budget:.1f} s"
-            self.error = RoundFailed("engine_timeout", message, stage)
+            self.error = RoundFailed(FailureReason.ENGINE_TIMEOUT, message, stage)
         self._trace.add(phase, started)
 
     async def wait(self, task: asyncio.Task[None], phase: str = "engine_wait") -> None:

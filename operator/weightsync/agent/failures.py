@@ -20,6 +20,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from weightsync.api.control import PlanMember
+from weightsync.api.reasons import FailureReason
 
 
 class Stage(StrEnum):
@@ -33,7 +34,14 @@ class Stage(StrEnum):
 # Reasons that only say a peer or the transport went away, or that the deadline passed
 # while waiting on the others: the cause lies elsewhere when anyone names one.
 SECONDHAND = frozenset(
-    {"peer_failed", "peer_error", "collective_error", "store_error", "commit_failed", "timeout"}
+    {
+        FailureReason.PEER_FAILED,
+        FailureReason.PEER_ERROR,
+        FailureReason.COLLECTIVE_ERROR,
+        FailureReason.STORE_ERROR,
+        FailureReason.COMMIT_FAILED,
+        FailureReason.TIMEOUT,
+    }
 )
 
 
@@ -91,7 +99,7 @@ def root_cause(
             pod=lost.pod,
             role=lost.role.label,
             stage=notes[0].stage,
-            reason="member_lost",
+            reason=FailureReason.MEMBER_LOST,
             message=f"no word from it; the others saw: {notes[0].reason}: {notes[0].message}",
         )
     return min(notes, key=lambda n: n.rank) if notes else None

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.agent.failures import Stage
 from weightsync.agent.group import Group, GroupSpec, form_group
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import GenerationState, GenerationStatus, MembershipPlan
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.broadcast import TransferError
 
 log = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ class Generations:
             generation.error = f"{exc.reason}: {exc}"
             generation.state = GenerationState.BROKEN
             self._metrics.round_failures.labels(
-                self._metrics.role, "prewarm_failed", "prepare"
+                self._metrics.role, FailureReason.PREWARM_FAILED, Stage.PREPARE
             ).inc()
         else:
             generation.group = group

@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 from weightsync.api.control import Backend
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.broadcast import (
     BroadcastTransport,
     LocalTransport,
@@ -112,7 +113,9 @@ class CollectiveThread:
         if self._stopped:
             # A round that reaches a generation retired or broken under it fails like any
             # transfer (named, bounded label); a bare RuntimeError read as internal_error.
-            raise TransferError("generation_closed", "the generation was closed under the round")
+            raise TransferError(
+                FailureReason.GENERATION_CLOSED, "the generation was closed under the round"
+            )
         future: Future[T] = Future()
         self._calls.put((fn, future))  # type: ignore[arg-type]
         return future
@@ -149,14 +152,18 @@ class Group:
     def ctl(self) -> Store:
         """The generation's control keys (layout, doorbells, failure flags)."""
         if self._ctl is None:
-            raise TransferError("not_formed", f"generation {self.spec.generation} is not formed")
+            raise TransferError(
+                FailureReason.NOT_FORMED, f"generation {self.spec.generation} is not formed"
+            )
         return self._ctl
 
     @property
     def doorbell_store(self) -> Store:
         """A second connection to the control keys, for the blocking doorbell wait."""
         if self._doorbell is None:
-            raise TransferError("not_formed", f"generation {self.spec.generation} is not formed")
+            raise TransferError(
+                FailureReason.NOT_FORMED, f"generation {self.spec.generation} is not formed"
+            )
         return self._doorbell
 
     def _connect(self) -> Store:
@@ -219,7 +226,9 @@ class Group:
             probe.fill_(marker)
         transport.wait(transport.start_bucket(probe), deadline=deadline, failure_key=None)
         if int(probe[-1].item()) != marker:
-            raise TransferError("prewarm_corrupt", "warm-up broadcast delivered the wrong bytes")
+            raise TransferError(
+                FailureReason.PREWARM_CORRUPT, "warm-up broadcast delivered the wrong bytes"
+            )
         self.prewarm_seconds = time.monotonic() - started
 
     async def run(self, fn: Callable[[], T]) -> T:
@@ -291,7 +300,9 @@ async def form_group(spec: GroupSpec) -> Group:
         group.close()
         if isinstance(exc, TransferError):
             raise
-        raise TransferError("formation_failed", f"generation {spec.generation}: {exc}") from exc
+        raise TransferError(
+            FailureReason.FORMATION_FAILED, f"generation {spec.generation}: {exc}"
+        ) from exc
     log.info(
         "generation %d formed: rank %d/%d, pre-warm %.3f s",
         spec.generation,

@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from weightsync.agent.rounds import RoundFailed
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.buffers import SlotError, SlotHandles
 from weightsync.transfer.handoff import (
     Abandon,
@@ -51,13 +52,19 @@ class SocketFillChannel:
             await write_message(self._writer, fill)
             reply = await asyncio.wait_for(read_message(self._reader), self._timeout)
         except (ProtocolError, ConnectionError) as exc:
-            raise RoundFailed("publisher_gone", f"the Publisher went away: {exc}") from exc
+            raise RoundFailed(
+                FailureReason.PUBLISHER_GONE, f"the Publisher went away: {exc}"
+            ) from exc
         except TimeoutError as exc:
-            raise RoundFailed("publisher_timeout", f"bucket {bucket} was not filled") from exc
+            raise RoundFailed(
+                FailureReason.PUBLISHER_TIMEOUT, f"bucket {bucket} was not filled"
+            ) from exc
         if isinstance(reply, Abandon):
-            raise RoundFailed("publisher_abandoned", f"{reply.reason}: {reply.message}")
+            raise RoundFailed(FailureReason.PUBLISHER_ABANDONED, f"{reply.reason}: {reply.message}")
         if not isinstance(reply, Filled) or reply.bucket != bucket:
-            raise RoundFailed("publisher_protocol", f"expected Filled({bucket}), got {reply!r}")
+            raise RoundFailed(
+                FailureReason.PUBLISHER_PROTOCOL, f"expected Filled({bucket}), got {reply!r}"
+            )
 
 
 async def serve_publisher(
@@ -77,7 +84,11 @@ async def serve_publisher(
                     attached = await source.attach(metas, message.sources, message.boxes)
                     await write_message(writer, attached)
                 except (LayoutError, RoundFailed, SlotError) as exc:
-                    reason = "bad_layout" if isinstance(exc, LayoutError) else "slots_unavailable"
+                    reason: str = (
+                        FailureReason.BAD_LAYOUT
+                        if isinstance(exc, LayoutError)
+                        else FailureReason.SLOTS_UNAVAILABLE
+                    )
                     if isinstance(exc, RoundFailed):
                         reason = exc.reason
                     await write_message(writer, HandoffError(reason=reason, message=str(exc)))
@@ -91,7 +102,9 @@ async def serve_publisher(
             else:
                 await write_message(
                     writer,
-                    HandoffError(reason="protocol", message=f"unexpected {message.type!r}"),
+                    HandoffError(
+                        reason=FailureReason.PROTOCOL, message=f"unexpected {message.type!r}"
+                    ),
                 )
     except (ConnectionError, ProtocolError) as exc:
         log.info("Publisher connection closed: %s", exc)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from weightsync.agent.rounds import RoundFailed
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.buffers import (
     SlotError,
     SlotHandles,
@@ -80,7 +81,9 @@ class PackingChannel:
         slots: SlotHandles | None = None,
     ) -> None:
         if pieces is not None or slots is not None:
-            raise RoundFailed("publisher_protocol", "pieces are a sharded round's: PieceChannel")
+            raise RoundFailed(
+                FailureReason.PUBLISHER_PROTOCOL, "pieces are a sharded round's: PieceChannel"
+            )
         await self._run(partial(self._packer.pack, bucket, slot, self._slots))
 
 
@@ -132,7 +135,8 @@ class PiecePacker:
                 sources = [self.by_name[name] for name, _ in pieces]
             except KeyError as exc:
                 raise RoundFailed(
-                    "publisher_protocol", f"the plan names {exc} but this rank does not hold it"
+                    FailureReason.PUBLISHER_PROTOCOL,
+                    f"the plan names {exc} but this rank does not hold it",
                 ) from None
             views = [
                 target[offset : offset + src.nbytes].view(src.dtype).view(src.shape)
@@ -159,7 +163,7 @@ class PieceChannel:
     ) -> None:
         del slots
         if pieces is None:
-            raise RoundFailed("publisher_protocol", "a sharded round packs pieces")
+            raise RoundFailed(FailureReason.PUBLISHER_PROTOCOL, "a sharded round packs pieces")
         await self._run(partial(self._packer.pack, bucket, slot, pieces))
 
 

@@ -55,7 +55,7 @@ class RoundBook:
         if outcome.ok:
             self.metrics.round_succeeded(outcome.duration_seconds, outcome.nbytes, outcome.version)
         else:
-            self.metrics.round_failed(outcome.duration_seconds, outcome.reason, outcome.stage)
+            self.metrics.round_failed(outcome.duration_seconds, outcome.reason, outcome.stage_label)
         self.last_round = outcome.report()
 
     def recovered(self, version: int, lineage: str) -> None:

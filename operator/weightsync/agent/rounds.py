@@ -29,6 +29,7 @@ from weightsync.agent.failures import (
 from weightsync.agent.generations import Generation
 from weightsync.agent.trace import PhaseTrace
 from weightsync.api.control import PlanMember, RoundReport
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.handoff import PublishResult
 
@@ -70,7 +71,7 @@ class RoundOutcome:
     finished_at: float = 0.0
     lineage: str = ""
     member: str = ""  # the member the failure is put down to ("pod (rank r, role)")
-    stage: str = ""
+    stage: Stage | None = None  # where it failed; None when it did not
 
     @classmethod
     def failed(
@@ -83,7 +84,7 @@ class RoundOutcome:
         *,
         lineage: str = "",
         member: str = "",
-        stage: str = "",
+        stage: Stage | None = None,
     ) -> RoundOutcome:
         return cls(
             version=version,
@@ -118,8 +119,13 @@ class RoundOutcome:
             cause.describe(),
             lineage=lineage,
             member=f"{cause.pod} (rank {cause.rank}, {cause.role})",
-            stage=cause.stage.value,
+            stage=cause.stage,
         )
+
+    @property
+    def stage_label(self) -> str:
+        """The stage as the wire and the metrics name it: "" when it did not fail."""
+        return "" if self.stage is None else self.stage.value
 
     def result(self) -> PublishResult:
         """What the Publisher is answered."""
@@ -132,7 +138,7 @@ class RoundOutcome:
             message=self.message,
             generation=self.generation,
             member=self.member,
-            stage=self.stage,
+            stage=self.stage_label,
         )
 
     def report(self) -> RoundReport:
@@ -150,7 +156,7 @@ class RoundOutcome:
             finished_at_unix_millis=int(self.finished_at * 1000),
             lineage=self.lineage,
             member=self.member,
-            stage=self.stage,
+            stage=self.stage_label,
         )
 
 
@@ -167,7 +173,9 @@ class RankRound:
         deadline: float | None = None,
     ) -> None:
         if generation.group is None:
-            raise RoundFailed("no_group", f"generation {generation.number} is not formed")
+            raise RoundFailed(
+                FailureReason.NO_GROUP, f"generation {generation.number} is not formed"
+            )
         self.generation = generation
         self.group = generation.group
         self.seq = seq
@@ -276,9 +284,9 @@ class RankRound:
 
     def _transfer_failure(self, exc: Exception) -> RoundFailed:
         """A transport or store failure as this rank's failure, naming the peer it lost."""
-        reason = exc.reason if isinstance(exc, TransferError) else "store_error"
+        reason = exc.reason if isinstance(exc, TransferError) else FailureReason.STORE_ERROR
         plan = self.generation.plan
-        stage = Stage.TIMEOUT if reason == "timeout" else Stage.TRANSFER
+        stage = Stage.TIMEOUT if reason == FailureReason.TIMEOUT else Stage.TRANSFER
         return RoundFailed(reason, naming_peers(str(exc), plan.members, plan.rank), stage)
 
     async def _flag_failure(self, version: int, label: str, failure: RoundFailed) -> None:

@@ -36,6 +36,7 @@ from weightsync.agent.failures import FailureNote, Stage, note_key, ranks_key
 from weightsync.agent.group import Group
 from weightsync.agent.rounds import RoundFailed
 from weightsync.api.control import MembershipPlan
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.handoff import Boxes
@@ -50,7 +51,7 @@ _PLANS_KEPT = 4
 
 
 def _peer_failed(flag: bytes) -> TransferError:
-    return TransferError("peer_failed", f"a peer failed the round: {flag.decode()}")
+    return TransferError(FailureReason.PEER_FAILED, f"a peer failed the round: {flag.decode()}")
 
 
 class ShardPlans:
@@ -80,7 +81,8 @@ class ShardPlans:
         checked to be the layout the lead announced."""
         if "" in digests:  # the lead rang without it: the round is failed already
             raise RoundFailed(
-                "peer_failed", f"source rank {digests.index('')} did not publish this round"
+                FailureReason.PEER_FAILED,
+                f"source rank {digests.index('')} did not publish this round",
             )
         key = (tuple(digests), bucket_size_bytes)
         plan = self._plans.get(key)
@@ -96,7 +98,7 @@ class ShardPlans:
         try:
             plan = await asyncio.to_thread(plan_shards, reports, bucket_size_bytes)
         except LayoutError as exc:
-            raise RoundFailed("bad_shards", str(exc)) from exc
+            raise RoundFailed(FailureReason.BAD_SHARDS, str(exc)) from exc
         _check_layout(plan, layout_hash)
         if len(self._plans) >= _PLANS_KEPT:
             self._plans.pop(next(iter(self._plans)))
@@ -107,7 +109,7 @@ class ShardPlans:
 def _check_layout(plan: ShardPlan, layout_hash: str | None) -> None:
     if layout_hash is not None and plan.layout.layout_hash != layout_hash:
         raise RoundFailed(
-            "layout_mismatch",
+            FailureReason.LAYOUT_MISMATCH,
             f"the source ranks' reports plan layout {plan.layout.layout_hash[:12]}, the round"
             f" announced {layout_hash[:12]}",
         )
@@ -181,7 +183,7 @@ async def blame_missing(
         pod=member.pod,
         role=member.role.label,
         stage=Stage.TIMEOUT,
-        reason="source_missing",
+        reason=FailureReason.SOURCE_MISSING,
         message=(
             f"source rank {member.rank} did not publish within the round's"
             f" {plan.transfer.timeout_seconds:g} s (every source rank calls publish each step)"
@@ -212,7 +214,9 @@ async def follow_header(
                 raise _peer_failed(ctl.get(failure_key))
             if time.monotonic() > deadline:
                 if ctl.check([lead_key]):
-                    raise TransferError("timeout", f"source rank 0 did not start round {seq}")
+                    raise TransferError(
+                        FailureReason.TIMEOUT, f"source rank 0 did not start round {seq}"
+                    )
                 return None
             time.sleep(_POLL_SECONDS)
         return ctl.get(key)
@@ -220,8 +224,8 @@ async def follow_header(
     raw = await group.run(wait)
     if raw is None:
         note = await blame_missing(group, plan, seq, 0, failure_key)
-        raise RoundFailed("peer_failed", note.describe(), Stage.TIMEOUT)
+        raise RoundFailed(FailureReason.PEER_FAILED, note.describe(), Stage.TIMEOUT)
     bell = DOORBELL.validate_json(raw)
     if not isinstance(bell, RoundHeader):
-        raise RoundFailed("round_mismatch", f"round {seq} is a generation switch here")
+        raise RoundFailed(FailureReason.ROUND_MISMATCH, f"round {seq} is a generation switch here")
     return bell

@@ -23,6 +23,7 @@ from weightsync.agent.packing import PiecePacker
 from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RoundFailed
 from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
 from weightsync.agent.source import FillChannel, SourceRound
+from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter
 from weightsync.transfer.broadcast import TransferError, written_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
@@ -88,7 +89,7 @@ class ShardedSourceRound(SourceRound):
                 # round's number and stay in step. Secondhand here: the note in the missing
                 # rank's name says who.
                 await self._announce(digests)
-                raise RoundFailed("timeout", missing.describe(), Stage.TIMEOUT)
+                raise RoundFailed(FailureReason.TIMEOUT, missing.describe(), Stage.TIMEOUT)
             try:
                 plan = await self.plans.get(group, digests, transfer.bucket_size_bytes)
             except RoundFailed:
@@ -104,15 +105,19 @@ class ShardedSourceRound(SourceRound):
             until = self.deadline + FAILURE_GRACE_SECONDS
             header = await follow_header(group, self.generation.plan, seq, until, self.failure_key)
             if "" in header.reports:  # secondhand: the lead wrote the missing rank's note
-                raise RoundFailed("peer_failed", "a source rank did not publish this round")
+                raise RoundFailed(
+                    FailureReason.PEER_FAILED, "a source rank did not publish this round"
+                )
             if header.version != self.version:
                 raise RoundFailed(
-                    "sources_disagree",
+                    FailureReason.SOURCES_DISAGREE,
                     f"source rank 0 publishes version {header.version}, this rank"
                     f" {self.version}: every source rank publishes the same step",
                 )
             if len(header.reports) <= self.me.rank or header.reports[self.me.rank] != report.digest:
-                raise RoundFailed("sources_disagree", "the round's header lacks this rank's report")
+                raise RoundFailed(
+                    FailureReason.SOURCES_DISAGREE, "the round's header lacks this rank's report"
+                )
             plan = await self.plans.get(
                 group, header.reports, transfer.bucket_size_bytes, header.layout_hash
             )

@@ -34,6 +34,7 @@ from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans
 from weightsync.agent.slot_pool import Replica, SlotPool
+from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.broadcast import TransferError, written_checksum
@@ -157,9 +158,9 @@ class SinkRound(RankRound):
             key = checksum_key(self.header.seq)
             while not ctl.check([key]):
                 if ctl.check([self.failure_key]):
-                    raise TransferError("peer_failed", "a peer failed the round")
+                    raise TransferError(FailureReason.PEER_FAILED, "a peer failed the round")
                 if time.monotonic() > deadline:
-                    raise TransferError("timeout", "the source's checksums never came")
+                    raise TransferError(FailureReason.TIMEOUT, "the source's checksums never came")
                 time.sleep(0.005)
             return ctl.get(key)
 
@@ -180,7 +181,7 @@ class SinkRound(RankRound):
                 await self._verify_checksums(checksums)
             if await self._vote(int(self._round_error() is not None), "vote_transfer"):
                 raise self._round_error() or RoundFailed(
-                    "peer_error", "another rank failed the round", Stage.TRANSFER
+                    FailureReason.PEER_ERROR, "another rank failed the round", Stage.TRANSFER
                 )
             finish = self._engine(
                 "finish", "engine_finish", lambda: self.adapter.finish_update(version)
@@ -190,7 +191,7 @@ class SinkRound(RankRound):
             self.committed = self._round_error() is None
             if await self._vote(int(self._round_error() is not None), "vote_commit"):
                 raise self._round_error() or RoundFailed(
-                    "commit_failed", "another engine did not commit", Stage.COMMIT
+                    FailureReason.COMMIT_FAILED, "another engine did not commit", Stage.COMMIT
                 )
         except (TransferError, dist.DistError) as exc:
             # This rank's own failure (its engine's), if it had one, is what it reports.
@@ -221,7 +222,7 @@ class SinkRound(RankRound):
             failure.reason,
             str(failure),
             lineage=header.lineage,
-            stage=failure.stage.value,
+            stage=failure.stage,
         )
 
     def _log_trace(self, *, ok: bool) -> None:

@@ -33,6 +33,7 @@ from weightsync.agent.sharded import ShardPlans
 from weightsync.agent.sink import SinkRound
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.api.control import GenerationState
+from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.buffers import SlotError
 from weightsync.transfer.layout import DEFAULT_ALIGNMENT, BucketLayout, LayoutError, align_up
@@ -129,7 +130,7 @@ class SinkLoop:
         if layout is None:
             group = generation.group
             if group is None:
-                raise RoundFailed("no_group", "generation not formed")
+                raise RoundFailed(FailureReason.NO_GROUP, "generation not formed")
             raw = await group.run(lambda: group.ctl.get(layout_key(layout_hash)))
             layout = BucketLayout.from_json(raw)
             self._layouts[layout_hash] = layout
@@ -138,9 +139,13 @@ class SinkLoop:
     async def _prepare(self, generation: Generation, header: RoundHeader) -> SinkRound:
         """The layout (fetched once per hash), slots and engine attachment for a round."""
         if not generation.usable:
-            raise RoundFailed("group_broken", f"generation {generation.number} is broken")
+            raise RoundFailed(
+                FailureReason.GROUP_BROKEN, f"generation {generation.number} is broken"
+            )
         if "" in header.reports:  # the lead rang a round a source rank never joined
-            raise RoundFailed("source_missing", "a source rank did not publish this round")
+            raise RoundFailed(
+                FailureReason.SOURCE_MISSING, "a source rank did not publish this round"
+            )
         layout = await self._layout(generation, header.layout_hash)
         if len(layout.buckets) != header.bucket_count:
             raise LayoutError("bucket count disagrees with the layout")
@@ -148,7 +153,7 @@ class SinkLoop:
         if header.reports:
             group = generation.group
             if group is None:
-                raise RoundFailed("no_group", "generation not formed")
+                raise RoundFailed(FailureReason.NO_GROUP, "generation not formed")
             bucket_size = generation.plan.transfer.bucket_size_bytes
             shards = await self._plans.get(group, header.reports, bucket_size, header.layout_hash)
         runner = SinkRound(
@@ -166,7 +171,7 @@ class SinkLoop:
             depth = generation.plan.transfer.pipeline_depth
             self.pool.ensure(layout, depth, staging_bound(layout, generation.plan.source_count))
         except SlotError as exc:
-            raise RoundFailed("slots_unavailable", str(exc)) from exc
+            raise RoundFailed(FailureReason.SLOTS_UNAVAILABLE, str(exc)) from exc
         if self.pool.epoch != self._attached_epoch or await self._engine_restarted():
             try:
                 await asyncio.wait_for(
@@ -176,7 +181,7 @@ class SinkLoop:
                 self._attached_epoch = self.pool.epoch
             except (EngineError, TimeoutError, ValueError) as exc:  # ValueError: slots refused
                 # Still take part in the round (the collectives must stay in step); vote no.
-                runner.error = RoundFailed("engine_attach_failed", f"attach: {exc!r}")
+                runner.error = RoundFailed(FailureReason.ENGINE_ATTACH_FAILED, f"attach: {exc!r}")
         return runner
 
     async def _engine_restarted(self) -> bool:
@@ -202,7 +207,9 @@ class SinkLoop:
         try:
             runner = await self._prepare(generation, header)
         except (RoundFailed, LayoutError, dist.DistError) as exc:
-            reason = exc.reason if isinstance(exc, RoundFailed) else "layout_unavailable"
+            reason = (
+                exc.reason if isinstance(exc, RoundFailed) else FailureReason.LAYOUT_UNAVAILABLE
+            )
             await self._refuse(generation, header, reason)
             self.book.finished(
                 RoundOutcome.failed(
@@ -212,7 +219,7 @@ class SinkLoop:
                     reason,
                     str(exc),
                     lineage=header.lineage,
-                    stage=Stage.PREPARE.value,
+                    stage=Stage.PREPARE,
                 ),
             )
             return
@@ -220,12 +227,12 @@ class SinkLoop:
             outcome = await runner.run(generation.plan.transfer.pipeline_depth)
         except Exception as exc:  # never a dead sink loop: fail the round, break the group
             log.exception("round %d failed unexpectedly", header.seq)
-            await self._refuse(generation, header, "internal_error")
+            await self._refuse(generation, header, FailureReason.INTERNAL_ERROR)
             outcome = RoundOutcome.failed(
                 header.version,
                 generation.number,
                 started,
-                "internal_error",
+                FailureReason.INTERNAL_ERROR,
                 repr(exc),
                 lineage=header.lineage,
             )

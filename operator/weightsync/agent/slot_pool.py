@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.buffers import BucketSlots, SlotError
 from weightsync.transfer.layout import BucketLayout
@@ -59,7 +60,9 @@ class Replica:
                 if not event.query():  # type: ignore[no-untyped-call]
                     await asyncio.to_thread(event.synchronize)
         except RuntimeError as exc:
-            raise TransferError("replica_failed", f"copying a bucket to a device: {exc}") from exc
+            raise TransferError(
+                FailureReason.REPLICA_FAILED, f"copying a bucket to a device: {exc}"
+            ) from exc
 
 
 _DONE = Replica()

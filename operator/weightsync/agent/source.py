@@ -35,6 +35,7 @@ from weightsync.agent.rounds import (
     RoundOutcome,
     naming_peers,
 )
+from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError, written_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
@@ -232,12 +233,12 @@ class SourceRound(RankRound):
                 await self.group.run(lambda: self.group.ctl.set(checksum_key(self.seq), payload))
             if await self._vote(int(self._round_error() is not None), "vote_transfer"):
                 raise self._round_error() or RoundFailed(
-                    "peer_error", "a sink failed the round", Stage.TRANSFER
+                    FailureReason.PEER_ERROR, "a sink failed the round", Stage.TRANSFER
                 )
             await self._commit_local()
             if await self._vote(int(self._round_error() is not None), "vote_commit"):
                 raise self._round_error() or RoundFailed(
-                    "commit_failed", "a sink's engine did not commit", Stage.COMMIT
+                    FailureReason.COMMIT_FAILED, "a sink's engine did not commit", Stage.COMMIT
                 )
         except (TransferError, dist.DistError) as exc:
             # This rank's own failure (its engine's), if it had one, is what it reports.

@@ -32,7 +32,8 @@ from weightsync.agent.sharded import ShardPlans, report_of
 from weightsync.agent.sharded_source import ShardedSourceRound
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source import FillChannel, SourceRound
-from weightsync.api.control import GenerationState, LocalEngine
+from weightsync.api.control import DEFAULT_TRANSFER, GenerationState, LocalEngine
+from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.buffers import BucketSlots, SlotHandles, TensorSources
@@ -91,7 +92,7 @@ class SourceLoop:
     @property
     def fill_timeout(self) -> float:
         plan = self.generations.newest_plan()
-        return plan.transfer.timeout_seconds if plan else 60.0
+        return (plan.transfer if plan else DEFAULT_TRANSFER).timeout_seconds
 
     async def close(self) -> None:
         if self._planned_engine is not None:
@@ -103,7 +104,7 @@ class SourceLoop:
     ) -> Attached:
         plan = self.generations.newest_plan()
         if plan is None:
-            raise RoundFailed("no_plan", "the agent has no membership plan yet")
+            raise RoundFailed(FailureReason.NO_PLAN, "the agent has no membership plan yet")
         async with self._lock:
             layout = plan_layout(metas, plan.transfer.bucket_size_bytes)
             if boxes is not None and len(boxes) != len(metas):
@@ -165,7 +166,7 @@ class SourceLoop:
                     str(exc),
                     lineage=request.lineage,
                     member=self._member(),
-                    stage=stage.value,
+                    stage=stage,
                 )
             except Exception as exc:
                 log.exception("round for version %d failed unexpectedly", request.version)
@@ -173,7 +174,7 @@ class SourceLoop:
                     request.version,
                     None,
                     started,
-                    "internal_error",
+                    FailureReason.INTERNAL_ERROR,
                     repr(exc),
                     lineage=request.lineage,
                 )
@@ -239,27 +240,33 @@ class SourceLoop:
     ) -> tuple[RoundOutcome, asyncio.Task[None] | None]:
         layout = self.layout
         if layout is None or request.layout_hash != layout.layout_hash:
-            raise RoundFailed("layout_mismatch", "the tensor set changed: attach again")
+            raise RoundFailed(FailureReason.LAYOUT_MISMATCH, "the tensor set changed: attach again")
         # publish() returns within the transfer timeout: waiting for a group counts too.
         deadline = started + self.fill_timeout
         generation = await self._select_generation(deadline)
         transfer = generation.plan.transfer
         if transfer.bucket_size_bytes != layout.bucket_size_bytes:
-            raise RoundFailed("layout_mismatch", "the plan changed the bucket size: attach again")
+            raise RoundFailed(
+                FailureReason.LAYOUT_MISMATCH, "the plan changed the bucket size: attach again"
+            )
         sources = generation.plan.source_count
         slots = self.pool.ensure(layout, transfer.pipeline_depth, staging_bound(layout, sources))
         if self.pool.epoch != self._publisher_epoch:
-            raise RoundFailed("layout_mismatch", "the bucket slots changed: attach again")
+            raise RoundFailed(
+                FailureReason.LAYOUT_MISMATCH, "the bucket slots changed: attach again"
+            )
         engine = await self._engine(generation.plan.local_engine)
         if engine is not None and self._engine_epoch != self.pool.epoch:
             try:
                 await asyncio.wait_for(engine.attach_buffers(slots.slots), self.engine_timeout)
             except (EngineError, TimeoutError) as exc:
-                raise RoundFailed("engine_attach_failed", f"attach: {exc!r}") from exc
+                raise RoundFailed(FailureReason.ENGINE_ATTACH_FAILED, f"attach: {exc!r}") from exc
             self._engine_epoch = self.pool.epoch
         packer = self._packer
         if packer is not None and (sources > 1) != isinstance(packer, PiecePacker):
-            raise RoundFailed("layout_mismatch", "the plan's source ranks changed: attach again")
+            raise RoundFailed(
+                FailureReason.LAYOUT_MISMATCH, "the plan's source ranks changed: attach again"
+            )
         group = generation.group
         whole = packer if isinstance(packer, SourcePacker) and packer.layout is layout else None
         if whole is not None and group is not None:
@@ -329,7 +336,9 @@ class SourceLoop:
                     await asyncio.wait_for(self.generations.changed.wait(), left)
             newest = self.generations.newest_usable()
         if newest is None:
-            raise RoundFailed("no_group", "no warm group generation; waiting for a plan")
+            raise RoundFailed(
+                FailureReason.NO_GROUP, "no warm group generation; waiting for a plan"
+            )
         for old in self.generations.all():
             if old.number < newest.number and old.state != GenerationState.RETIRED:
                 await self._switch_away(old, newest.number)

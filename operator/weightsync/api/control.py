@@ -25,7 +25,13 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1.spec import Engine, RecoveryProtocol, SyncMode
+from weightsync.api.v1alpha1.spec import (
+    Engine,
+    PrewarmSpec,
+    RecoveryProtocol,
+    SyncMode,
+    TransferSpec,
+)
 from weightsync.api.v1alpha1.status import Role
 
 MiB = 1 << 20
@@ -40,11 +46,21 @@ class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# The WeightSync's defaults (the CRD's), which a plan's absent fields take.
+_SPEC_TRANSFER = TransferSpec()
+_SPEC_PREWARM = PrewarmSpec()
+
+
 class TransferOptions(_Message):
-    bucket_size_bytes: int = Field(default=1024 * MiB, gt=0)  # as the CRD's default
-    pipeline_depth: int = Field(default=2, ge=1, le=8)
-    timeout_seconds: float = Field(default=60.0, gt=0)
+    """A WeightSync's `transfer`, as the agents get it."""
+
+    bucket_size_bytes: int = Field(default=_SPEC_TRANSFER.bucket_size_bytes, gt=0)
+    pipeline_depth: int = Field(default=_SPEC_TRANSFER.pipeline_depth, ge=1, le=8)
+    timeout_seconds: float = Field(default=float(_SPEC_TRANSFER.timeout_seconds), gt=0)
     checksum: bool = False
+
+
+DEFAULT_TRANSFER = TransferOptions()
 
 
 class Rendezvous(_Message):
@@ -96,8 +112,8 @@ class MembershipPlan(_Message):
     # required with a compact plan.
     world_size: int = Field(default=0, ge=0)
     source_count: int = Field(default=0, ge=0)
-    transfer: TransferOptions = TransferOptions()
-    prewarm_timeout_seconds: float = Field(default=120.0, gt=0)
+    transfer: TransferOptions = DEFAULT_TRANSFER
+    prewarm_timeout_seconds: float = Field(default=float(_SPEC_PREWARM.timeout_seconds), gt=0)
     # This member keeps the latest committed version in host memory for P2P recovery.
     # The trainer's source agent holds by default (`WEIGHTSYNC_HOLDER`); the operator
     # names further holders here.

@@ -1,12 +1,14 @@
-"""Condition and Event reasons and their messages, one pair per state or event.
+"""Condition and Event reasons and their messages, one pair per state or event; and
+`FailureReason`, why a round failed.
 
-Reasons are CamelCase words that programs match on; messages are for people and
-are `str.format` templates whose fields are named in each constant. Keeping the
+Condition and Event reasons are CamelCase words that programs match on; messages are for
+people and are `str.format` templates whose fields are named in each constant. Keeping the
 pairs here means every writer says the same thing for the same state.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final
 
 # Ready=False: the spec itself is wrong (the reconcile-time backstop caught it).
@@ -188,3 +190,57 @@ PROTOCOL_NOT_REPORTED: Final = "ProtocolNotReported"
 PROTOCOL_NOT_REPORTED_MESSAGE: Final = "No agent has reported its recovery protocol yet."
 RECOVERY_OFF: Final = "RecoveryOff"
 RECOVERY_OFF_MESSAGE: Final = "No P2P recovery: {why}."
+
+
+class FailureReason(StrEnum):
+    """Why a round failed, in the snake_case labels the agents report: a round's
+    `reason` (the Publisher's `PublishResult`, the agent's `RoundReport`, the WeightSync's
+    `lastFailure`) and the `reason` label of `weightsync_round_failures_total`.
+
+    A `StrEnum`, so that each member is its string on the wire. An engine's refusal is
+    reported as `engine_` and the engine's own reason (`EngineError.reason`), which the
+    engines name, not this enum.
+    """
+
+    # Before the bytes move: the plan, the group, the layout, the slots, the engine.
+    NO_PLAN = "no_plan"
+    NO_GROUP = "no_group"
+    NOT_FORMED = "not_formed"
+    FORMATION_FAILED = "formation_failed"
+    PREWARM_FAILED = "prewarm_failed"
+    PREWARM_CORRUPT = "prewarm_corrupt"
+    GENERATION_CLOSED = "generation_closed"
+    GROUP_BROKEN = "group_broken"
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    BAD_LAYOUT = "bad_layout"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    LAYOUT_HASH_MISMATCH = "layout_hash_mismatch"
+    LAYOUT_UNAVAILABLE = "layout_unavailable"
+    SLOTS_UNAVAILABLE = "slots_unavailable"
+    ENGINE_ATTACH_FAILED = "engine_attach_failed"
+    ROUND_MISMATCH = "round_mismatch"
+    # Sharded rounds: the source ranks' shards.
+    BAD_SHARDS = "bad_shards"
+    SOURCE_MISSING = "source_missing"
+    SOURCES_DISAGREE = "sources_disagree"
+    # The Publisher and its socket.
+    PROTOCOL = "protocol"
+    PUBLISHER_PROTOCOL = "publisher_protocol"
+    PUBLISHER_GONE = "publisher_gone"
+    PUBLISHER_TIMEOUT = "publisher_timeout"
+    PUBLISHER_ABANDONED = "publisher_abandoned"
+    FILL_FAILED = "fill_failed"
+    # The transfer and the votes.
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"
+    COLLECTIVE_ERROR = "collective_error"
+    STORE_ERROR = "store_error"
+    REPLICA_FAILED = "replica_failed"
+    PEER_FAILED = "peer_failed"
+    PEER_ERROR = "peer_error"
+    MEMBER_LOST = "member_lost"
+    # The engines.
+    ENGINE_TIMEOUT = "engine_timeout"
+    COMMIT_FAILED = "commit_failed"
+    # A bug: an exception the round did not expect.
+    INTERNAL_ERROR = "internal_error"

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from weightsync.api.reasons import FailureReason
 from weightsync.client.connection import (
     AgentUnavailableError,
     LayoutChangedError,
@@ -82,7 +83,7 @@ from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
 log = logging.getLogger(__name__)
 
 
-_NOT_YET = frozenset({"no_plan"})
+_NOT_YET = frozenset({FailureReason.NO_PLAN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +212,7 @@ class Publisher:
         if isinstance(reply, HandoffError):
             raise PublisherError(reply.reason, reply.message)
         if not isinstance(reply, Fenced):
-            raise PublisherError("protocol", f"expected Fenced, got {reply.type}")
+            raise PublisherError(FailureReason.PROTOCOL, f"expected Fenced, got {reply.type}")
         return reply.held
 
     def guard(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
@@ -295,11 +296,13 @@ class Publisher:
                 self._hold = _Hold(result.version, held, [t._version for t in held])
                 if self.fence_in_publish:
                     self.fence()
-            if result.reason != "layout_mismatch":
+            if result.reason != FailureReason.LAYOUT_MISMATCH:
                 return result
             log.info("agent asked to renegotiate the layout (attempt %d)", attempt + 1)
             self._layout = None
-        raise LayoutChangedError("layout_mismatch", "the agent rejected the layout twice")
+        raise LayoutChangedError(
+            FailureReason.LAYOUT_MISMATCH, "the agent rejected the layout twice"
+        )
 
     def close(self) -> None:
         if self._hold is not None and self._sock is not None:
@@ -347,10 +350,12 @@ class Publisher:
         if isinstance(reply, HandoffError):
             raise PublisherError(reply.reason, reply.message)
         if not isinstance(reply, Attached):
-            raise PublisherError("protocol", f"expected Attached, got {reply.type}")
+            raise PublisherError(FailureReason.PROTOCOL, f"expected Attached, got {reply.type}")
         layout = plan_layout(metas, reply.bucket_size_bytes, reply.alignment)
         if layout.layout_hash != reply.layout_hash:
-            raise LayoutChangedError("layout_hash_mismatch", "the agent planned another layout")
+            raise LayoutChangedError(
+                FailureReason.LAYOUT_HASH_MISMATCH, "the agent planned another layout"
+            )
         self._shared_at = tensor_addresses(tensors) if reply.agent_packs else None
         self._devices = {t.device for t in tensors.values()} if reply.agent_packs else set()
         self._filler.open(None if reply.agent_packs else reply.slots)
@@ -359,7 +364,7 @@ class Publisher:
     def _round(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
         layout = self._layout
         if layout is None:
-            raise PublisherError("protocol", "publish before attach")
+            raise PublisherError(FailureReason.PROTOCOL, "publish before attach")
         if self._shared_at is not None:  # the agent reads the tensors: they must be written
             synced = time.perf_counter()
             for device in self._devices:
@@ -376,11 +381,15 @@ class Publisher:
             if isinstance(message, HandoffError):
                 raise PublisherError(message.reason, message.message)
             if not isinstance(message, Fill):
-                raise PublisherError("protocol", f"unexpected {message.type} during a round")
+                raise PublisherError(
+                    FailureReason.PROTOCOL, f"unexpected {message.type} during a round"
+                )
             try:
                 self._filler.fill(layout, tensors, message)
             except Exception as exc:  # the agent still drives the round to its end
                 log.exception("filling bucket %d failed", message.bucket)
-                message = self._exchange(Abandon(reason="fill_failed", message=repr(exc)))
+                message = self._exchange(
+                    Abandon(reason=FailureReason.FILL_FAILED, message=repr(exc))
+                )
                 continue
             message = self._exchange(Filled(bucket=message.bucket))

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from weightsync.engines.base import EngineAdapter
 
 ADAPTERS: dict[Engine, tuple[str, str]] = {
-    Engine.REFERENCE: ("weightsync.engines.reference.adapter", "ReferenceEngineAdapter"),
+    Engine.REFERENCE: ("weightsync.engines.reference", "ReferenceEngineAdapter"),
     Engine.SGLANG: ("weightsync.engines.sglang", "SGLangAdapter"),
     Engine.VLLM: ("weightsync.engines.vllm", "VLLMAdapter"),
 }

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from pydantic import SecretStr
 
 from weightsync.engines import _versions
 from weightsync.engines._http import (
@@ -55,21 +57,46 @@ class Round:
     load_failed: bool = False  # a load was refused or failed inside the engine
 
 
-class RoundAdapter(EngineAdapter):
-    """An engine behind HTTP that loads in place inside a begin/finish session."""
+class EngineSettings(Protocol):
+    """What `RoundAdapter` reads from an engine's settings (`SGLangSettings`,
+    `VLLMSettings`); each model adds its own pause and load options."""
+
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def api_key(self) -> SecretStr | None: ...
+    @property
+    def connect_timeout_seconds(self) -> float: ...
+    @property
+    def control_timeout_seconds(self) -> float: ...
+    @property
+    def health_timeout_seconds(self) -> float: ...
+
+
+SettingsT = TypeVar("SettingsT", bound=EngineSettings)
+
+
+class RoundAdapter(EngineAdapter, Generic[SettingsT]):
+    """An engine behind HTTP that loads in place inside a begin/finish session.
+
+    Built from the engine's settings, or from its base URL alone (`settings_class`'s
+    defaults otherwise), as `weightsync.engines` documents for every adapter.
+    """
 
     engine_name = "engine"
+    settings_class: Callable[..., SettingsT]  # the settings model, called with base_url=
 
-    def __init__(
-        self,
-        http: EngineHTTP,
-        *,
-        control_timeout_seconds: float,
-        health_timeout_seconds: float,
-    ) -> None:
-        self._http = http
-        self._control_timeout = control_timeout_seconds
-        self._health_timeout = health_timeout_seconds
+    def __init__(self, settings: SettingsT | str) -> None:
+        if isinstance(settings, str):
+            settings = self.settings_class(base_url=settings)
+        self.settings: SettingsT = settings
+        self._http = EngineHTTP(
+            settings.base_url,
+            connect_timeout_seconds=settings.connect_timeout_seconds,
+            api_key=settings.api_key,
+        )
+        self._control_timeout = settings.control_timeout_seconds
+        self._health_timeout = settings.health_timeout_seconds
         self._slots: list[LogicalSlot] = []
         self._round: Round | None = None
 

@@ -56,7 +56,6 @@ from weightsync.engines._http import (
     REASON_BAD_REPLY,
     REASON_REJECTED,
     REASON_UNREACHABLE,
-    EngineHTTP,
     engine_message,
     normalize_base_url,
 )
@@ -135,27 +134,17 @@ class SGLangSettings(BaseModel):
         return self
 
 
-class SGLangAdapter(RoundAdapter):
+class SGLangAdapter(RoundAdapter[SGLangSettings]):
     """Feeds one SGLang server from the agent's bucket slots."""
 
+    settings_class = SGLangSettings
     engine_name = "SGLang"
 
     def __init__(self, settings: SGLangSettings | str) -> None:
-        if isinstance(settings, str):
-            settings = SGLangSettings(base_url=settings)
-        self.settings = settings
-        super().__init__(
-            EngineHTTP(
-                settings.base_url,
-                connect_timeout_seconds=settings.connect_timeout_seconds,
-                api_key=settings.api_key,
-            ),
-            control_timeout_seconds=settings.control_timeout_seconds,
-            health_timeout_seconds=settings.health_timeout_seconds,
-        )
+        super().__init__(settings)
         # Tensor names SGLang's model was seen to hold, with the shape they were checked at.
         self._checked: dict[str, tuple[int, ...]] = {}
-        self._ranks = settings.tp_size  # payloads per bucket
+        self._ranks = self.settings.tp_size  # payloads per bucket
 
     async def _post_ok(self, path: str, body: Any, timeout_seconds: float) -> dict[str, Any]:
         """POST where SGLang answers {"success": bool, "message": str}."""

@@ -55,7 +55,6 @@ from weightsync.engines._http import (
     REASON_BAD_BUCKET,
     REASON_ENGINE_FAILED,
     REASON_REJECTED,
-    EngineHTTP,
     normalize_base_url,
 )
 from weightsync.engines._ipc import check_slices
@@ -155,24 +154,14 @@ def contiguous_runs(tensors: Sequence[TensorSlice]) -> list[_Run]:
     return runs
 
 
-class VLLMAdapter(RoundAdapter):
+class VLLMAdapter(RoundAdapter[VLLMSettings]):
     """Feeds one vLLM server from the agent's bucket slots."""
 
+    settings_class = VLLMSettings
     engine_name = "vLLM"
 
     def __init__(self, settings: VLLMSettings | str) -> None:
-        if isinstance(settings, str):
-            settings = VLLMSettings(base_url=settings)
-        self.settings = settings
-        super().__init__(
-            EngineHTTP(
-                settings.base_url,
-                connect_timeout_seconds=settings.connect_timeout_seconds,
-                api_key=settings.api_key,
-            ),
-            control_timeout_seconds=settings.control_timeout_seconds,
-            health_timeout_seconds=settings.health_timeout_seconds,
-        )
+        super().__init__(settings)
         self._shm_paths: list[tuple[str, int]] = []  # CPU slots: (/dev/shm file, bytes)
 
     @property

@@ -35,6 +35,7 @@ from torch._C._distributed_c10d import (
 from torch._C._distributed_c10d import Backend as C10dBackend
 
 from weightsync.api.control import Backend
+from weightsync.api.reasons import FailureReason
 from weightsync.transfer.layout import Bucket
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class BroadcastTransport(Transport):
     @property
     def pg(self) -> Collectives:
         if self._pg is None:
-            raise TransferError("aborted", "the process group was aborted")
+            raise TransferError(FailureReason.ABORTED, "the process group was aborted")
         return self._pg
 
     def start_bucket(self, buffer: torch.Tensor, root: int = 0) -> dist.Work:
@@ -170,19 +171,23 @@ class BroadcastTransport(Transport):
         while not pending.is_completed():
             now = time.monotonic()
             if now > deadline:
-                raise TransferError("timeout", "collective timed out")
+                raise TransferError(FailureReason.TIMEOUT, "collective timed out")
             if failure_key is not None and now >= next_check:
                 next_check = now + _FAILURE_POLL_SECONDS
                 if self._ctl.check([failure_key]):
                     reason = self._ctl.get(failure_key).decode()
-                    raise TransferError("peer_failed", f"a peer failed the round: {reason}")
+                    raise TransferError(
+                        FailureReason.PEER_FAILED, f"a peer failed the round: {reason}"
+                    )
             if now - started > _FAST_POLL_WINDOW_SECONDS:
                 delay = min(delay * 2, _SLOW_POLL_SECONDS)
             time.sleep(delay)
         try:
             pending.wait()
         except (RuntimeError, dist.DistError) as exc:
-            raise TransferError("collective_error", f"collective failed: {exc}") from exc
+            raise TransferError(
+                FailureReason.COLLECTIVE_ERROR, f"collective failed: {exc}"
+            ) from exc
 
     def agree_max(self, flag: int, *, deadline: float, failure_key: str | None) -> int:
         # A kernel fill instead of a host-to-device copy of a fresh tensor; one `.item()`
@@ -233,7 +238,9 @@ def backend_available(backend: Backend) -> bool:
 def resolve_backend(backend: Backend, device: torch.device) -> Backend:
     """Check the plan's backend against this process and the device; log the resolution."""
     if not backend_available(backend):
-        raise TransferError("backend_unavailable", f"{backend.value} is not available here")
+        raise TransferError(
+            FailureReason.BACKEND_UNAVAILABLE, f"{backend.value} is not available here"
+        )
     if (backend == Backend.NCCL) != (device.type == "cuda"):
         raise TransferError(
             "backend_device_mismatch", f"backend {backend.value} cannot move {device.type} buffers"

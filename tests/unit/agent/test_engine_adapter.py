@@ -6,7 +6,7 @@ import pytest
 
 from weightsync.agent.engine_adapter import build_adapter
 from weightsync.agent.settings import AgentSettings
-from weightsync.engines.reference.adapter import ReferenceEngineAdapter
+from weightsync.engines.reference import ReferenceEngineAdapter
 from weightsync.engines.sglang import SGLangAdapter
 from weightsync.engines.vllm import VLLMAdapter
 

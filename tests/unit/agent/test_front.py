@@ -23,9 +23,9 @@ from weightsync.agent.service import Agent
 from weightsync.agent.settings import AgentSettings
 from weightsync.api.engines import PRIVATE_ROUTES
 from weightsync.api.v1alpha1 import Engine
-from weightsync.engines.reference.engine import ReferenceEngine
-from weightsync.engines.reference.model import PRESETS, build_model
-from weightsync.engines.reference.server import make_app
+from weightsync.reference.engine import ReferenceEngine
+from weightsync.reference.model import PRESETS, build_model
+from weightsync.reference.server import make_app
 
 ENGINES_DIR = Path(weightsync.engines.__file__).parent
 # What the adapters read that the engines serve to everyone: health and served model.

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.engine import ReferenceEngine, tensor_digest
-from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
+from weightsync.reference.engine import ReferenceEngine, tensor_digest
+from weightsync.reference.model import PRESETS, build_model, state_dict_metas
 from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
 from weightsync.transfer.layout import BucketLayout, TensorSlice, plan_layout
 
@@ -245,7 +245,7 @@ def test_no_room_to_stage_is_a_refusal_that_names_the_bucket(
     def full(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("weightsync.engines.reference.engine.BucketSlots", full)
+    monkeypatch.setattr("weightsync.reference.engine.BucketSlots", full)
     engine.begin(1)
     first = layout.buckets[0].tensors
     with pytest.raises(EngineError, match=f"the bucket of {first[0].name}") as caught:

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812 - the conventional name
 
-from weightsync.engines.reference.engine import ReferenceEngine
-from weightsync.engines.reference.model import (
+from weightsync.reference.engine import ReferenceEngine
+from weightsync.reference.model import (
     PRESETS,
     SparseMoE,
     build_model,

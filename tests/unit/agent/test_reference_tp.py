@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.engine import tensor_digest
-from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
-from weightsync.engines.reference.tensor_parallel import DISAGREE, TensorParallelEngine
-from weightsync.engines.reference.tp_worker import WorkerSpec, worker_devices
+from weightsync.reference.engine import tensor_digest
+from weightsync.reference.model import PRESETS, build_model, state_dict_metas
+from weightsync.reference.tensor_parallel import DISAGREE, TensorParallelEngine
+from weightsync.reference.tp_worker import WorkerSpec, worker_devices
 from weightsync.transfer.buffers import BucketSlots, SlotHandles, copy_tensors, slot_views
 from weightsync.transfer.layout import BucketLayout, plan_layout
 

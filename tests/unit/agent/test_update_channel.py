@@ -12,18 +12,18 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
-from weightsync.engines.reference.adapter import ReferenceEngineAdapter
-from weightsync.engines.reference.arenas import BucketPlan
-from weightsync.engines.reference.channel import (
+from weightsync.engines.reference import ReferenceEngineAdapter
+from weightsync.engines.reference_channel import (
     BeginRequest,
     FinishRequest,
     Staged,
     UpdateChannelClient,
-    UpdateChannelServer,
 )
-from weightsync.engines.reference.engine import ReferenceEngine, tensor_digest
-from weightsync.engines.reference.model import PRESETS, build_model, state_dict_metas
-from weightsync.engines.reference.server import make_app
+from weightsync.reference.arenas import BucketPlan
+from weightsync.reference.channel import UpdateChannelServer
+from weightsync.reference.engine import ReferenceEngine, tensor_digest
+from weightsync.reference.model import PRESETS, build_model, state_dict_metas
+from weightsync.reference.server import make_app
 from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
 from weightsync.transfer.layout import BucketLayout, plan_layout
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weightsync.client.inputs import Accepted, PublishInputError, checked_tensors
-from weightsync.engines.reference.model import PRESETS, build_model
+from weightsync.reference.model import PRESETS, build_model
 
 
 @pytest.fixture

@@ -61,6 +61,7 @@ PART_EXTRAS: dict[str, str | None] = {
     "transfer": "agent",
     "engines": "agent",
     "client": "agent",
+    "reference": "agent",
 }
 
 

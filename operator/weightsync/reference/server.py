@@ -39,12 +39,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.channel import UpdateChannelServer
-from weightsync.engines.reference.engine import ReferenceEngine
-from weightsync.engines.reference.model import PRESETS, ModelConfig, build_model, preset
-from weightsync.engines.reference.served import ServedEngine
-from weightsync.engines.reference.tensor_parallel import TensorParallelEngine, agreed
-from weightsync.engines.reference.tp_worker import WorkerSpec
+from weightsync.reference.channel import UpdateChannelServer
+from weightsync.reference.engine import ReferenceEngine
+from weightsync.reference.model import PRESETS, ModelConfig, build_model, preset
+from weightsync.reference.served import ServedEngine
+from weightsync.reference.tensor_parallel import TensorParallelEngine, agreed
+from weightsync.reference.tp_worker import WorkerSpec
 from weightsync.transfer.buffers import SlotError, SlotHandles, torch_dtype
 from weightsync.transfer.layout import TensorSlice
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from weightsync.engines.base import EngineError
-from weightsync.engines.reference.arenas import BucketPlan
-from weightsync.engines.reference.engine import ReferenceEngine
-from weightsync.engines.reference.model import build_model, preset
+from weightsync.reference.arenas import BucketPlan
+from weightsync.reference.engine import ReferenceEngine
+from weightsync.reference.model import build_model, preset
 from weightsync.transfer.buffers import SlotError, SlotHandles, torch_dtype
 
 

@@ -1,5 +1,8 @@
 """The reference engine's update channel: the update API on a Unix socket, no HTTP.
 
+Here: the messages and the agent's end (the client the adapter uses); the engine's end
+(the server) is `weightsync.reference.channel`.
+
 A round hands the engine one request per bucket, and each one sits between two bucket
 transfers on the sink's critical path. Over HTTP a request cost a connection-pool
 checkout, header parsing, a hop to the server's executor and JSON validation of every
@@ -33,28 +36,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
-import socket
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from weightsync.engines.base import EngineError
-from weightsync.engines.reference.arenas import BucketPlan
-from weightsync.engines.reference.served import ServedEngine
-from weightsync.transfer.buffers import SlotError, SlotHandle
-from weightsync.transfer.handoff import ProtocolError, frame, read_frame, recv_frame
+from weightsync.transfer.buffers import SlotHandle
+from weightsync.transfer.handoff import ProtocolError, frame, read_frame
 from weightsync.transfer.layout import TensorSlice
 
-log = logging.getLogger(__name__)
-
 TensorRow = tuple[str, str, list[int], int, int]  # name, dtype, shape, offset, nbytes
-_MAX_BUCKETS_PER_CONNECTION = 1 << 16
+MAX_BUCKETS_PER_CONNECTION = 1 << 16
 
 
 class _Request(BaseModel):
@@ -101,7 +94,7 @@ Request = Annotated[
     BeginRequest | LoadRequest | StageRequest | HandleRequest | FinishRequest | AbortRequest,
     Field(discriminator="op"),
 ]
-_REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
+REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
 
 
 class Reply(BaseModel):
@@ -127,16 +120,6 @@ class Staged:
     incarnation: str | None = None  # the engine process that staged it
 
 
-def _refusal(engine: ServedEngine, reason: str, message: str) -> Reply:
-    return Reply(
-        ok=False,
-        version=engine.version,
-        incarnation=engine.incarnation,
-        reason=reason,
-        message=message,
-    )
-
-
 def socket_name(address: str) -> str:
     """The `bind`/`connect` name for an address: `@name` is abstract, else a path."""
     return "\0" + address[1:] if address.startswith("@") else address
@@ -150,143 +133,6 @@ def slices(tensor_rows: Sequence[TensorRow]) -> list[TensorSlice]:
     return [TensorSlice(n, d, tuple(s), o, b) for n, d, s, o, b in tensor_rows]
 
 
-# ----------------------------------------------------------------------------- engine side
-class UpdateChannelServer:
-    """Serves one engine's update API on a Unix socket, a thread per connection."""
-
-    def __init__(self, engine: ServedEngine, address: str) -> None:
-        self.engine = engine
-        self.address = address
-        self._listener: socket.socket | None = None
-        self._closed = threading.Event()
-
-    def start(self) -> None:
-        """Bind and start accepting; raises `OSError` when the address is taken."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            if not self.address.startswith("@"):
-                Path(self.address).unlink(missing_ok=True)
-            listener.bind(socket_name(self.address))
-            if not self.address.startswith("@"):
-                os.chmod(self.address, 0o660)  # the agent shares the pod's fsGroup
-            listener.listen(4)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        threading.Thread(target=self._accept, name="ref-update-accept", daemon=True).start()
-        log.info("update channel listening on %s", self.address)
-
-    def close(self) -> None:
-        self._closed.set()
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-            if not self.address.startswith("@"):
-                Path(self.address).unlink(missing_ok=True)
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            listener = self._listener
-            if listener is None:
-                return
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(
-                target=self._serve, args=(conn,), name="ref-update-conn", daemon=True
-            ).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        state = _Connection()
-        with conn:
-            while not self._closed.is_set():
-                try:
-                    body = recv_frame(conn)
-                except (ProtocolError, OSError):
-                    return
-                reply = self.handle(body, state)
-                try:
-                    conn.sendall(frame(reply.model_dump_json().encode()))
-                except OSError:
-                    return
-
-    def handle(self, body: bytes, state: _Connection) -> Reply:
-        """One request; every failure is a reply, never an exception."""
-        engine = self.engine
-        try:
-            request = _REQUEST.validate_json(body)
-            if isinstance(request, StageRequest):
-                return self._stage(request, state)
-            if isinstance(request, HandleRequest):
-                arena = engine.find_arena(request.arena)
-                state.shared.add(arena.id)
-                return Reply(
-                    ok=True,
-                    version=engine.version,
-                    arena=arena.id,
-                    handle=engine.arena_handle(arena),
-                )
-            if isinstance(request, LoadRequest):
-                plan = state.plan(engine, request.bucket, request.tensors)
-                engine.load_plan(request.slot, plan)
-            elif isinstance(request, BeginRequest):
-                engine.begin(request.version)
-            elif isinstance(request, FinishRequest):
-                engine.commit(request.version)
-            else:
-                log.warning("update to version %d aborted: %s", request.version, request.reason)
-                engine.abort(request.version)
-        except EngineError as exc:
-            return _refusal(engine, exc.reason, str(exc))
-        except ValidationError as exc:
-            return _refusal(engine, "bad_request", str(exc))
-        except SlotError as exc:  # an arena that cannot be described for another process
-            return _refusal(engine, "unsupported", str(exc))
-        return Reply(ok=True, version=engine.version, incarnation=engine.incarnation)
-
-    def _stage(self, request: StageRequest, state: _Connection) -> Reply:
-        engine = self.engine
-        plan = state.plan(engine, request.bucket, request.tensors)
-        arena = engine.stage(plan)
-        handle = None
-        if arena.id not in state.shared:
-            handle = engine.arena_handle(arena)
-            state.shared.add(arena.id)
-        return Reply(
-            ok=True,
-            version=engine.version,
-            incarnation=engine.incarnation,
-            arena=arena.id,
-            handle=handle,
-            copies=arena.copies(plan) if request.tensors is not None else None,
-        )
-
-
-class _Connection:
-    """What one agent connection has been told: bucket numbers, arenas it can map."""
-
-    def __init__(self) -> None:
-        self.plans: dict[int, BucketPlan] = {}
-        self.shared: set[int] = set()
-
-    def plan(
-        self, engine: ServedEngine, bucket: int, tensors: list[TensorRow] | None
-    ) -> BucketPlan:
-        if tensors is not None:
-            if len(self.plans) >= _MAX_BUCKETS_PER_CONNECTION:
-                self.plans.clear()
-            self.plans[bucket] = engine.plan(slices(tensors))
-        plan = self.plans.get(bucket)
-        if plan is None:
-            raise EngineError("bad_bucket", f"bucket {bucket} was never described")
-        return plan
-
-
-# ----------------------------------------------------------------------------- agent side
 class UpdateChannelClient:
     """The adapter's end: one connection, one request at a time, reconnected on demand.
 
@@ -344,12 +190,12 @@ class UpdateChannelClient:
         number = self._by_content.get(key)
         new = number is None
         if number is None:
-            if len(self._by_content) >= _MAX_BUCKETS_PER_CONNECTION:
+            if len(self._by_content) >= MAX_BUCKETS_PER_CONNECTION:
                 self._drop()  # the engine forgets too: a new connection starts afresh
                 return self._number(tensors)
             number = self._by_content[key] = len(self._by_content)
         if isinstance(tensors, tuple):
-            if len(self._by_identity) >= _MAX_BUCKETS_PER_CONNECTION:
+            if len(self._by_identity) >= MAX_BUCKETS_PER_CONNECTION:
                 self._by_identity.clear()
             self._by_identity[id(tensors)] = (tensors, number)
         return number, new

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 import torch
 
 from weightsync.engines.base import EngineError, EngineHealth
-from weightsync.engines.reference.arenas import Arena, BucketPlan, UpdateStats, make_plan
-from weightsync.engines.reference.model import LlamaForCausalLM, greedy_generate
+from weightsync.reference.arenas import Arena, BucketPlan, UpdateStats, make_plan
+from weightsync.reference.model import LlamaForCausalLM, greedy_generate
 from weightsync.transfer.buffers import (
     BucketSlots,
     SlotHandle,

@@ -1,7 +1,7 @@
 """`ReferenceEngineAdapter`: drives the reference engine's update API.
 
 Slots are attached over HTTP; the attach reply names the engine's update channel (a
-Unix socket, see `channel.py`) and whether its staging arenas can be shared. Then, per
+Unix socket, see `reference_channel.py`) and whether its staging arenas can be shared. Then, per
 bucket, the adapter asks the engine for the bucket's arena and copies the slot into it
 itself, in the agent's process (`stage`), so that on a GPU the copy runs beside the
 agent's NCCL receive of the next bucket instead of being time-sliced against it; it
@@ -24,7 +24,7 @@ import aiohttp
 import torch
 
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
-from weightsync.engines.reference.channel import (
+from weightsync.engines.reference_channel import (
     AbortRequest,
     BeginRequest,
     FinishRequest,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from weightsync.engines.base import EngineHealth
-from weightsync.engines.reference.arenas import Arena, BucketPlan
+from weightsync.reference.arenas import Arena, BucketPlan
 from weightsync.transfer.buffers import SlotHandle, SlotHandles
 from weightsync.transfer.layout import TensorSlice
 

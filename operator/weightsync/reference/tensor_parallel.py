@@ -31,9 +31,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from weightsync.engines.base import EngineError, EngineHealth
-from weightsync.engines.reference.arenas import Arena, BucketPlan, make_plan
-from weightsync.engines.reference.model import build_model, preset
-from weightsync.engines.reference.tp_worker import (
+from weightsync.reference.arenas import Arena, BucketPlan, make_plan
+from weightsync.reference.model import build_model, preset
+from weightsync.reference.tp_worker import (
     Call,
     Result,
     WorkerDigest,

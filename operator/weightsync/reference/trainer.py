@@ -1,10 +1,10 @@
 """A tiny trainer for tests and the demo: the reference model, real optimizer steps, Publisher.
 
-    python -m weightsync.engines.reference.trainer --preset tiny --interval 5
-    python -m weightsync.engines.reference.trainer --host $(POD_IP) --port 8080 --interval 0
-    python -m weightsync.engines.reference.trainer --world-size 2 --rank 1 --master-addr ...
+    python -m weightsync.reference.trainer --preset tiny --interval 5
+    python -m weightsync.reference.trainer --host $(POD_IP) --port 8080 --interval 0
+    python -m weightsync.reference.trainer --world-size 2 --rank 1 --master-addr ...
     python -m torch.distributed.run --standalone --nproc-per-node 2 \
-        -m weightsync.engines.reference.trainer --port 8080 ...   # two ranks in one pod
+        -m weightsync.reference.trainer --port 8080 ...   # two ranks in one pod
 
 With `--world-size` above 1 it is a sharded trainer: one process per rank (gloo on CPU),
 the model sharded by FSDP2 (`fully_shard`), and every rank publishes its own shards
@@ -40,8 +40,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from weightsync.client import Publisher, PublisherError, PublishResult
-from weightsync.engines.reference.engine import tensor_digest
-from weightsync.engines.reference.model import PRESETS, LlamaForCausalLM, build_model
+from weightsync.reference.engine import tensor_digest
+from weightsync.reference.model import PRESETS, LlamaForCausalLM, build_model
 
 log = logging.getLogger("weightsync.trainer")
 

@@ -1,1 +1,0 @@
-"""The reference engine: a small real Llama-shaped inference server for tests and demos."""

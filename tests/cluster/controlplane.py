@@ -6,7 +6,8 @@ processes built by `build/build.sh`. Nodes:
 * `real_node=True`: one real node (`node/realnode.py`): kubelet, containerd + runc,
   CNI and kube-proxy in a network namespace of their own; pods are containers from
   images imported into its containerd. The API server listens on the node link's host
-  address, which pods reach through the `kubernetes` Service.
+  address, which pods reach through the `kubernetes` Service; CoreDNS listens there too
+  and is every pod's nameserver (Service and pod names resolve, as in a real cluster).
 * `nodes=N`: N fake GPU nodes played by KWOK (label `type=kwok`): pods scheduled there
   are marked Running and Ready and never run. For what needs scheduling only, and for
   scale: a fake node costs nothing.
@@ -38,7 +39,7 @@ from pathlib import Path
 import yaml
 
 from tests.cluster import kwok_stages
-from tests.cluster.node.realnode import GPU_DRIVER, NODE_NAME, RealNode
+from tests.cluster.node.realnode import CLUSTER_DOMAIN, GPU_DRIVER, NODE_NAME, RealNode
 from tests.cluster.pki import CertificateAuthority, service_account_keys
 from tests.support.ports import free_port
 
@@ -211,6 +212,7 @@ class LocalCluster:
         self._start_controller_manager()
         self._start_scheduler()
         if self.real_node:
+            self._start_dns()
             self._start_real_node(ports["apiserver"])
         if self.nodes:
             self._start_kwok()
@@ -453,6 +455,30 @@ class LocalCluster:
                 "--kube-api-burst", "400",
             ],
         )  # fmt: skip
+
+    def _start_dns(self) -> None:
+        """The cluster's DNS, as every real cluster has one: CoreDNS on the node link's
+        host side, which the kubelet names to every pod (`clusterDNS`). Service and pod
+        names resolve; other names, and the reverse lookups c10d makes of each peer that
+        connects, go to the host's resolver and fail fast. Without it the pods' resolver
+        was the host's, unreachable from the pod network: each such reverse lookup timed
+        out (2 x 5 s), and a group with a new agent process took 10 s to pre-warm."""
+        corefile = self.state_dir / "Corefile"
+        corefile.write_text(
+            f""".:53 {{
+    bind {self.api_host}
+    errors
+    cache 5
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {self.kubeconfig}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }}
+    forward . /etc/resolv.conf
+}}
+"""
+        )
+        self._spawn("coredns", [str(self.bin_dir / "coredns"), "-conf", str(corefile)])
 
     def _start_real_node(self, port: int) -> None:
         node = self.node

@@ -114,6 +114,28 @@ def test_pod_ip_reaches_host_and_api_server(node_cluster: LocalCluster) -> None:
     assert f"K8S_VERSION={json.loads(version)['gitVersion']}\n" in built
 
 
+def test_pods_resolve_service_names_through_the_cluster_dns(node_cluster: LocalCluster) -> None:
+    """The kubelet names CoreDNS to every pod, as any real cluster's does: Service names
+    resolve (the API server's Service, by its short name through the search path)."""
+    apply(node_cluster, busybox_pod("resolver", "exec sleep 3600"))
+    running(node_cluster, "resolver")
+    resolv = node_cluster.kubectl("exec", "resolver", "--", "cat", "/etc/resolv.conf").stdout
+    assert f"nameserver {node_cluster.node.network.host_ip}" in resolv
+    assert "search default.svc.cluster.local svc.cluster.local cluster.local" in resolv
+    api = get(node_cluster, "service", "kubernetes")["spec"]["clusterIP"]
+    fqdn = "kubernetes.default.svc.cluster.local"
+    answer = node_cluster.kubectl("exec", "resolver", "--", "nslookup", fqdn, check=False)
+    assert api in answer.stdout.split("Name:", 1)[-1], (answer.stdout, answer.stderr)
+    # The short name, through the search path (libc's resolver, as a client uses it).
+    token = "$(cat /var/run/secrets/kubernetes.io/serviceaccount/token)"
+    fetch = (
+        f'wget -qO- --no-check-certificate --header "Authorization: Bearer {token}"'
+        " https://kubernetes.default/version"
+    )
+    version = node_cluster.kubectl("exec", "resolver", "--", "sh", "-c", fetch, check=False)
+    assert "gitVersion" in version.stdout, (version.stdout, version.stderr)
+
+
 def test_killed_container_restarts_in_place(node_cluster: LocalCluster) -> None:
     apply(node_cluster, http_pod("phoenix"))
     before = running(node_cluster, "phoenix")

@@ -15,6 +15,9 @@ ETCD_VERSION=v3.6.4
 CONTAINERD_VERSION=v2.2.9
 KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.20.2
+# The cluster's DNS: a CoreDNS of five plugins (coredns/ beside this script), built
+# apart from the rest (its own key), linked into the binaries' directory.
+COREDNS_VERSION=v1.12.4
 
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
@@ -24,14 +27,26 @@ wrapper=$(cat "$here/k8s/go.sum" "$here"/k8s/cmd/*/*.go | sha256sum | cut -c1-8)
 key="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_containerd-${CONTAINERD_VERSION}_kwok-${KWOK_VERSION}_helm-${HELM_VERSION}_${go_version}_${wrapper}"
 out="$cache/bin/$key"
 
+log() { echo "[build] $(date +%H:%M:%S) $*" >&2; }
+
+# CoreDNS first: a cache of the other binaries that predates it still serves.
+coredns_key="coredns-${COREDNS_VERSION}_${go_version}_$(cat "$here"/coredns/go.sum "$here"/coredns/main.go | sha256sum | cut -c1-8)"
+coredns="$cache/bin/$coredns_key/coredns"
+if [ "${1:-}" != "--print-dir" ] && [ ! -x "$coredns" ]; then
+  log "go build coredns $COREDNS_VERSION (about a minute)"
+  mkdir -p "$(dirname "$coredns")"
+  (cd "$here/coredns" && GOFLAGS="-mod=readonly -buildvcs=false" GOSUMDB=off CGO_ENABLED=0 \
+    go build -trimpath -ldflags "-s -w" -o "$coredns.tmp" .)
+  mv "$coredns.tmp" "$coredns"
+fi
+link_coredns() { ln -sfn "$coredns" "$1/coredns"; }
+
 binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy crictl-lite fake-gpu-dra containerd containerd-shim-runc-v2 kwok helm)
 if [ "${1:-}" = "--print-dir" ]; then echo "$out"; exit 0; fi
 missing=0
 for b in "${binaries[@]}"; do [ -x "$out/$b" ] || missing=1; done
 [ -d "$out/kwok-stages" ] || missing=1
-if [ "$missing" = 0 ]; then echo "$out"; exit 0; fi
-
-log() { echo "[build] $(date +%H:%M:%S) $*" >&2; }
+if [ "$missing" = 0 ]; then link_coredns "$out"; echo "$out"; exit 0; fi
 log "building the control plane into $out (from nothing this takes about 9 minutes; later runs reuse it)"
 mkdir -p "$out.tmp"
 # The checksum database is not reachable everywhere; go.sum beside this script pins
@@ -85,5 +100,6 @@ rmdir "$gobin"
 
 rm -rf "$out"
 mv "$out.tmp" "$out"
+link_coredns "$out"
 log "done"
 echo "$out"

@@ -98,7 +98,14 @@ def kubeconfig(pki: Path, server: str, user: str) -> dict[str, Any]:
 
 
 def kubelet(
-    node_ip: str, pki: Path, cgroup_root: str, endpoint: str, pod_logs: Path
+    node_ip: str,
+    pki: Path,
+    cgroup_root: str,
+    endpoint: str,
+    pod_logs: Path,
+    *,
+    cluster_dns: str,
+    cluster_domain: str,
 ) -> dict[str, Any]:
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -120,7 +127,9 @@ def kubelet(
         "containerRuntimeEndpoint": endpoint,
         "podLogsDir": str(pod_logs),
         "failSwapOn": False,
-        "resolvConf": "/etc/resolv.conf",
+        "resolvConf": "/etc/resolv.conf",  # dnsPolicy Default pods; CoreDNS forwards to it
+        "clusterDNS": [cluster_dns],
+        "clusterDomain": cluster_domain,
         # A shared test machine: never evict or collect images because of disk use.
         "evictionHard": {
             "memory.available": "100Mi",

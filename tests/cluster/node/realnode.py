@@ -46,6 +46,7 @@ import yaml
 from tests.cluster.node import configs, host, oci
 
 HERE = Path(__file__).resolve().parent
+CLUSTER_DOMAIN = "cluster.local"
 NODE_NAME = "node-0"
 GPU_DRIVER = "gpu.fake.weightsync.io"  # fake-gpu-dra's driver name and device class
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
@@ -309,7 +310,13 @@ class RealNode:
     def _write_kubelet_config(self, pki: Path, server: str) -> list[str]:
         path = self.dir / "kubelet.yaml"
         config = configs.kubelet(
-            self.network.node_ip, pki, f"/{self.cgroup_root}", self.endpoint, self.pod_logs
+            self.network.node_ip,
+            pki,
+            f"/{self.cgroup_root}",
+            self.endpoint,
+            self.pod_logs,
+            cluster_dns=self.network.host_ip,  # CoreDNS there (`LocalCluster._start_dns`)
+            cluster_domain=CLUSTER_DOMAIN,
         )
         path.write_text(yaml.safe_dump(config))
         kubeconfig = self._kubeconfig(pki, server, "kubelet")

@@ -72,7 +72,14 @@ def _stream(list_fn: Any, sink: Any) -> None:
     with the objects that exist (synthetic ADDED events), so a server-ended watch loses
     nothing."""
     while True:
-        for event in watch.Watch().stream(list_fn, deserialize=False):
+        events = watch.Watch().stream(list_fn, deserialize=False)
+        while True:
+            try:
+                event = next(events)
+            except StopIteration:
+                break
+            except KeyError:  # an ERROR event (410 Gone: the server dropped our version):
+                break  # the client reads its `raw_object`, absent without deserializing
             sink(event["type"], event["object"], time.monotonic())
 
 

@@ -39,6 +39,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +178,13 @@ class Publisher(threading.Thread):
         self.latest_uid = ""  # ...and the trainer pod that published it
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        self.stepping = threading.Lock()  # held by each step; `paused()` takes it
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No step starts (and none is in flight) until the block ends."""
+        with self.stepping:
+            yield
 
     def follow_trainer(self) -> None:
         """Step the trainer pod that answers now (a replacement, after a trainer fault)."""
@@ -199,18 +207,19 @@ class Publisher(threading.Thread):
         try:
             self.follow_trainer()
             while not self.stop.is_set():
-                try:
-                    result = step(self.ip)
-                    digest = trainer_digest(self.ip) if result["ok"] else None
-                except OSError:  # the trainer pod went away
-                    self.follow_trainer()
-                    continue
-                self.report.rounds.append(result)
-                self.lineage, self.last_version = result["lineage"], result["version"]
-                if digest is not None:
-                    self.published.setdefault(self.lineage, {})[digest["version"]] = digest
-                    self.latest, self.latest_uid = digest, self.uid
-                    self._check(digest)
+                with self.stepping:
+                    try:
+                        result = step(self.ip)
+                        digest = trainer_digest(self.ip) if result["ok"] else None
+                    except OSError:  # the trainer pod went away
+                        self.follow_trainer()
+                        continue
+                    self.report.rounds.append(result)
+                    self.lineage, self.last_version = result["lineage"], result["version"]
+                    if digest is not None:
+                        self.published.setdefault(self.lineage, {})[digest["version"]] = digest
+                        self.latest, self.latest_uid = digest, self.uid
+                        self._check(digest)
                 time.sleep(0.3)
         except BaseException as exc:  # handed to the test thread
             self.error = exc
@@ -334,7 +343,7 @@ def _restarts(pod: dict[str, Any]) -> int:
 
 
 def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorProcess,
-           rng: random.Random, *, token: str) -> None:  # fmt: skip
+           rng: random.Random, *, publisher: Publisher, token: str) -> None:  # fmt: skip
     victims = pods(cluster, namespace, "engine")
     victim = rng.choice(victims)
     if kind == "engine_restart":
@@ -367,7 +376,8 @@ def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorP
         with corrupted(cluster.node, victim, "engine", spare):
             time.sleep(2 * TIMEOUT_SECONDS)
     elif kind == "holder_kill":
-        holder_killed_during_recovery(cluster, namespace, victims, token)
+        with publisher.paused():
+            holder_killed_during_recovery(cluster, namespace, victims, token)
     else:
         raise ValueError(kind)
 
@@ -377,7 +387,9 @@ def holder_killed_during_recovery(
 ) -> None:
     """Replace the engine pod that does not hold a copy, and kill the holder's agent
     once the replacement's recovery has started (the tiny model's pull takes
-    milliseconds: `test_recovery` kills a holder mid-pull with slowed buckets)."""
+    milliseconds: `test_recovery` kills a holder mid-pull with slowed buckets). The
+    caller holds the trainer's steps meanwhile: a replacement that joins the group
+    before its engine is up is brought current by the next round, with no recovery."""
 
     def holding(pod: dict[str, Any]) -> bool:
         with contextlib.suppress(OSError):
@@ -514,7 +526,7 @@ def run_faults(
     for number, kind in enumerate(schedule(rng, FAULTS), start=1):
         started, stepped, seen = time.monotonic(), publisher.uid, len(report.rounds)
         at = time.strftime("%H:%M:%S")
-        inject(kind, cluster, namespace, operator, rng, token=token)
+        inject(kind, cluster, namespace, operator, rng, publisher=publisher, token=token)
         injected = time.monotonic() - started
         report.faults[kind] += 1
         if kind == "bucket_corrupt":

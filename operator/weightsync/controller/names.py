@@ -12,7 +12,6 @@ from typing import Final
 from weightsync.api import GROUP
 
 FINALIZER: Final = f"{GROUP}/finalizer"
-FIELD_MANAGER: Final = "weightsync-operator"
 
 # The label users put on the pod templates of their trainer StatefulSet and inference
 # Deployments. The pod webhook's objectSelector matches it, so the API server never
@@ -55,8 +54,6 @@ NODE_DIR: Final = "/var/run/weightsync-node"
 NODE_HOST_ROOT: Final = "/var/run/weightsync/colocated"
 
 STATEFULSET_POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
-POD_TEMPLATE_HASH_LABEL: Final = "pod-template-hash"
-GPU_RESOURCE: Final = "nvidia.com/gpu"
 
 _MAX_NAME = 253
 

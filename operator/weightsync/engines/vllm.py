@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
-VLLM_COMMIT = "4ba787ec9"
 
 
 UPDATE_ALREADY_ACTIVE = "start_weight_update called while a weight update is already active"

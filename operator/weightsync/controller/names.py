@@ -45,10 +45,10 @@ SOCKET_VOLUME: Final = "weightsync-socket"
 TOKEN_VOLUME: Final = "weightsync-token"  # noqa: S105
 TOKEN_DIR: Final = "/var/run/secrets/weightsync.io"  # noqa: S105
 TOKEN_KEY: Final = "token"  # noqa: S105
-# Shared memory for the agent's CPU bucket slots (which the engine maps by name) and for
-# NCCL: a container's own /dev/shm is 64 MiB, and writing past it kills with SIGBUS.
+# Shared memory (mounted on `agent_env.SHM_DIR`) for the agent's CPU bucket slots (which
+# the engine maps by name) and for NCCL: a container's own /dev/shm is 64 MiB, and
+# writing past it kills with SIGBUS.
 SHM_VOLUME: Final = "weightsync-shm"
-SHM_DIR: Final = "/dev/shm"  # noqa: S108 - POSIX shared memory, not a temp dir
 NODE_VOLUME: Final = "weightsync-node"
 NODE_DIR: Final = "/var/run/weightsync-node"
 NODE_HOST_ROOT: Final = "/var/run/weightsync/colocated"

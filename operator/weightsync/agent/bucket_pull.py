@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+from weightsync.api.reasons import RecoveryFailureReason
 from weightsync.transfer.held import held_checksum, held_offsets
 from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.p2p import (
@@ -70,7 +71,9 @@ class _BucketPuller:
         with self._lock:
             live = list(self._live)
         if not live:
-            raise P2PError("no_live_holder", f"no holder left for bucket {index}")
+            raise P2PError(
+                RecoveryFailureReason.NO_LIVE_HOLDER, f"no holder left for bucket {index}"
+            )
         turn = index % len(live)
         regions = [  # the bucket's preferred holder first, so holders take turns
             replace(h, address=h.address + self.offsets[index], nbytes=bucket.nbytes)
@@ -79,7 +82,9 @@ class _BucketPuller:
         target = self.landing[index % depth][: bucket.nbytes]
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise P2PError("timeout", f"the recovery timed out before bucket {index}")
+            raise P2PError(
+                RecoveryFailureReason.TIMEOUT, f"the recovery timed out before bucket {index}"
+            )
         try:
             report = pull(
                 self.endpoint,

@@ -32,6 +32,7 @@ from weightsync.api.control import (
     MembershipPlan,
     RecoverRequest,
 )
+from weightsync.api.reasons import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ async def _auth(
     expected = f"Bearer {request.app[AGENT_KEY].settings.bearer_token()}"
     given = request.headers.get("Authorization", "")
     if not hmac.compare_digest(given.encode(), expected.encode()):
-        return _error(401, "unauthorized", "missing or wrong bearer token")
+        return _error(401, ErrorCode.UNAUTHORIZED, "missing or wrong bearer token")
     return await handler(request)
 
 
@@ -59,11 +60,11 @@ async def put_plan(request: web.Request) -> web.Response:
     try:
         plan = MembershipPlan.model_validate_json(await request.read())
     except ValidationError as exc:
-        return _error(400, "invalid_plan", str(exc))
+        return _error(400, ErrorCode.INVALID_PLAN, str(exc))
     try:
         accepted = agent.apply_plan(plan)
     except PlanRejectedError as exc:
-        return _error(409, "plan_rejected", str(exc))
+        return _error(409, ErrorCode.PLAN_REJECTED, str(exc))
     return web.Response(
         status=202, text=accepted.model_dump_json(), content_type="application/json"
     )
@@ -83,9 +84,11 @@ async def get_holding(request: web.Request) -> web.Response:
     try:
         holding = await request.app[AGENT_KEY].holder.holding()
     except TimeoutError:
-        return _error(503, "checksums_pending", "the held version's checksums are not ready")
+        return _error(
+            503, ErrorCode.CHECKSUMS_PENDING, "the held version's checksums are not ready"
+        )
     if holding is None:
-        return _error(404, "not_holding", "this agent holds no version")
+        return _error(404, ErrorCode.NOT_HOLDING, "this agent holds no version")
     return web.Response(text=holding.model_dump_json(), content_type="application/json")
 
 
@@ -93,7 +96,7 @@ async def post_recover(request: web.Request) -> web.Response:
     try:
         recover = RecoverRequest.model_validate_json(await request.read())
     except ValidationError as exc:
-        return _error(400, "invalid_request", str(exc))
+        return _error(400, ErrorCode.INVALID_REQUEST, str(exc))
     try:
         started = request.app[AGENT_KEY].start_recovery(recover)
     except RecoveryFailed as exc:

@@ -31,6 +31,7 @@ from yarl import URL
 
 from weightsync.api.control import ErrorResponse, FrontStatus
 from weightsync.api.engines import PRIVATE_ROUTES
+from weightsync.api.reasons import ErrorCode
 from weightsync.api.v1alpha1 import Engine
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ class Refusal:
 
 
 UPGRADE_REFUSED = Refusal(
-    501, "upgrade_not_forwarded", "protocol upgrades (WebSocket) are not forwarded to the engine"
+    501,
+    ErrorCode.UPGRADE_NOT_FORWARDED,
+    "protocol upgrades (WebSocket) are not forwarded to the engine",
 )
 
 
@@ -91,15 +94,17 @@ def normalized_path(target: str) -> str | None:
 def refusal(engine: Engine, method: str, target: str) -> Refusal | None:
     """Why the front must not forward `method target` to `engine` (None: forward it)."""
     if method.upper() not in FORWARDED_METHODS:
-        return Refusal(405, "method_not_forwarded", f"{method} is not forwarded to the engine")
+        return Refusal(
+            405, ErrorCode.METHOD_NOT_FORWARDED, f"{method} is not forwarded to the engine"
+        )
     path = normalized_path(target)
     if path is None:
-        return Refusal(400, "bad_target", "the request target is not a plain path")
+        return Refusal(400, ErrorCode.BAD_TARGET, "the request target is not a plain path")
     for routes in PRIVATE_ROUTES[engine]:
         if any(path.startswith(prefix) for prefix in routes.prefixes):
             return Refusal(
                 403,
-                "private_route",
+                ErrorCode.PRIVATE_ROUTE,
                 f"{path} is one of {routes.what}, which only the pod's weightsync agent calls",
             )
     return None
@@ -172,7 +177,7 @@ class Front:
                 allow_redirects=False,
             )
         except aiohttp.ClientError as exc:
-            return _answer(Refusal(502, "engine_unreachable", f"{self.upstream}: {exc}"))
+            return _answer(Refusal(502, ErrorCode.ENGINE_UNREACHABLE, f"{self.upstream}: {exc}"))
         async with upstream:
             reply = web.StreamResponse(
                 status=upstream.status,

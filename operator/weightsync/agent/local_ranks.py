@@ -47,7 +47,10 @@ def rank_environment(environ: Mapping[str, str], local: int, several: bool) -> d
     device = env.get(agent_env.DEVICE, "cpu")
     if device.startswith("cuda"):
         env[agent_env.DEVICE] = f"cuda:{local}"
-    for name, default in ((agent_env.HTTP_PORT, 8470), (agent_env.METRICS_PORT, 9470)):
+    for name, default in (
+        (agent_env.HTTP_PORT, agent_env.DEFAULT_HTTP_PORT),
+        (agent_env.METRICS_PORT, agent_env.DEFAULT_METRICS_PORT),
+    ):
         base = int(env.get(name, default))
         if base:  # a metrics port of 0 is none, for every rank
             env[name] = str(base + local)

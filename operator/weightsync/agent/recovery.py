@@ -37,13 +37,10 @@ from weightsync.agent.bucket_pull import PullSummary, pull_buckets
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.api.control import Holding, RecoverRequest, RecoveryState, RecoveryStatus
+from weightsync.api.reasons import ErrorCode, RecoveryFailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.layout import Bucket, BucketLayout, LayoutError
-from weightsync.transfer.p2p import (
-    Endpoints,
-    HeldRegion,
-    P2PError,
-)
+from weightsync.transfer.p2p import Endpoints, HeldRegion, P2PError
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +84,7 @@ async def _fetch_one(session: aiohttp.ClientSession, url: str) -> Holding | str:
         async with session.get(f"{url}/v1/holding") as reply:
             body = await reply.read()
             if reply.status == 404:
-                return "not_holding: the agent holds no version"
+                return f"{ErrorCode.NOT_HOLDING}: the agent holds no version"
             if reply.status != 200:
                 return f"http_{reply.status}: {body[:200]!r}"
         return Holding.model_validate_json(body)
@@ -179,7 +176,9 @@ def choose_holders(
             candidates.append((url, holding, screened))
     if not candidates:
         raise RecoveryFailed(
-            "no_holder", f"no holder can serve version {request.version} or newer", dropped
+            RecoveryFailureReason.NO_HOLDER,
+            f"no holder can serve version {request.version} or newer",
+            dropped,
         )
     newest = max(h.version for _, h, _ in candidates)
     for url, holding, _ in candidates:
@@ -266,7 +265,7 @@ class Recovery:
 
     def start(self, request: RecoverRequest) -> RecoveryStatus:
         if self.running:
-            raise RecoveryFailed("busy", "a recovery is already running")
+            raise RecoveryFailed(RecoveryFailureReason.BUSY, "a recovery is already running")
         self._request = request
         self._version, self._recovered = None, None
         self._state = RecoveryState.PENDING
@@ -285,7 +284,7 @@ class Recovery:
             self._finish(RecoveryState.FAILED, exc.reason, str(exc))
         except Exception as exc:  # the operator gets a failed status whatever went wrong
             log.exception("recovery of version %d failed unexpectedly", request.version)
-            self._finish(RecoveryState.FAILED, "internal_error", repr(exc))
+            self._finish(RecoveryState.FAILED, RecoveryFailureReason.INTERNAL_ERROR, repr(exc))
         else:
             self._recovered = (version, lineage)
             self._finish(RecoveryState.DONE, "", "")
@@ -343,7 +342,7 @@ class Recovery:
             await self._abort(version, exc.reason)
             raise
         except BaseException:
-            await self._abort(version, "internal_error")
+            await self._abort(version, RecoveryFailureReason.INTERNAL_ERROR)
             raise
         return version, agreement.lineage
 
@@ -361,7 +360,7 @@ class Recovery:
         except EngineError as exc:
             raise RecoveryFailed(f"engine_{exc.reason}", f"{what}: {exc}") from exc
         except TimeoutError as exc:
-            raise RecoveryFailed("engine_timeout", f"{what} timed out") from exc
+            raise RecoveryFailed(RecoveryFailureReason.ENGINE_TIMEOUT, f"{what} timed out") from exc
 
     async def _abort(self, version: int, reason: str) -> None:
         try:
@@ -384,7 +383,11 @@ class Recovery:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         if self._state == RecoveryState.RUNNING:
-            self._finish(RecoveryState.FAILED, "yielded", "a round started; it loads the version")
+            self._finish(
+                RecoveryState.FAILED,
+                RecoveryFailureReason.YIELDED,
+                "a round started; it loads the version",
+            )
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():

@@ -37,6 +37,7 @@ from weightsync.api.control import (
     RecoveryStatus,
     RecoveryTransport,
 )
+from weightsync.api.reasons import RecoveryFailureReason
 from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 from weightsync.engines.base import EngineAdapter
@@ -239,15 +240,17 @@ class Agent:
         round that starts meanwhile stops the recovery and brings the engine current.
         """
         if self.recovery is None:
-            raise RecoveryFailed("not_a_sink", "only a sink agent with an engine recovers")
+            raise RecoveryFailed(
+                RecoveryFailureReason.NOT_A_SINK, "only a sink agent with an engine recovers"
+            )
         if not self._can_pull(request.protocol):
             raise RecoveryFailed(
-                "protocol_unavailable",
+                RecoveryFailureReason.PROTOCOL_UNAVAILABLE,
                 f"cannot pull over {request.protocol}: this agent's P2P protocol is"
                 f" {self.transport.protocol} ({self.transport.detail})",
             )
         if self.book.round_in_progress:
-            raise RecoveryFailed("busy", "a round is in progress")
+            raise RecoveryFailed(RecoveryFailureReason.BUSY, "a round is in progress")
         if self.watch is not None and self.watch.vouched() is not None:
             served = self.watch.vouched()
             if (
@@ -256,6 +259,7 @@ class Agent:
                 and (not request.lineage or served.lineage == request.lineage)
             ):
                 raise RecoveryFailed(
-                    "not_behind", f"the engine serves version {served.version} already"
+                    RecoveryFailureReason.NOT_BEHIND,
+                    f"the engine serves version {served.version} already",
                 )
         return self.recovery.start(request)

@@ -30,8 +30,8 @@ class AgentSettings(BaseModel):
     role: Role
     pod_name: str = Field(default_factory=socket.gethostname)
     http_host: str = "0.0.0.0"  # noqa: S104 - the operator reaches the agent on its pod IP
-    http_port: int = Field(default=8470, ge=1, le=65535)
-    metrics_port: int = Field(default=9470, ge=0, le=65535)  # 0: no metrics listener
+    http_port: int = Field(default=agent_env.DEFAULT_HTTP_PORT, ge=1, le=65535)
+    metrics_port: int = Field(default=agent_env.DEFAULT_METRICS_PORT, ge=0, le=65535)
     token: SecretStr | None = None
     token_file: Path | None = None
     socket: Path = Path(agent_env.SOCKET_PATH)  # the Publisher's Unix socket (source role)
@@ -39,7 +39,7 @@ class AgentSettings(BaseModel):
     # A sink: how many devices its engine reads from (a tensor-parallel engine's workers),
     # a copy of each slot on each; unset: every visible GPU from `device` on, one on CPU.
     engine_devices: int | None = Field(default=None, ge=1)
-    shm_dir: Path = Path("/dev/shm")  # noqa: S108 - POSIX shared memory, not a temp dir
+    shm_dir: Path = Path(agent_env.SHM_DIR)
     engine: Engine | None = None  # sinks, or Colocated sources
     engine_url: str = "http://127.0.0.1:30000"
     engine_timeout_seconds: float = Field(default=60.0, gt=0)

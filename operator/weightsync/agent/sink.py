@@ -168,7 +168,7 @@ class SinkRound(RankRound):
         if expected != mine and self.error is None:
             bad = [i for i, (a, b) in enumerate(zip(expected, mine, strict=False)) if a != b]
             self.error = RoundFailed(
-                "checksum_mismatch", f"buckets {bad[:8]} differ", Stage.TRANSFER
+                FailureReason.CHECKSUM_MISMATCH, f"buckets {bad[:8]} differ", Stage.TRANSFER
             )
 
     async def run(self, depth: int) -> RoundOutcome:

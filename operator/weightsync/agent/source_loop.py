@@ -230,7 +230,7 @@ class SourceLoop:
         last, lineage = self.book.committed()
         if request.lineage == lineage and last is not None and request.version <= last:
             raise RoundFailed(
-                "stale_version",
+                FailureReason.STALE_VERSION,
                 f"version {request.version} is not above {last}, the last committed by this"
                 " Publisher: versions must rise (a restarted trainer gets a new Publisher)",
             )

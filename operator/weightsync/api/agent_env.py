@@ -16,6 +16,13 @@ SOCKET_PATH: Final = f"{SOCKET_DIR}/agent.sock"
 SOCKET_TEMPLATE: Final = f"{SOCKET_DIR}/agent-{{local_rank}}.sock"
 LOCAL_RANK_PLACEHOLDER: Final = "{local_rank}"
 
+# The agent's ports unless the operator is configured otherwise (its AGENT_HTTP_PORT and
+# AGENT_METRICS_PORT, which the webhook writes as HTTP_PORT and METRICS_PORT).
+DEFAULT_HTTP_PORT: Final = 8470
+DEFAULT_METRICS_PORT: Final = 9470  # 0: no metrics listener
+# Where the agent's CPU bucket slots live, which the webhook mounts a memory volume on.
+SHM_DIR: Final = "/dev/shm"  # noqa: S108 - POSIX shared memory, not a temp dir
+
 
 def env_name(field: str) -> str:
     """The variable of the settings field `field`."""

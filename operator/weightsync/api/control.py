@@ -34,8 +34,6 @@ from weightsync.api.v1alpha1.spec import (
 )
 from weightsync.api.v1alpha1.status import Role
 
-MiB = 1 << 20
-
 
 class Backend(StrEnum):
     GLOO = "gloo"

@@ -1,5 +1,7 @@
-"""Condition and Event reasons and their messages, one pair per state or event; and
-`FailureReason`, why a round failed.
+"""Condition and Event reasons and their messages, one pair per state or event; and the
+snake_case labels the data plane reports: `FailureReason` (why a round failed),
+`RecoveryFailureReason` (why a recovery failed or was refused), `EngineErrorReason` (why an
+engine adapter call failed) and `ErrorCode` (the control API's and the front's refusals).
 
 Condition and Event reasons are CamelCase words that programs match on; messages are for
 people and are `str.format` templates whose fields are named in each constant. Keeping the
@@ -239,8 +241,82 @@ class FailureReason(StrEnum):
     PEER_FAILED = "peer_failed"
     PEER_ERROR = "peer_error"
     MEMBER_LOST = "member_lost"
+    BACKEND_DEVICE_MISMATCH = "backend_device_mismatch"
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # a sink's buckets differ from the source's
+    STALE_VERSION = "stale_version"  # a version not above the last committed one
     # The engines.
     ENGINE_TIMEOUT = "engine_timeout"
     COMMIT_FAILED = "commit_failed"
     # A bug: an exception the round did not expect.
     INTERNAL_ERROR = "internal_error"
+
+
+class RecoveryFailureReason(StrEnum):
+    """Why a P2P recovery failed or was refused: `RecoveryStatus.reason`, the `error` of a
+    409 to `POST /v1/recover`, a `P2PError`'s `reason` and the `reason` label of
+    `weightsync_recovery_failures_total`. An engine's refusal is reported as `engine_` and
+    `EngineError.reason`, as for rounds.
+
+    The operator reads these as plain strings (an agent of another release may send one
+    this enum lacks) and only reports them.
+    """
+
+    # Refused before it starts.
+    NOT_A_SINK = "not_a_sink"
+    PROTOCOL_UNAVAILABLE = "protocol_unavailable"
+    BUSY = "busy"
+    NOT_BEHIND = "not_behind"
+    # Choosing holders and pulling from them.
+    NO_HOLDER = "no_holder"
+    NO_LIVE_HOLDER = "no_live_holder"
+    TIMEOUT = "timeout"
+    # The transfer engine (`P2PError`).
+    TRANSPORT_UNAVAILABLE = "transport_unavailable"
+    INIT_FAILED = "init_failed"
+    REGISTER_FAILED = "register_failed"
+    READ_FAILED = "read_failed"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    HOLDER_TOO_SMALL = "holder_too_small"
+    BAD_DESTINATION = "bad_destination"
+    DESTINATION_TOO_SMALL = "destination_too_small"
+    # The engine, and the recovery itself.
+    ENGINE_TIMEOUT = "engine_timeout"
+    YIELDED = "yielded"  # a round started: it brings the engine the version anyway
+    INTERNAL_ERROR = "internal_error"
+
+
+class EngineErrorReason(StrEnum):
+    """Why an engine adapter call failed: the `EngineError.reason`s the adapters raise
+    themselves. `EngineError.reason` stays a string: an engine's own refusal (the
+    reference engine's, passed through) carries the engine's word."""
+
+    TIMEOUT = "timeout"  # no complete reply within the request's timeout
+    UNREACHABLE = "unreachable"  # connection refused, reset or dropped
+    REJECTED = "rejected"  # the engine answered 4xx (or a 2xx saying success=false)
+    ENGINE_FAILED = "engine_failed"  # the engine answered 5xx
+    HTTP_ERROR = "http_error"  # the reference engine answered neither 2xx nor a refusal
+    BAD_REPLY = "bad_reply"  # a reply the adapter cannot read
+    VERSION_MISMATCH = "version_mismatch"  # the engine serves another version after finish
+    BAD_BUCKET = "bad_bucket"  # a TensorSlice that does not fit the slot or the engine
+    BAD_SLOT = "bad_slot"  # a slot index that was never attached
+    SEQUENCE = "sequence"  # calls out of order (load before begin, finish of another version)
+    RESTARTED = "restarted"  # the engine process changed since the update began
+
+
+class ErrorCode(StrEnum):
+    """`ErrorResponse.error`: why the agent's control API or its front refused a request.
+    A refused `POST /v1/recover` answers with its `RecoveryFailureReason` instead."""
+
+    # The control API.
+    UNAUTHORIZED = "unauthorized"
+    INVALID_PLAN = "invalid_plan"
+    PLAN_REJECTED = "plan_rejected"
+    INVALID_REQUEST = "invalid_request"
+    NOT_HOLDING = "not_holding"
+    CHECKSUMS_PENDING = "checksums_pending"
+    # The front of a sink's engine.
+    METHOD_NOT_FORWARDED = "method_not_forwarded"
+    UPGRADE_NOT_FORWARDED = "upgrade_not_forwarded"
+    BAD_TARGET = "bad_target"
+    PRIVATE_ROUTE = "private_route"
+    ENGINE_UNREACHABLE = "engine_unreachable"

@@ -307,7 +307,7 @@ def _register_admission(registry: kopf.OperatorRegistry, shared: Shared) -> None
     def inject_agent(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
         bind(kwargs)
         if not shared.serves(body.metadata.namespace):
-            metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
+            metrics.ADMISSIONS.labels("inject-agent", metrics.AdmissionResult.SKIPPED).inc()
             return
         review.inject(shared.kube, shared.template, body, patch, shared.indexes)
 
@@ -320,20 +320,20 @@ def _register_admission(registry: kopf.OperatorRegistry, shared: Shared) -> None
         bind(kwargs)
         old: kopf.Body | None = kwargs.get("old")  # the stored object, on UPDATE
         if not shared.serves(namespace):
-            metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()
+            metrics.ADMISSIONS.labels("validate-claims", metrics.AdmissionResult.ALLOWED).inc()
             return
         try:
             listing = shared.kube.weightsyncs(_namespaced(namespace), shared.indexes)
         except Exception as error:
-            metrics.ADMISSIONS.labels("validate-claims", "error").inc()
+            metrics.ADMISSIONS.labels("validate-claims", metrics.AdmissionResult.ERROR).inc()
             raise kopf.AdmissionError(
                 f"cannot list WeightSyncs to check claims: {error}", code=503
             ) from None
         errors = review.claim_errors(dict(body), dict(old) if old else None, listing)
         errors += review.front_errors(dict(body), shared.template)
         if errors:
-            metrics.ADMISSIONS.labels("validate-claims", "denied").inc()
+            metrics.ADMISSIONS.labels("validate-claims", metrics.AdmissionResult.DENIED).inc()
             # 403, a refusal: 409 would read as a field-manager conflict, and `kubectl
             # apply --server-side` would suggest --force-conflicts, which cannot help.
             raise kopf.AdmissionError("; ".join(errors), code=403)
-        metrics.ADMISSIONS.labels("validate-claims", "allowed").inc()
+        metrics.ADMISSIONS.labels("validate-claims", metrics.AdmissionResult.ALLOWED).inc()

@@ -6,12 +6,53 @@ per-WeightSync gauges (one series per WeightSync).
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 if TYPE_CHECKING:
     from weightsync.api.v1alpha1 import WeightSyncStatus
+
+
+class ApiResult(StrEnum):
+    """`api_requests_total`'s `result`."""
+
+    OK = "ok"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"
+    EXPIRED = "expired"  # a watch's list is too old (HTTP 410)
+    ERROR = "error"
+    UNREACHABLE = "unreachable"
+
+
+class AdmissionResult(StrEnum):
+    """`admission_requests_total`'s `result`."""
+
+    INJECTED = "injected"
+    SKIPPED = "skipped"
+    ALLOWED = "allowed"
+    DENIED = "denied"
+    ERROR = "error"
+
+
+class AgentRequestResult(StrEnum):
+    """`agent_requests_total`'s `result`."""
+
+    OK = "ok"
+    REJECTED = "rejected"  # the agent answered another status than the route's
+    UNREACHABLE = "unreachable"
+    INVALID = "invalid"  # a reply that does not parse, or names another pod
+
+
+class RecoveryResult(StrEnum):
+    """`recoveries_total`'s `result`."""
+
+    STARTED = "started"
+    DONE = "done"
+    FAILED = "failed"
+    REFUSED = "refused"  # the agent did not start it (busy, unreachable)
+
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 PREFIX = "weightsync_operator"
@@ -100,17 +141,16 @@ CURRENT_VERSION = Gauge(
 # shows no increase() for that event (the first failure would never count).
 for _result in ("ok", "waiting", "invalid", "gone", "error"):
     RECONCILES.labels(_result)
-for _webhook, _results in (
-    ("inject-agent", ("injected", "skipped", "denied", "error")),
-    ("validate-claims", ("allowed", "denied", "error")),
-):
-    for _result in _results:
-        ADMISSIONS.labels(_webhook, _result)
+_INJECT = (AdmissionResult.INJECTED, AdmissionResult.SKIPPED, AdmissionResult.DENIED)
+_VALIDATE = (AdmissionResult.ALLOWED, AdmissionResult.DENIED)
+for _webhook, _results in (("inject-agent", _INJECT), ("validate-claims", _VALIDATE)):
+    for _admitted in (*_results, AdmissionResult.ERROR):
+        ADMISSIONS.labels(_webhook, _admitted)
 for _route in ("status", "plan", "recover"):
-    for _result in ("ok", "rejected", "unreachable", "invalid"):
-        AGENT_REQUESTS.labels(_route, _result)
-for _result in ("started", "done", "failed", "refused"):
-    RECOVERIES.labels(_result)
+    for _answer in AgentRequestResult:
+        AGENT_REQUESTS.labels(_route, _answer)
+for _recovery in RecoveryResult:
+    RECOVERIES.labels(_recovery)
 for _verb, _resource in (
     ("get", "weightsyncs"),
     ("patch", "weightsyncs/status"),
@@ -120,8 +160,8 @@ for _verb, _resource in (
     ("get", "deployments"),
     ("list", "replicasets"),
 ):
-    for _result in ("ok", "error", "unreachable"):
-        API_REQUESTS.labels(_verb, _resource, _result)
+    for _api in (ApiResult.OK, ApiResult.ERROR, ApiResult.UNREACHABLE):
+        API_REQUESTS.labels(_verb, _resource, _api)
 
 
 def record_status(namespace: str, name: str, status: WeightSyncStatus) -> None:

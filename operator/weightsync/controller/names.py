@@ -12,7 +12,6 @@ from typing import Final
 from weightsync.api import GROUP
 
 FINALIZER: Final = f"{GROUP}/finalizer"
-FIELD_MANAGER: Final = "weightsync-operator"
 
 # The label users put on the pod templates of their trainer StatefulSet and inference
 # Deployments. The pod webhook's objectSelector matches it, so the API server never
@@ -46,17 +45,15 @@ SOCKET_VOLUME: Final = "weightsync-socket"
 TOKEN_VOLUME: Final = "weightsync-token"  # noqa: S105
 TOKEN_DIR: Final = "/var/run/secrets/weightsync.io"  # noqa: S105
 TOKEN_KEY: Final = "token"  # noqa: S105
-# Shared memory for the agent's CPU bucket slots (which the engine maps by name) and for
-# NCCL: a container's own /dev/shm is 64 MiB, and writing past it kills with SIGBUS.
+# Shared memory (mounted on `agent_env.SHM_DIR`) for the agent's CPU bucket slots (which
+# the engine maps by name) and for NCCL: a container's own /dev/shm is 64 MiB, and
+# writing past it kills with SIGBUS.
 SHM_VOLUME: Final = "weightsync-shm"
-SHM_DIR: Final = "/dev/shm"  # noqa: S108 - POSIX shared memory, not a temp dir
 NODE_VOLUME: Final = "weightsync-node"
 NODE_DIR: Final = "/var/run/weightsync-node"
 NODE_HOST_ROOT: Final = "/var/run/weightsync/colocated"
 
 STATEFULSET_POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
-POD_TEMPLATE_HASH_LABEL: Final = "pod-template-hash"
-GPU_RESOURCE: Final = "nvidia.com/gpu"
 
 _MAX_NAME = 253
 

@@ -73,6 +73,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from weightsync.api.agent_env import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
 from weightsync.api.v1alpha1 import EnvVar
 
 ENV_PREFIX = "WEIGHTSYNC_OPERATOR_"
@@ -121,8 +122,8 @@ class OperatorSettings(BaseModel):
     agent_memory_request: str = "1Gi"
     agent_cpu_limit: str = ""
     agent_memory_limit: str = ""
-    agent_http_port: int = Field(default=8470, ge=1, le=65535)
-    agent_metrics_port: int = Field(default=9470, ge=0, le=65535)
+    agent_http_port: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
+    agent_metrics_port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
     agent_log_level: str = "INFO"
     agent_env: tuple[EnvVar, ...] = ()
     rendezvous_port: int = Field(default=29470, ge=1, le=65535)

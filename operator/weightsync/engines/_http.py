@@ -23,17 +23,8 @@ from typing import Any
 import aiohttp
 from pydantic import SecretStr
 
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineError
-
-# `EngineError.reason` labels used by the HTTP adapters.
-REASON_TIMEOUT = "timeout"  # no complete reply within the request's timeout
-REASON_UNREACHABLE = "unreachable"  # connection refused, reset or dropped
-REASON_REJECTED = "rejected"  # the engine answered 4xx (or a 2xx saying success=false)
-REASON_ENGINE_FAILED = "engine_failed"  # the engine answered 5xx
-REASON_BAD_REPLY = "bad_reply"  # a reply the adapter cannot read
-REASON_VERSION_MISMATCH = "version_mismatch"  # the engine serves another version after finish
-REASON_BAD_BUCKET = "bad_bucket"  # a TensorSlice that does not fit the slot or the engine
-REASON_SEQUENCE = "sequence"  # calls out of order (load before begin, finish of another version)
 
 HTTP_SERVER_ERROR = 500
 
@@ -50,12 +41,16 @@ class Reply:
         try:
             return json.loads(self.text)
         except ValueError:
-            raise EngineError(REASON_BAD_REPLY, f"expected JSON, got {self.text[:200]!r}") from None
+            raise EngineError(
+                EngineErrorReason.BAD_REPLY, f"expected JSON, got {self.text[:200]!r}"
+            ) from None
 
     def json_object(self) -> dict[str, Any]:
         body = self.json()
         if not isinstance(body, dict):
-            raise EngineError(REASON_BAD_REPLY, f"expected a JSON object, got {self.text[:200]!r}")
+            raise EngineError(
+                EngineErrorReason.BAD_REPLY, f"expected a JSON object, got {self.text[:200]!r}"
+            )
         return body
 
 
@@ -87,7 +82,11 @@ def engine_message(reply: Reply) -> str:
 
 
 def error_reason(status: int) -> str:
-    return REASON_ENGINE_FAILED if status >= HTTP_SERVER_ERROR else REASON_REJECTED
+    return (
+        EngineErrorReason.ENGINE_FAILED
+        if status >= HTTP_SERVER_ERROR
+        else EngineErrorReason.REJECTED
+    )
 
 
 class EngineHTTP:
@@ -139,10 +138,12 @@ class EngineHTTP:
                 return Reply(status=response.status, text=text)
         except TimeoutError:
             raise EngineError(
-                REASON_TIMEOUT, f"{what}: no reply within {timeout_seconds:g} s"
+                EngineErrorReason.TIMEOUT, f"{what}: no reply within {timeout_seconds:g} s"
             ) from None
         except aiohttp.ClientError as err:
-            raise EngineError(REASON_UNREACHABLE, f"{what}: {type(err).__name__}: {err}") from err
+            raise EngineError(
+                EngineErrorReason.UNREACHABLE, f"{what}: {type(err).__name__}: {err}"
+            ) from err
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:

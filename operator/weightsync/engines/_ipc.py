@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
-from weightsync.engines._http import REASON_BAD_BUCKET
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineError
 from weightsync.transfer.layout import TensorSlice
 
@@ -190,13 +190,13 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise EngineError(REASON_BAD_BUCKET, f"unknown dtype {name!r}") from None
+        raise EngineError(EngineErrorReason.BAD_BUCKET, f"unknown dtype {name!r}") from None
 
 
 def check_slices(tensors: Sequence[TensorSlice], slot_nbytes: int) -> tuple[int, int]:
     """Validate a bucket's tensors against its slot; return the byte span [lo, hi) they use."""
     if not tensors:
-        raise EngineError(REASON_BAD_BUCKET, "a bucket holds at least one tensor")
+        raise EngineError(EngineErrorReason.BAD_BUCKET, "a bucket holds at least one tensor")
     lo, hi = slot_nbytes, 0
     for item in tensors:
         dtype = torch_dtype(item.dtype)
@@ -205,18 +205,18 @@ def check_slices(tensors: Sequence[TensorSlice], slot_nbytes: int) -> tuple[int,
             numel *= dim
         if item.nbytes != numel * dtype.itemsize:
             raise EngineError(
-                REASON_BAD_BUCKET,
+                EngineErrorReason.BAD_BUCKET,
                 f"{item.name}: nbytes {item.nbytes} != {item.shape} x {dtype.itemsize} bytes",
             )
         if item.offset < 0 or item.offset + item.nbytes > slot_nbytes:
             raise EngineError(
-                REASON_BAD_BUCKET,
+                EngineErrorReason.BAD_BUCKET,
                 f"{item.name}: bytes [{item.offset}, {item.offset + item.nbytes}) "
                 f"lie outside the {slot_nbytes}-byte slot",
             )
         if item.offset % dtype.itemsize:
             raise EngineError(
-                REASON_BAD_BUCKET,
+                EngineErrorReason.BAD_BUCKET,
                 f"{item.name}: offset {item.offset} is not a multiple of {dtype.itemsize}",
             )
         lo = min(lo, item.offset)

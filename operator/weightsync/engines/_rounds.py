@@ -24,15 +24,9 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from pydantic import SecretStr
 
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines import _versions
-from weightsync.engines._http import (
-    REASON_SEQUENCE,
-    REASON_VERSION_MISMATCH,
-    EngineHTTP,
-    Reply,
-    engine_message,
-    error_reason,
-)
+from weightsync.engines._http import EngineHTTP, Reply, engine_message, error_reason
 from weightsync.engines._ipc import LogicalSlot, export_slots
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
 from weightsync.transfer.layout import TensorSlice
@@ -170,7 +164,8 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
     async def begin_update(self, version: int) -> None:
         if self._round is not None:
             raise EngineError(
-                REASON_SEQUENCE, f"update {self._round.version} is still open; abort it first"
+                EngineErrorReason.SEQUENCE,
+                f"update {self._round.version} is still open; abort it first",
             )
         previous = await self._read_label(self._control_timeout)
         round_ = Round(version=version, previous_label=previous)
@@ -188,13 +183,17 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
     async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
         round_ = self._round
         if round_ is None:
-            raise EngineError(REASON_SEQUENCE, "load_bucket outside begin_update/finish_update")
+            raise EngineError(
+                EngineErrorReason.SEQUENCE, "load_bucket outside begin_update/finish_update"
+            )
         await self._load(round_, slot, tensors)
 
     async def finish_update(self, version: int) -> None:
         round_ = self._round
         if round_ is None or round_.version != version:
-            raise EngineError(REASON_SEQUENCE, f"finish_update({version}) without its begin")
+            raise EngineError(
+                EngineErrorReason.SEQUENCE, f"finish_update({version}) without its begin"
+            )
         await self._commit(version)
         round_.session_open = False
         round_.marked = False
@@ -203,14 +202,16 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         served = await self._read_label(self._control_timeout)
         if served != _versions.served_label(version):
             raise EngineError(
-                REASON_VERSION_MISMATCH,
+                EngineErrorReason.VERSION_MISMATCH,
                 f"{self.engine_name} reports weight_version {served!r} after finishing {version}",
             )
 
     async def abort_update(self, version: int, reason: str) -> None:
         round_ = self._round
         if round_ is not None and round_.version != version:
-            raise EngineError(REASON_SEQUENCE, f"abort_update({version}) during {round_.version}")
+            raise EngineError(
+                EngineErrorReason.SEQUENCE, f"abort_update({version}) during {round_.version}"
+            )
         log.warning("aborting update %d on %s: %s", version, self._http.base_url, reason)
         await self._unwind(round_)
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
 from weightsync.engines.reference_channel import (
     AbortRequest,
@@ -94,7 +95,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         old = self._incarnation
         self._forget()
         raise EngineError(
-            "restarted",
+            EngineErrorReason.RESTARTED,
             f"{what}: the engine restarted (incarnation {old[:8]} -> {str(incarnation)[:8]})"
             " since its buffers were attached",
         )
@@ -136,28 +137,31 @@ class ReferenceEngineAdapter(EngineAdapter):
                 if response.status == 409:
                     error = _json(payload)
                     raise EngineError(
-                        str(error.get("reason", "rejected")), str(error.get("message"))
+                        str(error.get("reason", EngineErrorReason.REJECTED)),
+                        str(error.get("message")),
                     )
-                raise EngineError("http_error", f"{action}: HTTP {response.status}: {payload}")
+                raise EngineError(
+                    EngineErrorReason.HTTP_ERROR, f"{action}: HTTP {response.status}: {payload}"
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise EngineError("unreachable", f"{action}: {exc!r}") from exc
+            raise EngineError(EngineErrorReason.UNREACHABLE, f"{action}: {exc!r}") from exc
 
     async def _over_channel(
         self, what: str, call: Callable[[UpdateChannelClient], Awaitable[T]]
     ) -> T:
         channel = self._channel
         if channel is None:
-            raise EngineError("unreachable", f"{what}: no update channel")
+            raise EngineError(EngineErrorReason.UNREACHABLE, f"{what}: no update channel")
         try:
             result = await asyncio.wait_for(call(channel), self._timeout_seconds)
         except TimeoutError as exc:
             raise EngineError(
-                "timeout", f"{what}: no reply within {self._timeout_seconds:g} s"
+                EngineErrorReason.TIMEOUT, f"{what}: no reply within {self._timeout_seconds:g} s"
             ) from exc
         except (OSError, ProtocolError) as exc:
-            raise EngineError("unreachable", f"{what}: {exc!r}") from exc
+            raise EngineError(EngineErrorReason.UNREACHABLE, f"{what}: {exc!r}") from exc
         if isinstance(result, Reply) and not result.ok:
-            raise EngineError(result.reason or "rejected", result.message)
+            raise EngineError(result.reason or EngineErrorReason.REJECTED, result.message)
         return result
 
     async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
@@ -199,12 +203,14 @@ class ReferenceEngineAdapter(EngineAdapter):
 
     async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
         if not 0 <= slot < len(self._slots):
-            raise EngineError("bad_slot", f"slot {slot} not attached ({len(self._slots)} slots)")
+            raise EngineError(
+                EngineErrorReason.BAD_SLOT, f"slot {slot} not attached ({len(self._slots)} slots)"
+            )
         if self.copies_here:
             self._note_bucket(tensors)
             staged = await self._over_channel(f"stage slot {slot}", lambda c: c.stage(tensors))
             if not isinstance(staged, Staged):  # a refusal raised already
-                raise EngineError("bad_reply", "stage answered without an arena")
+                raise EngineError(EngineErrorReason.BAD_REPLY, "stage answered without an arena")
             self._same_engine(staged.incarnation, f"stage slot {slot}")
             arena = await self._arena(staged)
             if arena is not None:
@@ -224,7 +230,9 @@ class ReferenceEngineAdapter(EngineAdapter):
                 reply = await self._over_channel("handle", lambda c: c.handle(staged.arena))
                 handle = reply.handle
             if handle is None:
-                raise EngineError("bad_reply", f"no handle for arena {staged.arena}")
+                raise EngineError(
+                    EngineErrorReason.BAD_REPLY, f"no handle for arena {staged.arena}"
+                )
             try:
                 arena = open_slots(SlotHandles(slots=[handle]))[0]
             except (SlotError, RuntimeError) as exc:
@@ -240,7 +248,9 @@ class ReferenceEngineAdapter(EngineAdapter):
     ) -> None:
         for start, at, nbytes in copies:
             if start < 0 or start + nbytes > source.numel() or at + nbytes > arena.numel():
-                raise EngineError("bad_bucket", f"copy [{start}, +{nbytes}) does not fit")
+                raise EngineError(
+                    EngineErrorReason.BAD_BUCKET, f"copy [{start}, +{nbytes}) does not fit"
+                )
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="ref-adapter-copy")
         stream = None

@@ -50,15 +50,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from weightsync.api.engines import SGLANG_INJECTION  # noqa: F401 - re-exported: its flags are this engine's
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines import _versions
-from weightsync.engines._http import (
-    REASON_BAD_BUCKET,
-    REASON_BAD_REPLY,
-    REASON_REJECTED,
-    REASON_UNREACHABLE,
-    engine_message,
-    normalize_base_url,
-)
+from weightsync.engines._http import engine_message, normalize_base_url
 from weightsync.engines._ipc import LogicalSlot, check_slices, metadata_record
 from weightsync.engines._rounds import HTTP_OK, Round, RoundAdapter
 from weightsync.engines.base import EngineError
@@ -151,7 +145,9 @@ class SGLangAdapter(RoundAdapter[SGLangSettings]):
         reply = await self._call(path, timeout_seconds, body)
         result = reply.json_object()
         if result.get("success") is not True:
-            raise EngineError(REASON_REJECTED, f"SGLang {path}: {result.get('message', result)}")
+            raise EngineError(
+                EngineErrorReason.REJECTED, f"SGLang {path}: {result.get('message', result)}"
+            )
         return result
 
     async def _read_label(self, timeout_seconds: float) -> object:
@@ -205,7 +201,9 @@ class SGLangAdapter(RoundAdapter[SGLangSettings]):
     def bucket_request(self, slot: int, tensors: Sequence[TensorSlice]) -> dict[str, Any]:
         """The /update_weights_from_tensor body for a bucket in slot `slot` (stages it)."""
         if not 0 <= slot < len(self._slots):
-            raise EngineError(REASON_BAD_BUCKET, f"slot {slot} of {len(self._slots)} attached")
+            raise EngineError(
+                EngineErrorReason.BAD_BUCKET, f"slot {slot} of {len(self._slots)} attached"
+            )
         logical = self._slots[slot]
         lo, hi = check_slices(tensors, logical.nbytes)
         metadata = [metadata_record(item, item.offset - lo) for item in tensors]
@@ -240,12 +238,12 @@ class SGLangAdapter(RoundAdapter[SGLangSettings]):
                     json_body=probe,
                 )  # fmt: skip
             except EngineError as err:
-                if err.reason == REASON_UNREACHABLE:
+                if err.reason == EngineErrorReason.UNREACHABLE:
                     self._checked.clear()
                 raise
             if reply.status != HTTP_OK:
                 raise EngineError(
-                    REASON_BAD_BUCKET,
+                    EngineErrorReason.BAD_BUCKET,
                     f"SGLang's model has no parameter {item.name!r} ({engine_message(reply)}): "
                     "SGLang would skip it and report success",
                 )
@@ -253,7 +251,7 @@ class SGLangAdapter(RoundAdapter[SGLangSettings]):
             want = item.shape if one_d else (None, *item.shape[1:])
             if seen != want:
                 raise EngineError(
-                    REASON_BAD_BUCKET,
+                    EngineErrorReason.BAD_BUCKET,
                     f"{item.name}: the bucket holds shape {list(item.shape)}, SGLang's "
                     f"parameter has shape {_shape_text(seen)}; loading it would kill SGLang",
                 )
@@ -270,7 +268,7 @@ def _probed_shape(value: object) -> tuple[int | None, ...]:
     """The shape a /get_weights_by_name answer shows: a list of floats (1-D, its length) or
     a list holding the first row, nested (None: the first dimension, not shown)."""
     if not isinstance(value, list):
-        raise EngineError(REASON_BAD_REPLY, f"/get_weights_by_name: {str(value)[:200]}")
+        raise EngineError(EngineErrorReason.BAD_REPLY, f"/get_weights_by_name: {str(value)[:200]}")
     if not value or not isinstance(value[0], list):
         return (len(value),)
     inner: object = value[0]

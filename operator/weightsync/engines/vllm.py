@@ -50,13 +50,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from weightsync.api.engines import VLLM_INJECTION  # noqa: F401 - re-exported: its flags are this engine's
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines import _versions
-from weightsync.engines._http import (
-    REASON_BAD_BUCKET,
-    REASON_ENGINE_FAILED,
-    REASON_REJECTED,
-    normalize_base_url,
-)
+from weightsync.engines._http import normalize_base_url
 from weightsync.engines._ipc import check_slices
 from weightsync.engines._rounds import Round, RoundAdapter
 from weightsync.engines.base import EngineError
@@ -69,7 +65,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
-VLLM_COMMIT = "4ba787ec9"
 
 
 UPDATE_ALREADY_ACTIVE = "start_weight_update called while a weight update is already active"
@@ -144,7 +139,9 @@ def contiguous_runs(tensors: Sequence[TensorSlice]) -> list[_Run]:
     end = 0
     for item in ordered:
         if current and item.offset < end:
-            raise EngineError(REASON_BAD_BUCKET, f"{item.name} overlaps {current[-1].name}")
+            raise EngineError(
+                EngineErrorReason.BAD_BUCKET, f"{item.name} overlaps {current[-1].name}"
+            )
         if current and item.offset != end:
             runs.append(_Run(start=current[0].offset, tensors=tuple(current)))
             current = []
@@ -232,14 +229,18 @@ class VLLMAdapter(RoundAdapter[VLLMSettings]):
                 params={"reset_running_requests": "true"},
             )
             if reply.json_object().get("success") is not True:
-                raise EngineError(REASON_REJECTED, f"vLLM /reset_prefix_cache: {reply.text}")
+                raise EngineError(
+                    EngineErrorReason.REJECTED, f"vLLM /reset_prefix_cache: {reply.text}"
+                )
 
     def bucket_requests(self, slot: int, tensors: Sequence[TensorSlice]) -> list[dict[str, Any]]:
         """The /update_weights bodies for a bucket in slot `slot`, one per contiguous run."""
         if self._shm_paths:
             return self._shm_requests(slot, tensors)
         if not 0 <= slot < len(self._slots):
-            raise EngineError(REASON_BAD_BUCKET, f"slot {slot} of {len(self._slots)} attached")
+            raise EngineError(
+                EngineErrorReason.BAD_BUCKET, f"slot {slot} of {len(self._slots)} attached"
+            )
         logical = self._slots[slot]
         check_slices(tensors, logical.nbytes)
         bodies: list[dict[str, Any]] = []
@@ -262,7 +263,9 @@ class VLLMAdapter(RoundAdapter[VLLMSettings]):
 
     def _shm_requests(self, slot: int, tensors: Sequence[TensorSlice]) -> list[dict[str, Any]]:
         if not 0 <= slot < len(self._shm_paths):
-            raise EngineError(REASON_BAD_BUCKET, f"slot {slot} of {len(self._shm_paths)} attached")
+            raise EngineError(
+                EngineErrorReason.BAD_BUCKET, f"slot {slot} of {len(self._shm_paths)} attached"
+            )
         path, nbytes = self._shm_paths[slot]
         check_slices(tensors, nbytes)
         bodies: list[dict[str, Any]] = []
@@ -286,7 +289,7 @@ class VLLMAdapter(RoundAdapter[VLLMSettings]):
             except EngineError as err:
                 # A worker whose update raised has ended its session (gpu_worker.py) and
                 # left every layer it had not finished on the meta device.
-                if err.reason in (REASON_REJECTED, REASON_ENGINE_FAILED):
+                if err.reason in (EngineErrorReason.REJECTED, EngineErrorReason.ENGINE_FAILED):
                     round_.session_open = False
                     round_.load_failed = True
                 raise

@@ -243,7 +243,8 @@ def resolve_backend(backend: Backend, device: torch.device) -> Backend:
         )
     if (backend == Backend.NCCL) != (device.type == "cuda"):
         raise TransferError(
-            "backend_device_mismatch", f"backend {backend.value} cannot move {device.type} buffers"
+            FailureReason.BACKEND_DEVICE_MISMATCH,
+            f"backend {backend.value} cannot move {device.type} buffers",
         )
     log.info("bucket transport: %s broadcast on %s", backend.value, device)
     return backend

@@ -25,8 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from weightsync.transfer.layout import TensorSlice
 
-DEFAULT_SHM_DIR = "/dev/shm"  # noqa: S108 - POSIX shared memory, not a temp dir
-
 
 class SlotError(RuntimeError):
     """A slot cannot be created, described or opened."""

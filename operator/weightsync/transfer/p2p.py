@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from weightsync.api.reasons import RecoveryFailureReason
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
 
 if TYPE_CHECKING:
@@ -59,13 +60,19 @@ class TransferEngineEndpoint:
     def __init__(self, host: str, protocol: RecoveryProtocol, device_names: str = "") -> None:
         ok, why = mooncake_available()
         if not ok:
-            raise P2PError("transport_unavailable", f"Mooncake transfer engine unavailable: {why}")
+            raise P2PError(
+                RecoveryFailureReason.TRANSPORT_UNAVAILABLE,
+                f"Mooncake transfer engine unavailable: {why}",
+            )
         from mooncake.engine import TransferEngine
 
         self._engine: Any = TransferEngine()
         code = self._engine.initialize(host, "P2PHANDSHAKE", protocol.value.lower(), device_names)
         if code != 0:
-            raise P2PError("init_failed", f"transfer engine init on {host} ({protocol}) -> {code}")
+            raise P2PError(
+                RecoveryFailureReason.INIT_FAILED,
+                f"transfer engine init on {host} ({protocol}) -> {code}",
+            )
         self.protocol = protocol
         self.segment = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, int] = {}  # address -> registered bytes
@@ -87,7 +94,9 @@ class TransferEngineEndpoint:
             del self._registered[address]
         code = self._engine.register_memory(address, nbytes)
         if code != 0:
-            raise P2PError("register_failed", f"register_memory({address:#x}) -> {code}")
+            raise P2PError(
+                RecoveryFailureReason.REGISTER_FAILED, f"register_memory({address:#x}) -> {code}"
+            )
         self._registered[address] = nbytes
 
     def unregister(self, tensor: torch.Tensor) -> None:
@@ -99,7 +108,9 @@ class TransferEngineEndpoint:
         """Copy `nbytes` from a peer's registered memory into ours; raises on failure."""
         code = self._engine.transfer_sync_read(segment, local_address, remote_address, nbytes)
         if code < 0:
-            raise P2PError("read_failed", f"read of {nbytes} B from {segment} -> {code}")
+            raise P2PError(
+                RecoveryFailureReason.READ_FAILED, f"read of {nbytes} B from {segment} -> {code}"
+            )
 
     def close(self) -> None:
         for address in list(self._registered):
@@ -156,7 +167,7 @@ def _read_chunk(
         found = checksum(target)
         if found != chunk.checksum:
             return P2PError(
-                "checksum_mismatch",
+                RecoveryFailureReason.CHECKSUM_MISMATCH,
                 f"chunk at {chunk.offset}: checksum {found} != {chunk.checksum}",
             )
     return None
@@ -166,16 +177,23 @@ def _check_pull(
     holders: Sequence[HeldRegion], chunks: Sequence[Chunk], destination: torch.Tensor
 ) -> None:
     if not holders:
-        raise P2PError("no_holder", "no holder to pull from")
+        raise P2PError(RecoveryFailureReason.NO_HOLDER, "no holder to pull from")
     end = max((c.offset + c.nbytes for c in chunks), default=0)
     for holder in holders:
         if holder.nbytes < end:
-            raise P2PError("holder_too_small", f"{holder.name} holds {holder.nbytes} B, need {end}")
+            raise P2PError(
+                RecoveryFailureReason.HOLDER_TOO_SMALL,
+                f"{holder.name} holds {holder.nbytes} B, need {end}",
+            )
     if destination.dim() != 1 or destination.element_size() != 1 or not destination.is_contiguous():
-        raise P2PError("bad_destination", "the destination must be a contiguous 1-D byte tensor")
+        raise P2PError(
+            RecoveryFailureReason.BAD_DESTINATION,
+            "the destination must be a contiguous 1-D byte tensor",
+        )
     if destination.numel() < end:
         raise P2PError(
-            "destination_too_small", f"destination holds {destination.numel()} B, need {end}"
+            RecoveryFailureReason.DESTINATION_TOO_SMALL,
+            f"destination holds {destination.numel()} B, need {end}",
         )
 
 
@@ -272,7 +290,11 @@ def pull(
     pulled = sum(report.bytes_by_holder.values())
     if pulled != report.bytes:
         why = "; ".join(f"{k}: {v}" for k, v in report.failed_holders.items()) or "timed out"
-        reason = "timeout" if time.monotonic() >= deadline else "no_live_holder"
+        reason = (
+            RecoveryFailureReason.TIMEOUT
+            if time.monotonic() >= deadline
+            else RecoveryFailureReason.NO_LIVE_HOLDER
+        )
         raise P2PError(reason, f"pulled {pulled} of {report.bytes} B ({why})", report)
     return report
 

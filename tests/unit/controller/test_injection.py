@@ -90,7 +90,7 @@ def test_sink_gets_a_native_sidecar_with_engine_settings_and_the_readiness_gate(
     assert volumes[names.TOKEN_VOLUME]["secret"]["defaultMode"] == 0o444
     assert patched["spec"]["containers"][0]["volumeMounts"] == [
         {"name": names.SOCKET_VOLUME, "mountPath": agent_env.SOCKET_DIR},
-        {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR},
+        {"name": names.SHM_VOLUME, "mountPath": agent_env.SHM_DIR},
     ]
     assert "env" not in patched["spec"]["containers"][0]  # sinks need no Publisher socket env
     assert patched["metadata"]["labels"] == {names.SYNC_LABEL: "sync", names.ROLE_LABEL: "sink"}
@@ -114,7 +114,7 @@ def test_source_shares_the_socket_with_every_trainer_container_and_gets_no_gate(
     trainer, logger = patched["spec"]["containers"]
     assert trainer["volumeMounts"][-2:] == [
         {"name": names.SOCKET_VOLUME, "mountPath": agent_env.SOCKET_DIR},
-        {"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR},
+        {"name": names.SHM_VOLUME, "mountPath": agent_env.SHM_DIR},
     ]
     assert trainer["volumeMounts"][0] == {"name": "data", "mountPath": "/data"}
     assert env_of(trainer) == {"A": "1", "WEIGHTSYNC_SOCKET": agent_env.SOCKET_PATH}
@@ -164,10 +164,10 @@ def test_one_shared_memory_volume_sized_for_the_slots_unless_the_pod_brings_its_
     # 2 slots x 2 stages x 256 MiB, and 1 GiB for NCCL and the engine.
     assert volumes[names.SHM_VOLUME]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2048Mi"}
     mounts = [m for m in agent_of(patched)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
-    assert mounts == [{"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR}]
+    assert mounts == [{"name": names.SHM_VOLUME, "mountPath": agent_env.SHM_DIR}]
     # torch's shared-memory manager socket (CPU slots read by SGLang) must be there too.
     env = {e["name"]: e.get("value") for e in agent_of(patched)["env"]}
-    assert env[agent_env.TMPDIR] == names.SHM_DIR
+    assert env[agent_env.TMPDIR] == agent_env.SHM_DIR
 
     own = pod("engine-a-abc-x2").build()
     own["spec"]["containers"][0]["volumeMounts"] = [{"name": "big", "mountPath": "/dev/shm/"}]

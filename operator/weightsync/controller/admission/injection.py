@@ -90,7 +90,7 @@ def _mounts_shm(pod: Mapping[str, Any]) -> bool:
     spec = pod.get("spec") or {}
     containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
     return any(
-        m.get("mountPath", "").rstrip("/") == names.SHM_DIR
+        m.get("mountPath", "").rstrip("/") == agent_env.SHM_DIR
         for c in containers
         for m in c.get("volumeMounts") or []
     )
@@ -142,7 +142,7 @@ def _container_ops(
     if colocated and names.NODE_DIR not in mounted_paths:
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
     if shm:
-        mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
+        mounts.append({"name": names.SHM_VOLUME, "mountPath": agent_env.SHM_DIR})
     append_to(ops, container, f"{base}/volumeMounts", mounts)
     env_names = {e.get("name") for e in container.get("env") or []}
     if role is Role.SOURCE and agent_env.SOCKET not in env_names:

@@ -158,17 +158,17 @@ def inject(
     try:
         ops = pod_patch(kube, body, namespace, template, indexes)
     except GpusNotShareableError as exc:
-        metrics.ADMISSIONS.labels("inject-agent", "denied").inc()
+        metrics.ADMISSIONS.labels("inject-agent", metrics.AdmissionResult.DENIED).inc()
         log.warning("refusing a pod in %s: %s", namespace, exc)
         raise kopf.AdmissionError(f"weightsync: {exc}", code=403) from exc
     except Exception:
         log.exception(
             "could not decide injection for a pod in %s; admitting it unchanged", namespace
         )
-        metrics.ADMISSIONS.labels("inject-agent", "error").inc()
+        metrics.ADMISSIONS.labels("inject-agent", metrics.AdmissionResult.ERROR).inc()
         return
     if not ops:
-        metrics.ADMISSIONS.labels("inject-agent", "skipped").inc()
+        metrics.ADMISSIONS.labels("inject-agent", metrics.AdmissionResult.SKIPPED).inc()
         log.info(
             "admitting %s/%s unchanged: no WeightSync selects it, or it has the agent",
             namespace,
@@ -176,7 +176,7 @@ def inject(
         )
         return
     set_patch(patch, ops)
-    metrics.ADMISSIONS.labels("inject-agent", "injected").inc()
+    metrics.ADMISSIONS.labels("inject-agent", metrics.AdmissionResult.INJECTED).inc()
     log.info(
         "injecting the agent into %s/%s", namespace, meta.get("name") or meta.get("generateName")
     )

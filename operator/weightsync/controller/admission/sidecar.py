@@ -36,8 +36,8 @@ class AgentTemplate:
     pull_policy: str = "IfNotPresent"
     requests: Mapping[str, str] = field(default_factory=dict)
     limits: Mapping[str, str] = field(default_factory=dict)
-    http_port: int = 8470
-    metrics_port: int = 9470
+    http_port: int = agent_env.DEFAULT_HTTP_PORT
+    metrics_port: int = agent_env.DEFAULT_METRICS_PORT
     log_level: str = "INFO"
     env: Sequence[Mapping[str, str]] = ()  # the chart's `agent.env`: literal values
 
@@ -107,12 +107,12 @@ def agent_container(
     if sync.spec.mode is SyncMode.COLOCATED:
         mounts.append({"name": names.NODE_VOLUME, "mountPath": names.NODE_DIR})
     if shm:
-        mounts.append({"name": names.SHM_VOLUME, "mountPath": names.SHM_DIR})
+        mounts.append({"name": names.SHM_VOLUME, "mountPath": agent_env.SHM_DIR})
         # CPU slots reach an engine (SGLang) as torch file-system shared memory, whose
         # reader registers with the agent's torch_shm_manager through a socket under
         # TMPDIR: in the default /tmp, another container cannot reach it and the engine's
         # load fails; /dev/shm is the one directory the pod's containers share.
-        env.append({"name": agent_env.TMPDIR, "value": names.SHM_DIR})
+        env.append({"name": agent_env.TMPDIR, "value": agent_env.SHM_DIR})
     ports = []
     for local in locals_:  # named by local rank past the first (a name has <= 15 chars)
         suffix = f"-{local}" if local else ""

@@ -79,20 +79,20 @@ class AgentClient:
             async with self._client().request(method, url, data=body, headers=headers) as reply:
                 raw = await reply.read()
                 if reply.status != expect:
-                    metrics.AGENT_REQUESTS.labels(label, "rejected").inc()
+                    metrics.AGENT_REQUESTS.labels(label, metrics.AgentRequestResult.REJECTED).inc()
                     return _describe_error(reply.status, raw)
             parsed = reply_model.model_validate_json(raw)
         except (aiohttp.ClientError, TimeoutError) as error:
-            metrics.AGENT_REQUESTS.labels(label, "unreachable").inc()
+            metrics.AGENT_REQUESTS.labels(label, metrics.AgentRequestResult.UNREACHABLE).inc()
             return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         except ValidationError as error:
-            metrics.AGENT_REQUESTS.labels(label, "invalid").inc()
+            metrics.AGENT_REQUESTS.labels(label, metrics.AgentRequestResult.INVALID).inc()
             return f"unexpected reply to {method} {url}: {error.error_count()} errors"
         said = getattr(parsed, "pod", None)
         if pod is not None and said != pod:
-            metrics.AGENT_REQUESTS.labels(label, "invalid").inc()
+            metrics.AGENT_REQUESTS.labels(label, metrics.AgentRequestResult.INVALID).inc()
             return f"unexpected reply to {method} {url}: the agent of pod {said}"
-        metrics.AGENT_REQUESTS.labels(label, "ok").inc()
+        metrics.AGENT_REQUESTS.labels(label, metrics.AgentRequestResult.OK).inc()
         return parsed
 
     async def status(self, agent: AgentAddress, token: str) -> AgentStatus | str:
@@ -147,7 +147,7 @@ class AgentClient:
         if isinstance(accepted, str):
             return accepted
         if (accepted.generation, accepted.rank) != (plan.generation, plan.rank):
-            metrics.AGENT_REQUESTS.labels("plan", "invalid").inc()
+            metrics.AGENT_REQUESTS.labels("plan", metrics.AgentRequestResult.INVALID).inc()
             return f"accepted generation {accepted.generation} rank {accepted.rank} instead"
         return None
 

@@ -105,13 +105,15 @@ class ApiWriter:
                 raw = await reply.read()
                 code = reply.status
         except (aiohttp.ClientError, TimeoutError) as error:
-            metrics.API_REQUESTS.labels("patch", "weightsyncs/status", "unreachable").inc()
+            metrics.API_REQUESTS.labels(
+                "patch", "weightsyncs/status", metrics.ApiResult.UNREACHABLE
+            ).inc()
             raise ConnectionError(f"patch of {namespace}/{name} status: {error!r}") from error
         if not 200 <= code < 300:
-            result = "not_found" if code == NOT_FOUND else "error"
+            result = metrics.ApiResult.NOT_FOUND if code == NOT_FOUND else metrics.ApiResult.ERROR
             metrics.API_REQUESTS.labels("patch", "weightsyncs/status", result).inc()
             raise ApiException(status=code, reason=raw.decode(errors="replace")[:512])
-        metrics.API_REQUESTS.labels("patch", "weightsyncs/status", "ok").inc()
+        metrics.API_REQUESTS.labels("patch", "weightsyncs/status", metrics.ApiResult.OK).inc()
         after: dict[str, Any] = json.loads(raw)
         return after
 
@@ -128,15 +130,17 @@ class ApiWriter:
                     await reply.read()
                     status = reply.status
             except (aiohttp.ClientError, TimeoutError):
-                metrics.API_REQUESTS.labels("patch", "pods/status", "unreachable").inc()
+                metrics.API_REQUESTS.labels(
+                    "patch", "pods/status", metrics.ApiResult.UNREACHABLE
+                ).inc()
                 raise
         if status == NOT_FOUND:
-            metrics.API_REQUESTS.labels("patch", "pods/status", "not_found").inc()
+            metrics.API_REQUESTS.labels("patch", "pods/status", metrics.ApiResult.NOT_FOUND).inc()
             return
         if not 200 <= status < 300:
-            metrics.API_REQUESTS.labels("patch", "pods/status", "error").inc()
+            metrics.API_REQUESTS.labels("patch", "pods/status", metrics.ApiResult.ERROR).inc()
             raise GateWriteError(f"patch of pod {namespace}/{pod} status: HTTP {status}")
-        metrics.API_REQUESTS.labels("patch", "pods/status", "ok").inc()
+        metrics.API_REQUESTS.labels("patch", "pods/status", metrics.ApiResult.OK).inc()
 
     async def close(self) -> None:
         if self._state is not None:

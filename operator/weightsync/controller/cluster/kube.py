@@ -47,12 +47,12 @@ def load_config() -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
-def _result(error: ApiException) -> str:
+def _result(error: ApiException) -> metrics.ApiResult:
     if error.status == NOT_FOUND:
-        return "not_found"
+        return metrics.ApiResult.NOT_FOUND
     if error.status == CONFLICT:
-        return "conflict"
-    return "error"
+        return metrics.ApiResult.CONFLICT
+    return metrics.ApiResult.ERROR
 
 
 def selector_string(selector: Mapping[str, Any] | None) -> str:
@@ -104,13 +104,13 @@ class Kube:
             metrics.API_REQUESTS.labels(verb, resource, _result(error)).inc()
             raise
         except Exception:
-            metrics.API_REQUESTS.labels(verb, resource, "unreachable").inc()
+            metrics.API_REQUESTS.labels(verb, resource, metrics.ApiResult.UNREACHABLE).inc()
             raise
         try:
             data = response.data
         finally:
             response.release_conn()
-        metrics.API_REQUESTS.labels(verb, resource, "ok").inc()
+        metrics.API_REQUESTS.labels(verb, resource, metrics.ApiResult.OK).inc()
         return bytes(data or b"")
 
     def _get(self, resource: str, call: Callable[..., Any], *args: Any) -> dict[str, Any] | None:

@@ -255,12 +255,12 @@ class PodWatch:
 
 def _check(reply: aiohttp.ClientResponse, verb: str) -> None:
     if reply.status == GONE:
-        metrics.API_REQUESTS.labels(verb, "pods", "expired").inc()
+        metrics.API_REQUESTS.labels(verb, "pods", metrics.ApiResult.EXPIRED).inc()
         raise ExpiredError(f"HTTP {GONE} on {verb}")
     if reply.status != 200:
-        metrics.API_REQUESTS.labels(verb, "pods", "error").inc()
+        metrics.API_REQUESTS.labels(verb, "pods", metrics.ApiResult.ERROR).inc()
         raise WatchError(f"{verb} of pods: HTTP {reply.status}")
-    metrics.API_REQUESTS.labels(verb, "pods", "ok").inc()
+    metrics.API_REQUESTS.labels(verb, "pods", metrics.ApiResult.OK).inc()
 
 
 def _named(scope: str | None) -> str:

@@ -217,11 +217,11 @@ def _report(decision: Decision, post_event: EventPoster, raw: Mapping[str, Any])
     if finished is None:
         return
     if finished.state is RecoveryState.DONE:
-        metrics.RECOVERIES.labels("done").inc()
+        metrics.RECOVERIES.labels(metrics.RecoveryResult.DONE).inc()
         metrics.RECOVERY_DURATION.observe(finished.duration_millis / 1000)
         retry = 0.0
     else:
-        metrics.RECOVERIES.labels("failed").inc()
+        metrics.RECOVERIES.labels(metrics.RecoveryResult.FAILED).inc()
         retry = backoff_seconds(decision.tracker.failures)
     post_event(raw, finished_event(decision.pod.name, finished, retry))
 
@@ -238,7 +238,7 @@ def _started(
 ) -> None:
     if isinstance(answer, str):
         start_refused(tracker, now)
-        metrics.RECOVERIES.labels("refused").inc()
+        metrics.RECOVERIES.labels(metrics.RecoveryResult.REFUSED).inc()
         message = reasons.RECOVERY_REFUSED_MESSAGE.format(
             pod=pod,
             version=request.version,
@@ -247,7 +247,7 @@ def _started(
         )
         post_event(raw, EventSpec("Warning", reasons.RECOVERY_FAILED, message))
         return
-    metrics.RECOVERIES.labels("started").inc()
+    metrics.RECOVERIES.labels(metrics.RecoveryResult.STARTED).inc()
     message = reasons.RECOVERY_STARTED_MESSAGE.format(
         pod=pod,
         version=request.version,

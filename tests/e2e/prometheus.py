@@ -72,11 +72,18 @@ def agent_job(targets: Sequence[Target]) -> ScrapeJob:
     return ScrapeJob("weightsync-agents", targets)
 
 
-def operator_job(addresses: Sequence[str], namespace: str = "weightsync-system") -> ScrapeJob:
+def operator_job(
+    addresses: Sequence[str],
+    namespace: str = "weightsync-system",
+    *,
+    service: str = "weightsync-metrics",
+) -> ScrapeJob:
     """The operator: honorLabels, like the chart's ServiceMonitor, so per-WeightSync series
-    keep their own `namespace` label; other series get the operator's."""
+    keep their own `namespace` label; other series get the operator's. The job is named
+    after the metrics Service, as a ServiceMonitor's job is (`WeightSyncOperatorDown`
+    reads `up` of that job)."""
     return ScrapeJob(
-        "weightsync-operator",
+        service,
         [Target(address, {"namespace": namespace}) for address in addresses],
         honor_labels=True,
     )

@@ -90,9 +90,15 @@ def test_demo_scenario(tmp_path: Path, node_images: NodeImages) -> None:
     assert set(result.alerts_evaluated) == {
         "WeightSyncSyncStalled",
         "WeightSyncVersionLag",
+        "WeightSyncRoundsStopped",
         "WeightSyncRecoveryFailing",
         "WeightSyncPrewarmSlow",
+        "WeightSyncOperatorDown",
+        "WeightSyncWebhookErrors",
+        "WeightSyncDegraded",
     }
+    # The live operator is scraped under the job the chart's alert names.
+    assert result.alerts_evaluated["WeightSyncOperatorDown"] == 0
     assert result.dashboard_png is not None
     assert result.dashboard_png.stat().st_size > 10_000
     with_traceback = [name for name, text in logs.items() if "Traceback" in text]

@@ -104,7 +104,8 @@ app.kubernetes.io/component: operator
 
 {{/* Whether the Prometheus Operator's API is served: monitors and rules are rendered only then. */}}
 {{- define "weightsync.hasMonitoringAPI" -}}
-{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
+{{- $api := .Values.metrics.monitoringAPI }}
+{{- if or (eq $api "present") (and (eq $api "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")) }}true{{ end }}
 {{- end }}
 
 {{/* The label the webhook puts on every pod it injects an agent into (value: the WeightSync). */}}

@@ -1,7 +1,7 @@
 """The operator's Prometheus metrics (`weightsync_operator_*`), served on their own port.
 
 Labels are low-cardinality: results and webhook names, plus namespace/name on the
-per-WeightSync gauges (one series per WeightSync).
+per-WeightSync gauges (one series per WeightSync, one per condition type).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from weightsync.api.conditions import ConditionStatus, ConditionType
 
 if TYPE_CHECKING:
     from weightsync.api.v1alpha1 import WeightSyncStatus
@@ -135,6 +137,13 @@ CURRENT_VERSION = Gauge(
     ["namespace", "name"],
     registry=REGISTRY,
 )
+CONDITION = Gauge(
+    f"{PREFIX}_condition",
+    "Each condition of each WeightSync as last written: 1 when its status is True, 0 when"
+    " False or Unknown (alerts read Degraded and Ready from it).",
+    ["namespace", "name", "condition"],
+    registry=REGISTRY,
+)
 
 
 # Every label set a counter will have starts at 0: a series born at its first event
@@ -170,6 +179,9 @@ def record_status(namespace: str, name: str, status: WeightSyncStatus) -> None:
     MEMBERS.labels(namespace, name).set(status.member_count or 0)
     version = status.current_version
     CURRENT_VERSION.labels(namespace, name).set(-1 if version is None else version)
+    for condition in status.conditions:
+        true = condition.status == ConditionStatus.TRUE
+        CONDITION.labels(namespace, name, condition.type).set(1 if true else 0)
 
 
 def forget(namespace: str, name: str) -> None:
@@ -177,6 +189,11 @@ def forget(namespace: str, name: str) -> None:
     for gauge in (GROUP_GENERATION, MEMBERS, CURRENT_VERSION):
         try:
             gauge.remove(namespace, name)
+        except KeyError:
+            continue
+    for condition in ConditionType:
+        try:
+            CONDITION.remove(namespace, name, condition)
         except KeyError:
             continue
 

@@ -17,9 +17,15 @@ from tests.unit.chart.promql import metric_names
 ALERTS = (
     "WeightSyncSyncStalled",
     "WeightSyncVersionLag",
+    "WeightSyncRoundsStopped",
     "WeightSyncRecoveryFailing",
     "WeightSyncPrewarmSlow",
+    "WeightSyncOperatorDown",
+    "WeightSyncWebhookErrors",
+    "WeightSyncDegraded",
 )
+PROMETHEUS_OWN = {"up"}  # series Prometheus itself writes for every target
+OPERATOR_JOB = 'job="ws-weightsync-metrics", namespace="weightsync-system"'
 
 
 def rule_groups(values: dict[str, str] | None = None) -> list[dict[str, Any]]:
@@ -45,7 +51,7 @@ def rules_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_the_rule_has_the_four_alerts_and_promtool_accepts_them(rules_file: Path) -> None:
+def test_the_rule_has_every_alert_and_promtool_accepts_them(rules_file: Path) -> None:
     assert set(alerts(rule_groups())) == set(ALERTS)
     result = promtool("check", "rules", str(rules_file))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -53,7 +59,7 @@ def test_the_rule_has_the_four_alerts_and_promtool_accepts_them(rules_file: Path
 
 def test_alerts_read_only_metrics_the_code_exports() -> None:
     for name, rule in alerts(rule_groups()).items():
-        unknown = metric_names(rule["expr"]) - exported()
+        unknown = metric_names(rule["expr"]) - exported() - PROMETHEUS_OWN
         assert not unknown, f"{name}: {sorted(unknown)}"
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"]
@@ -68,9 +74,17 @@ def test_thresholds_come_from_values() -> None:
                 "prometheusRule.versionLag.for": '"2m"',
                 "prometheusRule.prewarmSlow.seconds": "12.5",
                 "prometheusRule.syncStalled.window": '"30m"',
+                "prometheusRule.operatorDown.for": '"1m"',
+                "prometheusRule.webhookErrors.window": '"20m"',
+                "prometheusRule.degraded.for": '"3m"',
+                "prometheusRule.roundsStopped.quiet": '"45m"',
             }
         )
     )
+    assert changed["WeightSyncOperatorDown"]["for"] == "1m"
+    assert "[20m]" in changed["WeightSyncWebhookErrors"]["expr"]
+    assert changed["WeightSyncDegraded"]["for"] == "3m"
+    assert "[45m]" in changed["WeightSyncRoundsStopped"]["expr"]
     assert changed["WeightSyncVersionLag"]["expr"].rstrip().endswith(">= 3")
     assert changed["WeightSyncVersionLag"]["for"] == "2m"
     assert changed["WeightSyncPrewarmSlow"]["expr"].rstrip().endswith("> 12.5")
@@ -183,3 +197,76 @@ def test_prewarm_slow_fires_on_the_p90(tmp_path: Path, rules_file: Path) -> None
         firing("WeightSyncPrewarmSlow", "40m", expected),
     ]
     run_rule_test(tmp_path, rules_file, [*slow, *fast], checks)
+
+
+def test_rounds_stopped_fires_once_rounds_that_ran_stop(tmp_path: Path, rules_file: Path) -> None:
+    rounds = "weightsync_rounds_total"
+    inputs = [
+        # 30 minutes of rounds, then none.
+        series(rounds, agent("halted", "trainer-0", role="source", result="ok"), "0+2x30 60x60"),
+        # Rounds all along.
+        series(rounds, agent("going", "trainer-0", role="source", result="ok"), "0+2x90"),
+        # Never a round: nothing stopped.
+        series(rounds, agent("idle", "trainer-0", role="source", result="ok"), "0x90"),
+    ]
+    expected = {"namespace": "rl", "weightsync": "halted", "severity": "warning"}
+    checks = [
+        firing("WeightSyncRoundsStopped", "40m"),  # quiet for 10m only
+        firing("WeightSyncRoundsStopped", "60m", expected),
+    ]
+    run_rule_test(tmp_path, rules_file, inputs, checks)
+
+
+def test_operator_down_fires_when_its_target_is_down(tmp_path: Path, rules_file: Path) -> None:
+    inputs = [series("up", OPERATOR_JOB, "1x5 0x20")]
+    expected = {"job": "ws-weightsync-metrics", "namespace": "weightsync-system"}
+    checks = [
+        firing("WeightSyncOperatorDown", "4m"),
+        firing("WeightSyncOperatorDown", "8m"),  # down, but not for 5m yet
+        firing("WeightSyncOperatorDown", "15m", {**expected, "severity": "critical"}),
+    ]
+    run_rule_test(tmp_path, rules_file, inputs, checks)
+
+
+def test_operator_down_fires_when_it_is_not_scraped_at_all(
+    tmp_path: Path, rules_file: Path
+) -> None:
+    # Another release's operator is up: it is not this one.
+    inputs = [series("up", 'job="other-metrics", namespace="weightsync-system"', "1x20")]
+    expected = {"job": "ws-weightsync-metrics", "namespace": "weightsync-system"}
+    checks = [firing("WeightSyncOperatorDown", "10m", {**expected, "severity": "critical"})]
+    run_rule_test(tmp_path, rules_file, inputs, checks)
+
+
+def test_webhook_errors_fire_on_errors_not_denials(tmp_path: Path, rules_file: Path) -> None:
+    admissions = "weightsync_operator_admission_requests_total"
+    inputs = [
+        series(admissions, 'webhook="inject-agent", result="error"', "0x5 0+1x20"),
+        series(admissions, 'webhook="validate-claims", result="denied"', "0+1x25"),
+        series(admissions, 'webhook="validate-claims", result="error"', "0x25"),
+    ]
+    expected = {"webhook": "inject-agent", "severity": "warning"}
+    checks = [
+        firing("WeightSyncWebhookErrors", "4m"),
+        firing("WeightSyncWebhookErrors", "15m", expected),
+    ]
+    run_rule_test(tmp_path, rules_file, inputs, checks)
+
+
+def test_degraded_fires_for_the_weightsync_degraded_long_enough(
+    tmp_path: Path, rules_file: Path
+) -> None:
+    condition = "weightsync_operator_condition"
+    inputs = [
+        series(condition, 'namespace="rl", name="bad", condition="Degraded"', "0x2 1x30"),
+        series(condition, 'namespace="rl", name="bad", condition="Ready"', "1x32"),
+        series(condition, 'namespace="rl", name="blip", condition="Degraded"', "0x2 1x3 0x27"),
+        series(condition, 'namespace="rl", name="good", condition="Degraded"', "0x32"),
+        series(condition, 'namespace="rl", name="good", condition="Ready"', "1x32"),
+    ]
+    expected = {"namespace": "rl", "weightsync": "bad", "severity": "warning"}
+    checks = [
+        firing("WeightSyncDegraded", "8m"),  # Degraded since 2m: not for 10m yet
+        firing("WeightSyncDegraded", "20m", expected),
+    ]
+    run_rule_test(tmp_path, rules_file, inputs, checks)

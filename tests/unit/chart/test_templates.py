@@ -215,6 +215,13 @@ def test_monitors_need_the_prometheus_operator_api() -> None:
     assert kinds(render(api_versions=WITH_MONITORING)) >= MONITORS
 
 
+def test_monitors_render_without_cluster_access_when_told_the_api_is_present() -> None:
+    # `helm template` for GitOps cannot ask the cluster: `present` renders them anyway,
+    # `absent` never, whatever the cluster serves.
+    assert kinds(render({"metrics.monitoringAPI": '"present"'})) >= MONITORS
+    assert not kinds(render({"metrics.monitoringAPI": '"absent"'}, WITH_MONITORING)) & MONITORS
+
+
 @pytest.mark.parametrize(
     ("toggle", "kind"),
     [

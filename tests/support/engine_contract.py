@@ -30,6 +30,8 @@ from weightsync.transfer.layout import TensorSlice
 
 T = TypeVar("T")
 Weights = dict[str, torch.Tensor]
+# The contract's test that leaves its engine dead: a tier sharing one engine runs it last.
+KILLS_ENGINE = "test_an_engine_killed_mid_round_fails_the_round"
 
 
 def plan_buckets(weights: Weights, capacity: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -264,7 +266,7 @@ class EngineContract:
         assert (health.healthy, health.version, health.torn) == (True, 3, False)
 
     def test_an_engine_killed_mid_round_fails_the_round(self, engine: EngineUnderTest) -> None:
-        # The last test: the engine stays dead.
+        # KILLS_ENGINE: the engine stays dead.
         old, new = engine.weights(41), engine.weights(42)
         engine.run(engine.sync(old, 41))
         buckets = plan_buckets(new, engine.slot_bytes // 2)

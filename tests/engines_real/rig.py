@@ -9,21 +9,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
-import signal
 import threading
 import urllib.request
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import pytest
 import torch
 
-from tests.engines_real.servers import MODEL, EngineServer
+from tests.engines_real.servers import MODEL
 from tests.support.eventually import eventually
 from weightsync.engines._rounds import RoundAdapter
-from weightsync.engines.base import EngineError
 from weightsync.reference.model import LlamaForCausalLM, build_model, greedy_generate
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.layout import TensorSlice
@@ -196,26 +192,3 @@ def _events(url: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
             if data == "[DONE]":
                 return
             yield json.loads(data)
-
-
-def killed_mid_round(server: EngineServer, link: Rig) -> None:
-    """Every engine's contract: killed after a round's first bucket, the next load fails
-    `unreachable`, so does the abort, and the adapter then vouches for no version."""
-    old, new = trainer(41), trainer(42)
-    link.run(link.sync(state(old), 41))
-    buckets = plan_buckets(state(new))
-
-    async def round_() -> None:
-        await link.adapter.begin_update(42)
-        await link.load(buckets[:1])
-        os.killpg(server.process.pid, signal.SIGKILL)
-        with pytest.raises(EngineError) as caught:
-            await link.load(buckets[1:])
-        assert caught.value.reason == "unreachable"
-        with pytest.raises(EngineError):
-            await link.adapter.abort_update(42, "engine gone")
-
-    link.run(round_())
-    health = link.run(link.adapter.health())
-    assert not health.healthy
-    assert health.version is None

@@ -1,85 +1,41 @@
-"""weightsync against a real vLLM 0.32.0 server (the CPU build), weights over /dev/shm.
-
-The bucket bytes reach vLLM through weightsync's "weightsync_shm" weight-transfer backend
-(a vLLM plugin); pause, the update session and versions are vLLM's own. One server for
-the module; every test leaves it serving, except the last, which kills it.
-
-vLLM's CPU build packs every linear layer's weight for oneDNN and drops the original, so
-its checksum route hashes an empty tensor for them: bit-exact checks cover the tensors
-vLLM keeps as loaded (embedding, norms, lm_head); greedy output checks the rest.
+"""What only vLLM does, on a real vLLM 0.32.0 server (the CPU build, weights over
+/dev/shm through the "weightsync_shm" backend): its pause modes with a request in flight,
+and a failed load repaired. The contract every engine keeps is `test_contract.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.engines_real.agents import publish_versions
-from tests.engines_real.replay_real import replay
 from tests.engines_real.rig import (
     PROMPT,
     Rig,
-    get_json,
-    killed_mid_round,
     plan_buckets,
-    post_json,
     reference_tokens,
-    sha256,
     state,
     stream,
     trainer,
 )
 from tests.engines_real.servers import EngineServer
-from tests.engines_real.test_sglang import resumed_on_new_weights
+from tests.engines_real.serving import assert_vllm_serves, completion, resumed_on_new_weights
 from weightsync.engines.base import EngineError
 from weightsync.engines.vllm import SHM_BACKEND, VLLMAdapter, VLLMSettings
-from weightsync.reference.model import LlamaForCausalLM
+
+pytestmark = pytest.mark.parametrize("engine_server", ["vllm"], indirect=True)
 
 LONG = 160
-KEPT_AS_LOADED = 7  # embed_tokens, 2 x 2 layer norms, norm, lm_head
-EMPTY = sha256(torch.empty(0))
-
-
-def completion(url: str, prompt: list[int], count: int, **extra: Any) -> dict[str, Any]:
-    body = {
-        "model": "model",
-        "prompt": prompt,
-        "max_tokens": count,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **extra,
-    }
-    reply: dict[str, Any] = post_json(f"{url}/v1/completions", body)
-    return reply
-
-
-def assert_serves(url: str, model: LlamaForCausalLM, version: int) -> None:
-    sums = post_json(f"{url}/weight_checker", {"action": "checksum"})["checksums"]
-    served = {key.rsplit(":", 1)[-1]: value for key, value in sums.items()}
-    weights = state(model)
-    # Packed linear layers hash as an empty tensor; every other tensor as it was loaded.
-    packed = {name for name, value in served.items() if value == EMPTY}
-    assert all(name.endswith("_proj.weight") for name in packed), sorted(packed)
-    kept = set(served) - packed
-    assert len(kept) == KEPT_AS_LOADED, sorted(served)
-    for name in kept:
-        assert served[name] == sha256(weights[name]), name
-    choice = completion(url, PROMPT, 8)["choices"][0]
-    assert choice["token_ids"] == reference_tokens(model, PROMPT, 8)
-    assert get_json(f"{url}/weight_info") == {"weight_version": str(version)}
 
 
 @pytest.fixture
-def rig(vllm_server: EngineServer) -> Iterator[Callable[..., Rig]]:
+def rig(engine_server: EngineServer) -> Iterator[Callable[..., Rig]]:
     made: list[Rig] = []
 
     def make(**settings: Any) -> Rig:
-        adapter = VLLMAdapter(VLLMSettings(base_url=vllm_server.url, **settings))
+        adapter = VLLMAdapter(VLLMSettings(base_url=engine_server.url, **settings))
         made.append(Rig.attach(adapter))
         assert adapter.backend == SHM_BACKEND
         return made[-1]
@@ -89,19 +45,9 @@ def rig(vllm_server: EngineServer) -> Iterator[Callable[..., Rig]]:
         each.close()
 
 
-def test_agent_syncs_three_versions(vllm_server: EngineServer, tmp_path: Path) -> None:
-    publish_versions(
-        tmp_path,
-        "VLLM",
-        vllm_server.url,
-        [1, 2, 3],
-        lambda model, version: assert_serves(vllm_server.url, model, version),
-    )
-
-
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 def test_pause_mode_with_a_request_in_flight(
-    vllm_server: EngineServer, rig: Callable[..., Rig], mode: str
+    engine_server: EngineServer, rig: Callable[..., Rig], mode: str
 ) -> None:
     old, new = trainer(11), trainer(12)
     link = rig(pause_mode=mode)
@@ -115,7 +61,7 @@ def test_pause_mode_with_a_request_in_flight(
         "return_token_ids": True,
         "stream": True,
     }
-    running = stream(f"{vllm_server.url}/v1/completions", body)
+    running = stream(f"{engine_server.url}/v1/completions", body)
     running.wait_tokens(3)
     link.run(link.sync(state(new), 12))
     chunks = running.join()
@@ -137,12 +83,12 @@ def test_pause_mode_with_a_request_in_flight(
         assert finish == ["length"]
         assert len(tokens) == LONG
         assert resumed_on_new_weights(tokens, old_tokens, new) >= 3
-    assert_serves(vllm_server.url, new, 12)
+    assert_vllm_serves(engine_server.url, state(new), 12)
 
 
 @pytest.mark.parametrize("fault", ["unknown_name", "wrong_shape"])
 def test_failed_update_is_repaired_and_the_engine_says_it_is_torn(
-    vllm_server: EngineServer, rig: Callable[..., Rig], fault: str
+    engine_server: EngineServer, rig: Callable[..., Rig], fault: str
 ) -> None:
     old, new = trainer(31), trainer(32)
     link = rig()
@@ -169,19 +115,7 @@ def test_failed_update_is_repaired_and_the_engine_says_it_is_torn(
     assert health.healthy
     assert health.torn  # a load reached vLLM: it cannot tell what stayed
     # The failing run was the first: nothing of it was loaded, the old weights serve.
-    choice = completion(vllm_server.url, PROMPT, 8)["choices"][0]
+    choice = completion(engine_server.url, PROMPT, 8)["choices"][0]
     assert choice["token_ids"] == reference_tokens(old, PROMPT, 8)
     link.run(link.sync(state(new), 33))
-    assert_serves(vllm_server.url, new, 33)
-
-
-def test_every_recorded_exchange_matches_the_real_server(vllm_server: EngineServer) -> None:
-    # The fakes answer as the recording says (tests/unit/engines/test_recordings.py); so
-    # must the real server, or a fake would be testing the adapter against a fiction.
-    assert replay(vllm_server.url, "vllm") == []
-
-
-def test_engine_killed_mid_round_fails_the_round(
-    vllm_server: EngineServer, rig: Callable[..., Rig]
-) -> None:
-    killed_mid_round(vllm_server, rig())
+    assert_vllm_serves(engine_server.url, state(new), 33)

@@ -1,22 +1,17 @@
 """Build the agent's engine adapters: its own (settings), or a Colocated plan's local engine.
 
-SGLang and vLLM adapters take their settings model (`SGLangSettings`, `VLLMSettings`),
-built from the entry's `pauseMode` and `flushCache` by `from_weightsync`; every other
-adapter (the Reference engine) is built from the base URL alone, as `engines` documents.
+Every adapter is built the same way, `for_engine(url, options)`: SGLang and vLLM turn the
+entry's `pauseMode` and `flushCache` into their settings model, the Reference engine has
+no such options.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from weightsync.agent.settings import AgentSettings
 from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Engine
-from weightsync.engines import ADAPTERS, adapter_class
+from weightsync.engines import adapter_class
 from weightsync.engines.base import EngineAdapter
-
-# The engines whose adapters take the entry's pauseMode and flushCache.
-SETTINGS_CLASSES = {Engine.SGLANG: "SGLangSettings", Engine.VLLM: "VLLMSettings"}
 
 
 def build_adapter(settings: AgentSettings) -> EngineAdapter | None:
@@ -28,12 +23,4 @@ def build_adapter(settings: AgentSettings) -> EngineAdapter | None:
 
 def adapter_for(engine: Engine, url: str, options: EngineOptions | None) -> EngineAdapter:
     """An adapter for `engine` at `url`; `options` reach SGLang and vLLM only."""
-    cls = adapter_class(engine)
-    settings_class = SETTINGS_CLASSES.get(engine)
-    if options is None or settings_class is None:
-        return cls(url)  # type: ignore[call-arg]
-    module = importlib.import_module(ADAPTERS[engine][0])
-    engine_settings = getattr(module, settings_class).from_weightsync(
-        url, pause_mode=options.pause_mode.value, flush_cache=options.flush_cache
-    )
-    return cls(engine_settings)  # type: ignore[call-arg]
+    return adapter_class(engine).for_engine(url, options)

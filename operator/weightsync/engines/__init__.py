@@ -1,7 +1,8 @@
 """Engine adapters by engine name (the WeightSync `engine` field), imported lazily.
 
-Every adapter takes the engine's base URL as its first argument. Lazy imports keep one
-engine's client dependencies off agents that drive another.
+Every adapter is built one way, `adapter_class(engine).for_engine(base_url, options)`
+(the agent and the engine contract tests both do). Lazy imports keep one engine's client
+dependencies off agents that drive another.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from pydantic import SecretStr
 
@@ -33,6 +33,8 @@ from weightsync.transfer.layout import TensorSlice
 
 if TYPE_CHECKING:
     import torch
+
+    from weightsync.api.engines import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,10 @@ class EngineSettings(Protocol):
     def control_timeout_seconds(self) -> float: ...
     @property
     def health_timeout_seconds(self) -> float: ...
+    @classmethod
+    def from_weightsync(
+        cls, base_url: str, *, pause_mode: str = ..., flush_cache: bool = ...
+    ) -> Self: ...
 
 
 SettingsT = TypeVar("SettingsT", bound=EngineSettings)
@@ -78,11 +84,11 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
     """
 
     engine_name = "engine"
-    settings_class: Callable[..., SettingsT]  # the settings model, called with base_url=
+    settings_class: type[SettingsT]  # the settings model, built by its from_weightsync
 
     def __init__(self, settings: SettingsT | str) -> None:
         if isinstance(settings, str):
-            settings = self.settings_class(base_url=settings)
+            settings = self.settings_class.from_weightsync(settings)
         self.settings: SettingsT = settings
         self._http = EngineHTTP(
             settings.base_url,
@@ -93,6 +99,15 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         self._health_timeout = settings.health_timeout_seconds
         self._slots: list[LogicalSlot] = []
         self._round: Round | None = None
+
+    @classmethod
+    def for_engine(cls, base_url: str, options: EngineOptions | None = None) -> Self:
+        if options is None:
+            return cls(base_url)  # from_weightsync's defaults, the entry's defaults
+        settings = cls.settings_class.from_weightsync(
+            base_url, pause_mode=options.pause_mode.value, flush_cache=options.flush_cache
+        )
+        return cls(settings)
 
     # -- what each engine provides ------------------------------------------------------
 

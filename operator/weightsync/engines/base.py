@@ -34,11 +34,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 if TYPE_CHECKING:
     import torch
 
+    from weightsync.api.engines import EngineOptions
     from weightsync.transfer.layout import TensorSlice
 
 
@@ -65,6 +66,15 @@ class EngineError(RuntimeError):
 
 class EngineAdapter(abc.ABC):
     """How a sink agent applies weights to one engine. One instance per engine."""
+
+    @classmethod
+    @abc.abstractmethod
+    def for_engine(cls, base_url: str, options: EngineOptions | None = None) -> Self:
+        """The adapter for the engine at `base_url` with a WeightSync entry's options.
+
+        The one way an agent (and the engine contract tests) builds any adapter; an
+        adapter whose engine has no such options ignores them.
+        """
 
     @abc.abstractmethod
     async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:

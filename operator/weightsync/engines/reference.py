@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import aiohttp
 import torch
@@ -43,6 +43,9 @@ from weightsync.transfer.buffers import (
 )
 from weightsync.transfer.handoff import ProtocolError
 from weightsync.transfer.layout import TensorSlice
+
+if TYPE_CHECKING:
+    from weightsync.api.engines import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,11 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._round_buckets: set[tuple[object, ...]] = set()  # those sent this round
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @classmethod
+    def for_engine(cls, base_url: str, options: EngineOptions | None = None) -> Self:
+        # The reference engine has no pause modes or cache: it stages and swaps.
+        return cls(base_url)
 
     @property
     def channel_address(self) -> str | None:

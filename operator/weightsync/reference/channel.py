@@ -56,6 +56,8 @@ class UpdateChannelServer:
         self.address = address
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()  # open ones, shut down by `close`
+        self._connections_lock = threading.Lock()
 
     def start(self) -> None:
         """Bind and start accepting; raises `OSError` when the address is taken."""
@@ -83,6 +85,12 @@ class UpdateChannelServer:
             listener.close()
             if not self.address.startswith("@"):
                 Path(self.address).unlink(missing_ok=True)
+        # Connections too: a closed server answers no one, as a dead process would.
+        with self._connections_lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -99,17 +107,26 @@ class UpdateChannelServer:
 
     def _serve(self, conn: socket.socket) -> None:
         state = _Connection()
+        with self._connections_lock:
+            self._connections.add(conn)
         with conn:
-            while not self._closed.is_set():
-                try:
-                    body = recv_frame(conn)
-                except (ProtocolError, OSError):
-                    return
-                reply = self.handle(body, state)
-                try:
-                    conn.sendall(frame(reply.model_dump_json().encode()))
-                except OSError:
-                    return
+            try:
+                self._serve_frames(conn, state)
+            finally:
+                with self._connections_lock:
+                    self._connections.discard(conn)
+
+    def _serve_frames(self, conn: socket.socket, state: _Connection) -> None:
+        while not self._closed.is_set():
+            try:
+                body = recv_frame(conn)
+            except (ProtocolError, OSError):
+                return
+            reply = self.handle(body, state)
+            try:
+                conn.sendall(frame(reply.model_dump_json().encode()))
+            except OSError:
+                return
 
     def handle(self, body: bytes, state: _Connection) -> Reply:
         """One request; every failure is a reply, never an exception."""

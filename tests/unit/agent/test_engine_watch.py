@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Self
 
 import torch
 
 from weightsync.agent.engine_watch import EngineWatch
+from weightsync.api.engines import EngineOptions
 from weightsync.engines.base import EngineAdapter, EngineHealth
 from weightsync.transfer.layout import TensorSlice
 
@@ -19,6 +21,10 @@ class Says(EngineAdapter):
 
     def __init__(self) -> None:
         self.reply = EngineHealth(True, None)
+
+    @classmethod
+    def for_engine(cls, base_url: str, options: EngineOptions | None = None) -> Self:
+        raise AssertionError("built by the test, never from a URL")
 
     async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
         raise AssertionError("no round here")

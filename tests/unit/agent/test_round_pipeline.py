@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from weightsync.api.control import (
     PlanMember,
     TransferOptions,
 )
+from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Role, SyncMode
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
 from weightsync.transfer.buffers import BucketSlots
@@ -130,6 +132,10 @@ class SlowEngine(EngineAdapter):
         self.fill = fill
         self.events = events
         self.committed: int | None = None
+
+    @classmethod
+    def for_engine(cls, base_url: str, options: EngineOptions | None = None) -> Self:
+        raise AssertionError("built by the test, never from a URL")
 
     async def attach_buffers(self, slots: Sequence[torch.Tensor], copies: int = 1) -> None:
         return None

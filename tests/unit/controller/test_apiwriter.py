@@ -159,7 +159,8 @@ def test_any_object_is_written_as_the_official_client_wrote_it() -> None:
             await writer.delete(config, resource="mutatingwebhookconfigurations")
             with pytest.raises(ApiException) as taken:
                 await writer.create(f"{secrets}/taken", {}, resource="secrets")
-            assert taken.value.status == 409
+            assert (taken.value.status, taken.value.reason) == (409, "Conflict")
+            assert '"code": 409' in (taken.value.body or "")  # the API server's Status
         finally:
             await writer.close()
             await runner.cleanup()

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Coroutine
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 import aiohttp
@@ -78,6 +79,13 @@ def api_path(
     if sub:
         parts.append(sub)
     return "/".join(parts)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"HTTP {status}"
 
 
 def _result(status: int) -> str:
@@ -155,8 +163,10 @@ class ApiWriter:
             raise ConnectionError(f"{method} {path}: {error!r}") from error
         if not 200 <= status < 300:
             metrics.API_REQUESTS.labels(*count, _result(status)).inc()
-            text = raw.decode(errors="replace")[:512]
-            raise ApiException(status=status, reason=text, body=text)
+            # As the official client's: the status, its phrase, the API server's Status.
+            raise ApiException(
+                status=status, reason=_phrase(status), body=raw.decode(errors="replace")
+            )
         metrics.API_REQUESTS.labels(*count, "ok").inc()
         answer: dict[str, Any] = json.loads(raw) if raw else {}
         return answer

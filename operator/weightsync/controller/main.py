@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("kopf.objects", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     kube = Kube(load_config())
-    token_key = tokens.load_key(kube.core, settings.namespace, settings.token_key_secret)
+    # Before kopf's loop: the key's and the certificates' writes on a loop of their own.
+    token_key = kube.writer.run_blocking(
+        tokens.load_key(kube, settings.namespace, settings.token_key_secret)
+    )
     agents = AgentClient(settings.agent_timeout_seconds)
     namespaces = args.namespace or list(settings.watch_namespaces)
     tasks = Tasks()  # every background task, cancelled at cleanup (`runtime.tasks`)
@@ -180,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     selector = f"{names.INJECT_LABEL}={names.INJECT_VALUE}"
     pod_watch = PodWatch(kube.api, selector, namespaces, pods, shared.pod_changed)
-    configurations = Configurations(kube.api, settings.webhook_configuration)
-    registry = build_registry(shared, pod_watch, build_server(kube.core, settings, configurations))
+    configurations = Configurations(kube.writer, settings.webhook_configuration)
+    server = kube.writer.run_blocking(build_server(kube, settings, configurations))
+    registry = build_registry(shared, pod_watch, server)
 
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)

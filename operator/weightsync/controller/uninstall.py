@@ -10,7 +10,9 @@ Run as the operator's own ServiceAccount before Helm removes it and its rights:
    the operator's finalizer, so deleting WeightSyncs or the CRD later does not hang;
 4. delete a `helm test` pod that failed (its hook policy keeps failed ones).
 
-The CRD and the WeightSyncs stay, as docs/install.md says.
+The CRD and the WeightSyncs stay, as docs/install.md says. Reads go through the official
+client (in threads), writes through the operator's one writer (`cluster.apiwriter`), all
+on one event loop that `main` runs.
 
     python -m weightsync.controller.uninstall --operator-namespace weightsync-system \\
         --deployment weightsync --webhook-configuration weightsync.io [--namespace team-a ...]
@@ -24,59 +26,68 @@ import logging
 import time
 from typing import Any
 
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import names
 from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster.apiwriter import MERGE_PATCH, STRATEGIC_MERGE_PATCH, api_path
 from weightsync.controller.cluster.cache import Indexes
 from weightsync.controller.cluster.kube import Kube, load_config
 
 log = logging.getLogger("weightsync.uninstall")
 
+# The writes below (through `Kube.writer`), for the chart's RBAC check (tests/unit/chart).
+API_CALLS = (
+    ("apps", "deployments/scale", "patch"),
+    ("", "pods", "delete"),
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "delete"),
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "delete"),
+    ("weightsync.io", "weightsyncs", "patch"),
+)
 NOT_FOUND = 404
 STOP_TIMEOUT_SECONDS = 60.0
 
 
-def stop_operator(kube: Kube, namespace: str, deployment: str) -> None:
+async def stop_operator(kube: Kube, namespace: str, deployment: str) -> None:
+    path = api_path("apps", "v1", "deployments", namespace=namespace, name=deployment, sub="scale")
     try:
-        kube.apps.patch_namespaced_deployment_scale(
-            deployment, namespace, {"spec": {"replicas": 0}}
-        )
+        await kube.writer.patch(
+            path, {"spec": {"replicas": 0}}, resource="deployments/scale",
+            content_type=STRATEGIC_MERGE_PATCH,
+        )  # fmt: skip
     except ApiException as error:
         if error.status == NOT_FOUND:
             return
         raise
     deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
-        status = kube.apps.read_namespaced_deployment(deployment, namespace).status
+        read = kube.apps.read_namespaced_deployment
+        status = (await asyncio.to_thread(read, deployment, namespace)).status
         if status is None or not (status.replicas or 0):
             log.info("operator %s/%s stopped", namespace, deployment)
             return
-        time.sleep(1.0)
+        await asyncio.sleep(1.0)
     raise TimeoutError(
         f"operator {namespace}/{deployment} still running after {STOP_TIMEOUT_SECONDS} s"
     )
 
 
-def delete_test_pod(kube: Kube, namespace: str, name: str) -> None:
+async def delete_test_pod(kube: Kube, namespace: str, name: str) -> None:
     """A failed `helm test` pod (hook policy keeps it) would outlive the release."""
     try:
-        kube.core.delete_namespaced_pod(name, namespace)
+        await kube.writer.delete(api_path("", "v1", "pods", namespace=namespace, name=name),
+                                 resource="pods")  # fmt: skip
     except ApiException as error:
         if error.status != NOT_FOUND:
             raise
 
 
-def delete_webhooks(kube: Kube, configuration: str) -> None:
-    admission = client.AdmissionregistrationV1Api(kube.api)
-    for delete in (
-        admission.delete_mutating_webhook_configuration,
-        admission.delete_validating_webhook_configuration,
-    ):
+async def delete_webhooks(kube: Kube, configuration: str) -> None:
+    for plural in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
+        path = api_path("admissionregistration.k8s.io", "v1", plural, name=configuration)
         try:
-            delete(configuration)
+            await kube.writer.delete(path, resource=plural)
         except ApiException as error:
             if error.status != NOT_FOUND:
                 raise
@@ -84,30 +95,35 @@ def delete_webhooks(kube: Kube, configuration: str) -> None:
 
 
 def weightsyncs(kube: Kube, namespaces: list[str]) -> list[dict[str, Any]]:
+    """Blocks (the official client's reads)."""
     if namespaces:
         return [s for ns in namespaces for s in kube.list_weightsyncs(ns)]
     listing: dict[str, Any] = kube.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)  # type: ignore[assignment]
     return list(listing.get("items") or [])
 
 
-def let_go(kube: Kube, sync: dict[str, Any]) -> None:
+async def let_go(kube: Kube, sync: dict[str, Any]) -> None:
     """Open the WeightSync's gates and drop the operator's finalizer (nothing else)."""
     meta = sync["metadata"]
     namespace, name = meta["namespace"], meta["name"]
-
-    async def release() -> None:
-        try:  # no watches here: the pods are listed
-            await pod_actions.release(kube, namespace, sync, Indexes())
-        finally:
-            await kube.writer.close()  # its session belongs to this loop
-
-    asyncio.run(release())
+    # No watches here: the pods are listed.
+    await pod_actions.release(kube, namespace, sync, Indexes())
     finalizers = list(meta.get("finalizers") or [])
     if names.FINALIZER in finalizers:
         kept = [f for f in finalizers if f != names.FINALIZER]
         patch = {"metadata": {"finalizers": kept, "resourceVersion": meta["resourceVersion"]}}
-        kube.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch)
+        path = api_path(GROUP, VERSION, PLURAL, namespace=namespace, name=name)
+        await kube.writer.patch(path, patch, resource="weightsyncs", content_type=MERGE_PATCH)
     log.info("released WeightSync %s/%s", namespace, name)
+
+
+async def uninstall(kube: Kube, args: argparse.Namespace) -> None:
+    await stop_operator(kube, args.operator_namespace, args.deployment)
+    if args.test_pod:
+        await delete_test_pod(kube, args.operator_namespace, args.test_pod)
+    await delete_webhooks(kube, args.webhook_configuration)
+    for sync in await asyncio.to_thread(weightsyncs, kube, args.namespace):
+        await let_go(kube, sync)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,12 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     kube = Kube(load_config())
-    stop_operator(kube, args.operator_namespace, args.deployment)
-    if args.test_pod:
-        delete_test_pod(kube, args.operator_namespace, args.test_pod)
-    delete_webhooks(kube, args.webhook_configuration)
-    for sync in weightsyncs(kube, args.namespace):
-        let_go(kube, sync)
+    kube.writer.run_blocking(uninstall(kube, args))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The API writer authenticates as the official client would, in a pod and from a
-kubeconfig, holds its gate writes while a status is written, and writes a status as
-the official client did (a merge patch; its errors)."""
+kubeconfig, holds its gate writes while a status is written, writes a status and any
+other object as the official client did (the method, the content type; its errors), and
+runs from code with no event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from aiohttp import web
@@ -12,7 +14,13 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
-from weightsync.controller.cluster.apiwriter import ApiWriter
+from weightsync.controller.cluster.apiwriter import (
+    JSON_PATCH,
+    MERGE_PATCH,
+    STRATEGIC_MERGE_PATCH,
+    ApiWriter,
+    api_path,
+)
 
 
 def _writer(api_key: dict[str, str], prefix: dict[str, str] | None = None) -> ApiWriter:
@@ -106,3 +114,77 @@ def test_a_status_is_merge_patched_and_errors_read_as_the_official_clients() -> 
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_any_object_is_written_as_the_official_client_wrote_it() -> None:
+    """create, replace, the three patches and delete: the method, the content type the
+    official client chose for each and the body as given; a refusal is its `ApiException`
+    (the status callers test), an empty answer an empty object."""
+    seen: list[tuple[str, str, str | None, object]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        raw = await request.read()
+        seen.append((request.method, request.path, request.headers.get("Content-Type"),
+                     json.loads(raw) if raw else None))  # fmt: skip
+        if request.match_info["tail"].endswith("taken"):
+            return web.json_response({"kind": "Status", "code": 409}, status=409)
+        if request.method == "DELETE":
+            return web.Response(status=200)
+        return web.json_response({"metadata": {"name": "x"}})
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        writer = ApiWriter(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
+        secrets = api_path("", "v1", "secrets", namespace="ns")
+        scale = api_path("apps", "v1", "deployments", namespace="ns", name="d", sub="scale")
+        config = api_path("admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations",
+                          name="c")  # fmt: skip
+        try:
+            assert await writer.create(secrets, {"a": 1}, resource="secrets") == {
+                "metadata": {"name": "x"}
+            }
+            await writer.replace(f"{secrets}/s", {"a": 2}, resource="secrets")
+            await writer.patch(scale, {"spec": {}}, resource="deployments/scale",
+                               content_type=STRATEGIC_MERGE_PATCH)  # fmt: skip
+            await writer.patch(config, [{"op": "add"}], resource="mutatingwebhookconfigurations",
+                               content_type=JSON_PATCH)  # fmt: skip
+            await writer.patch(f"{secrets}/s", {}, resource="secrets", content_type=MERGE_PATCH)
+            options = {"preconditions": {"uid": "u"}}
+            assert await writer.delete(f"{secrets}/s", resource="secrets", options=options) == {}
+            await writer.delete(config, resource="mutatingwebhookconfigurations")
+            with pytest.raises(ApiException) as taken:
+                await writer.create(f"{secrets}/taken", {}, resource="secrets")
+            assert (taken.value.status, taken.value.reason) == (409, "Conflict")
+            assert '"code": 409' in (taken.value.body or "")  # the API server's Status
+        finally:
+            await writer.close()
+            await runner.cleanup()
+        assert seen[:7] == [
+            ("POST", "/api/v1/namespaces/ns/secrets", "application/json", {"a": 1}),
+            ("PUT", "/api/v1/namespaces/ns/secrets/s", "application/json", {"a": 2}),
+            ("PATCH", "/apis/apps/v1/namespaces/ns/deployments/d/scale",
+             "application/strategic-merge-patch+json", {"spec": {}}),
+            ("PATCH", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/c",
+             "application/json-patch+json", [{"op": "add"}]),
+            ("PATCH", "/api/v1/namespaces/ns/secrets/s", "application/merge-patch+json", {}),
+            ("DELETE", "/api/v1/namespaces/ns/secrets/s", "application/json", options),
+            ("DELETE", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/c",
+             None, None),
+        ]  # fmt: skip
+
+    asyncio.run(scenario())
+
+
+def test_run_blocking_writes_without_a_loop_and_leaves_the_writer_usable() -> None:
+    """The operator's start and the uninstall hook have no event loop: each `run_blocking`
+    runs on a loop of its own and closes its session, so the next loop opens a new one."""
+    unreachable = ApiWriter(client.ApiClient(client.Configuration(host="http://127.0.0.1:9")))
+    for _ in range(2):
+        with pytest.raises(ConnectionError):
+            unreachable.run_blocking(unreachable.create("/api/v1/x", {}, resource="x"))
+        assert unreachable._state is None

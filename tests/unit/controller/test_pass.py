@@ -59,7 +59,7 @@ class Cluster(Kube):
     def observe(self, *_: Any, **__: Any) -> World:
         return self.world
 
-    def write_token(self, namespace: str, raw: Mapping[str, Any], token: str) -> None:
+    async def write_token(self, namespace: str, raw: Mapping[str, Any], token: str) -> None:
         error, self.token_error = self.token_error, None
         if error is not None:
             raise error

@@ -5,7 +5,10 @@ configurations (`webhook_config` writes them). It derives the URL from its liste
 this subclass replaces that with what the API server must really call: the configured
 `WEBHOOK_URL` (URL mode: local control planes, the demo, an operator outside the
 cluster), or a `service` reference (Service mode: real clusters). The caBundle is
-kopf's, i.e. the CA of whichever certificates the server was given.
+kopf's, i.e. the CA of whichever certificates the server was given. The managed
+certificates' Secret is read through the official client and written through the
+operator's one writer (`cluster.apiwriter`); `main` runs `build_server` before kopf's loop
+starts, on a loop of its own (`ApiWriter.run_blocking`).
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import kopf
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from weightsync.controller.admission import certs
 from weightsync.controller.admission.webhook_config import Configurations
-from weightsync.controller.cluster.kube import CONFLICT, NOT_FOUND
+from weightsync.controller.cluster.apiwriter import api_path
+from weightsync.controller.cluster.kube import CONFLICT, NOT_FOUND, Kube
 from weightsync.controller.settings import CertMode, OperatorSettings
 
 log = logging.getLogger(__name__)
+
+# The certificates' writes (through `Kube.writer`), for the chart's RBAC check.
+API_CALLS = (("", "secrets", "create"), ("", "secrets", "update"))
 
 
 class WeightsyncWebhookServer(kopf.WebhookServer):
@@ -50,13 +56,13 @@ class WeightsyncWebhookServer(kopf.WebhookServer):
                 rewritten: kopf.WebhookClientConfig = copy.deepcopy(self._client_config)  # type: ignore[assignment]
                 if "caBundle" in config:
                     rewritten["caBundle"] = config["caBundle"]
-                await asyncio.to_thread(self._configurations.apply, dict(rewritten))
+                await self._configurations.apply(dict(rewritten))
                 written = True
                 yield rewritten
         finally:
             if written:  # a stopped operator blocks nothing: its webhooks go with it
                 try:
-                    await asyncio.to_thread(self._configurations.apply, None)
+                    await self._configurations.apply(None)
                 except Exception as error:  # exiting anyway: say so, do not mask the cause
                     log.warning("could not remove the webhooks on exit: %s", error)
 
@@ -82,12 +88,12 @@ def serving_hosts(settings: OperatorSettings) -> list[str]:
     return certs.dns_names_for_service(name, settings.service_namespace)
 
 
-def managed_bundle(core: client.CoreV1Api, settings: OperatorSettings) -> certs.TlsBundle:
+async def managed_bundle(kube: Kube, settings: OperatorSettings) -> certs.TlsBundle:
     """The stored certificates if still good for our hosts, else new ones (stored first)."""
     hosts = serving_hosts(settings)
     namespace, name = settings.namespace, settings.webhook_cert_secret
     try:
-        secret = core.read_namespaced_secret(name, namespace)
+        secret = await asyncio.to_thread(kube.core.read_namespaced_secret, name, namespace)
     except ApiException as error:
         if error.status != NOT_FOUND:
             raise
@@ -100,38 +106,37 @@ def managed_bundle(core: client.CoreV1Api, settings: OperatorSettings) -> certs.
             log.info("reusing the webhook certificates in Secret %s/%s", namespace, name)
             return stored
     bundle = certs.generate(hosts)
-    body = client.V1Secret(
-        metadata=client.V1ObjectMeta(
-            name=name, labels={"app.kubernetes.io/managed-by": "weightsync-operator"}
-        ),
-        type="kubernetes.io/tls",
-        data=bundle.to_secret_data(),
-    )
+    metadata: dict[str, Any] = {
+        "name": name,
+        "labels": {"app.kubernetes.io/managed-by": "weightsync-operator"},
+    }
+    body = {"metadata": metadata, "type": "kubernetes.io/tls", "data": bundle.to_secret_data()}
+    stored_secrets = api_path("", "v1", "secrets", namespace=namespace)
     if secret is None:
         try:
-            core.create_namespaced_secret(namespace, body)
+            await kube.writer.create(stored_secrets, body, resource="secrets")
         except ApiException as error:
             if error.status != CONFLICT:
                 raise
-            return managed_bundle(core, settings)  # another replica stored one first
+            return await managed_bundle(kube, settings)  # another replica stored one first
     else:
         # Replace only the version we read: a concurrent writer makes this fail loudly.
-        if body.metadata is not None and secret.metadata is not None:
-            body.metadata.resource_version = secret.metadata.resource_version
-        core.replace_namespaced_secret(name, namespace, body)
+        if secret.metadata is not None and secret.metadata.resource_version is not None:
+            metadata["resourceVersion"] = secret.metadata.resource_version
+        await kube.writer.replace(f"{stored_secrets}/{name}", body, resource="secrets")
     log.info("generated webhook certificates for %s into Secret %s/%s", hosts, namespace, name)
     return bundle
 
 
-def build_server(
-    core: client.CoreV1Api, settings: OperatorSettings, configurations: Configurations
+async def build_server(
+    kube: Kube, settings: OperatorSettings, configurations: Configurations
 ) -> WeightsyncWebhookServer:
-    """The webhook server with certificates per `WEBHOOK_CERTS` (blocks: API calls)."""
+    """The webhook server with certificates per `WEBHOOK_CERTS` (managed: API calls)."""
     if settings.webhook_certs is CertMode.DIRECTORY:
         directory = settings.webhook_cert_dir or Path()
         paths = directory / certs.CERT_FILE, directory / certs.KEY_FILE, directory / certs.CA_FILE
     else:
-        bundle = managed_bundle(core, settings)
+        bundle = await managed_bundle(kube, settings)
         # The key lives in the operator's memory-backed temp dir for the process' life,
         # and goes with it (an operator run outside a pod leaves no key behind).
         directory = Path(tempfile.mkdtemp(prefix="weightsync-webhook-"))

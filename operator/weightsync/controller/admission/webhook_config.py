@@ -7,7 +7,9 @@ chart creates the MutatingWebhookConfiguration and the ValidatingWebhookConfigur
 (named `WEBHOOK_CONFIGURATION`, without webhooks), and the operator patches its webhooks
 into them by name: at start, whenever its serving certificate changes, and empty again
 when it exits (a stopped operator then blocks nothing). It never creates them: an
-operator run outside the chart needs them created first, as the chart does.
+operator run outside the chart needs them created first, as the chart does. The patches
+go through the operator's one writer (`cluster.apiwriter`), from kopf's webhook server
+on the event loop.
 
 `WEBHOOKS` is the one declaration of each webhook: `handlers` registers kopf's handler
 with the same id, operations, labels and failure policy, and kopf's server routes a
@@ -16,6 +18,7 @@ review by the id at the end of the URL path (`clientConfig`).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import time
@@ -23,16 +26,23 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import names
+from weightsync.controller.cluster.apiwriter import JSON_PATCH, ApiWriter, api_path
 from weightsync.controller.cluster.kube import NOT_FOUND
 
 log = logging.getLogger(__name__)
 
 Operation = Literal["CREATE", "UPDATE", "DELETE", "CONNECT"]
+
+# The patches (through `ApiWriter`), for the chart's RBAC check (tests/unit/chart).
+API_CALLS = (
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch"),
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "patch"),
+)
+ADMISSION = ("admissionregistration.k8s.io", "v1")
 
 # How long to wait for the chart's configurations to appear (helm creates them beside
 # the operator's Deployment, in no guaranteed order).
@@ -113,33 +123,28 @@ def entries(client_config: dict[str, Any] | None, suffix: str) -> dict[str, list
 class Configurations:
     """Patches the operator's webhooks into the two configurations named `name`."""
 
-    def __init__(self, api: client.ApiClient, name: str) -> None:
-        self._admission = client.AdmissionregistrationV1Api(api)
+    def __init__(self, writer: ApiWriter, name: str) -> None:
+        self._writer = writer
         self.name = name
 
-    def apply(self, client_config: dict[str, Any] | None) -> None:
+    async def apply(self, client_config: dict[str, Any] | None) -> None:
         """Write the webhooks served at `client_config` (None: remove them)."""
         for kind, webhooks in entries(client_config, self.name).items():
-            self._apply_one(kind, webhooks, wait=client_config is not None)
+            await self._apply_one(kind, webhooks, wait=client_config is not None)
         log.info(
             "webhook configurations %s: %s",
             self.name,
             "webhooks written" if client_config is not None else "webhooks removed",
         )
 
-    def _patch(self, kind: str) -> Any:
-        a = self._admission
-        if kind == "mutating":
-            return a.patch_mutating_webhook_configuration
-        return a.patch_validating_webhook_configuration
-
-    def _apply_one(self, kind: str, webhooks: list[dict[str, Any]], *, wait: bool) -> None:
-        patch = self._patch(kind)
+    async def _apply_one(self, kind: str, webhooks: list[dict[str, Any]], *, wait: bool) -> None:
+        plural = f"{kind}webhookconfigurations"
+        path = api_path(*ADMISSION, plural, name=self.name)
         body = [{"op": "add", "path": "/webhooks", "value": webhooks}]  # add replaces
         deadline = time.monotonic() + (_APPEAR_SECONDS if wait else 0.0)
         while True:
             try:
-                patch(self.name, body)
+                await self._writer.patch(path, body, resource=plural, content_type=JSON_PATCH)
             except ApiException as error:
                 if error.status != NOT_FOUND:
                     raise
@@ -154,4 +159,4 @@ class Configurations:
                     " first, without webhooks)"
                 )
             log.info("waiting for the %s webhook configuration %s", kind, self.name)
-            time.sleep(_APPEAR_POLL_SECONDS)
+            await asyncio.sleep(_APPEAR_POLL_SECONDS)

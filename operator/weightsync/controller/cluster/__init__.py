@@ -1,3 +1,4 @@
-"""The API server, read and written: the blocking client (`kube`), the event loop's
-writes (`apiwriter`, `apihttp`), the indexes and pod watch (`cache`, `podwatch`), gate
-writes (`gatesync`), pod actions (`pods`), Events (`events`), token Secrets (`tokens`)."""
+"""The API server, read and written: reads through the blocking client (`kube`), every
+write from the event loop (`apiwriter`, `apihttp`), the indexes and pod watch (`cache`,
+`podwatch`), gate writes (`gatesync`), pod actions (`pods`), Events (`events`), token
+Secrets (`tokens`)."""

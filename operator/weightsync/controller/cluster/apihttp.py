@@ -1,10 +1,11 @@
 """Requests to the API server from the event loop (aiohttp), authenticated as the official
 client would send them.
 
-For the two paths where the official (blocking) client costs too much: many gate writes
-at once (`apiwriter`) and the pod watch (`podwatch`). Both take the credentials and TLS
-settings the official client was configured with; `auth_headers` calls its token
-refresh hook (through `auth_settings`), so call it per request.
+For the two paths where the official (blocking) client costs too much: the operator's
+writes (`apiwriter`, many gate writes at once among them) and the pod watch
+(`podwatch`). Both take the credentials and TLS settings the official client was
+configured with; `auth_headers` calls its token refresh hook (through `auth_settings`),
+so call it per request.
 """
 
 from __future__ import annotations

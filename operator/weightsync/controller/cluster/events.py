@@ -3,7 +3,8 @@
 `kopf.event` works only inside kopf's own handler tasks (it finds its queue in a context
 variable they set), and passes also start from the operator's pod watch (`podwatch`). So
 the operator posts its Events itself, as kopf would (the same fields, name prefix and
-reporting component): one create each, off the event loop, never waited for by a pass;
+reporting component): one create each, in the background through the operator's one
+writer (`apiwriter`), never waited for by a pass;
 a failure is logged (an Event is worth a line, not a retry loop).
 """
 
@@ -71,7 +72,7 @@ class EventPoster:
         namespace = body["metadata"]["namespace"]
         task = self._pending.spawn(
             f"event {namespace}/{body['involvedObject']['name']}",
-            asyncio.to_thread(self._kube.create_event, namespace, body),
+            self._kube.create_event(namespace, body),
         )
         task.add_done_callback(self._done)
 

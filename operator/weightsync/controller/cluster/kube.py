@@ -1,11 +1,14 @@
-"""Every call the operator makes to the API server, through the official (synchronous) client.
+"""The operator's calls to the API server: reads through the official (synchronous)
+client, writes through `writer` (`apiwriter`, on the event loop).
 
-These functions block: async code calls them with `asyncio.to_thread`. Objects come
-back as plain dicts in the API server's JSON shape, so the pure modules never see the
-client's model classes: reads and writes skip them altogether (`_preload_content=False`,
-the JSON parsed as it came), since building a pod's model objects costs milliseconds
-and a thousand of them cost seconds. Every request is counted by verb, resource and
-result (`weightsync_operator_api_requests_total`).
+The reads block: async code calls them with `asyncio.to_thread`. Objects come back as
+plain dicts in the API server's JSON shape, so the pure modules never see the client's
+model classes: reads skip them altogether (`_preload_content=False`, the JSON parsed as
+it came), since building a pod's model objects costs milliseconds and a thousand of them
+cost seconds. The writes here (an Event, a token Secret, a pod deleted) are coroutines
+that send their request through the controller's one writer (`apiwriter` says why).
+Every request is counted by verb, resource and result
+(`weightsync_operator_api_requests_total`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import metrics, names
-from weightsync.controller.cluster.apiwriter import ApiWriter
+from weightsync.controller.cluster.apiwriter import ApiWriter, api_path
 from weightsync.controller.cluster.cache import Indexes, deployment_of
 from weightsync.controller.membership.workloads import World, template_labelled
 
 NOT_FOUND = 404
 CONFLICT = 409
+# The writes below, sent through `writer`, for the chart's RBAC check (tests/unit/chart).
+API_CALLS = (
+    ("", "events", "create"), ("", "secrets", "create"), ("", "secrets", "update"),
+    ("", "pods", "delete"),
+)  # fmt: skip
 # Connections the official client keeps to the API server (its default: 5 per CPU).
 CONNECTIONS = 16
 # (connect, read) seconds for every request. The official client waits forever by
@@ -84,11 +92,11 @@ _Read = tuple[str, Indexes, bool]
 
 
 class Kube:
-    """The API calls of the reconcile and the webhook."""
+    """The API calls of the reconcile and the webhook: reads (blocking), writes (async)."""
 
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
-        self.writer = ApiWriter(api)  # writes on the event loop: gates (many at once), status
+        self.writer = ApiWriter(api)  # every write, on the event loop (`apiwriter`)
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
@@ -234,12 +242,13 @@ class Kube:
         rs = self._get("replicasets", self.apps.read_namespaced_replica_set, name, namespace)
         return deployment_of(rs) if rs else None
 
-    def create_event(self, namespace: str, body: dict[str, Any]) -> None:
-        self._call("create", "events", self.core.create_namespaced_event, namespace, body)
+    # -- writes (`writer`) ----------------------------------------------------------
 
-    # -- the agents' token ---------------------------------------------------------
+    async def create_event(self, namespace: str, body: dict[str, Any]) -> None:
+        path = api_path("", "v1", "events", namespace=namespace)
+        await self.writer.create(path, body, resource="events")
 
-    def write_token(self, namespace: str, sync: Mapping[str, Any], token: str) -> None:
+    async def write_token(self, namespace: str, sync: Mapping[str, Any], token: str) -> None:
         """Write the WeightSync's agent token Secret (owned by the WeightSync): created, or
         replaced whole where one exists (a WeightSync deleted and created again before the
         old Secret was collected: its owner is the new one now). Never read back
@@ -257,24 +266,19 @@ class Kube:
             "type": "Opaque",
             "stringData": {names.TOKEN_KEY: token},
         }
+        secrets = api_path("", "v1", "secrets", namespace=namespace)
         try:
-            self._call("create", "secrets", self.core.create_namespaced_secret, namespace, body)
+            await self.writer.create(secrets, body, resource="secrets")
         except ApiException as error:
             if error.status != CONFLICT:
                 raise
-            self._call(
-                "replace", "secrets", self.core.replace_namespaced_secret, name, namespace, body
-            )
+            await self.writer.replace(f"{secrets}/{name}", body, resource="secrets")
 
-    # -- pods ----------------------------------------------------------------------
-
-    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+    async def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         """Delete exactly this pod (a UID precondition spares a same-named replacement)."""
+        path = api_path("", "v1", "pods", namespace=namespace, name=name)
         try:
-            self._call(
-                "delete", "pods", self.core.delete_namespaced_pod, name, namespace,
-                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
-            )  # fmt: skip
+            await self.writer.delete(path, resource="pods", options={"preconditions": {"uid": uid}})
         except ApiException as error:
             if error.status not in (NOT_FOUND, CONFLICT):
                 raise

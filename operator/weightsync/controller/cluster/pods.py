@@ -1,7 +1,7 @@
 """What the reconcile does to pods: recreate uninjected ones, set and release readiness gates.
 
 The decisions are the pure functions of `workloads` and `readiness`; these functions
-carry them out through the (blocking) API client, off the event loop.
+carry them out through the operator's one writer (`apiwriter`), on the event loop.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ async def recreate(
     """Delete `pods` (`uninjected`); their controller recreates them."""
     for pod in pods:
         namespace = raw["metadata"]["namespace"]
-        await asyncio.to_thread(kube.delete_pod, namespace, pod.pod_name, pod.uid)
+        await kube.delete_pod(namespace, pod.pod_name, pod.uid)
         kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
         message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.pod_name, kind=kind)
         post_event(raw, EventSpec("Normal", reasons.POD_RECREATED, message))

@@ -10,17 +10,22 @@ Secret (created, or replaced whole) and never reads it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import logging
 import secrets
 
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from weightsync.controller.cluster.apiwriter import api_path
+from weightsync.controller.cluster.kube import Kube
 
 log = logging.getLogger(__name__)
 
+# The key's write (through `Kube.writer`), for the chart's RBAC check (tests/unit/chart).
+API_CALLS = (("", "secrets", "create"),)
 KEY_FIELD = "key"
 KEY_BYTES = 32
 NOT_FOUND, CONFLICT = 404, 409
@@ -32,10 +37,11 @@ def derive(key: bytes, namespace: str, weightsync: str) -> str:
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
-def load_key(core: client.CoreV1Api, namespace: str, name: str) -> bytes:
-    """The operator-wide key from Secret `namespace/name`, created with a random key once."""
+async def load_key(kube: Kube, namespace: str, name: str) -> bytes:
+    """The operator-wide key from Secret `namespace/name`, created with a random key once
+    (read through the official client, written through `kube.writer`)."""
     try:
-        secret = core.read_namespaced_secret(name, namespace)
+        secret = await asyncio.to_thread(kube.core.read_namespaced_secret, name, namespace)
     except ApiException as error:
         if error.status != NOT_FOUND:
             raise
@@ -45,18 +51,21 @@ def load_key(core: client.CoreV1Api, namespace: str, name: str) -> bytes:
             raise RuntimeError(f"Secret {namespace}/{name} has no {KEY_FIELD!r}")
         return base64.b64decode(stored)
     key = secrets.token_bytes(KEY_BYTES)
-    body = client.V1Secret(
-        metadata=client.V1ObjectMeta(
-            name=name, labels={"app.kubernetes.io/managed-by": "weightsync-operator"}
-        ),
-        type="Opaque",
-        data={KEY_FIELD: base64.b64encode(key).decode()},
-    )
+    body = {
+        "metadata": {
+            "name": name,
+            "labels": {"app.kubernetes.io/managed-by": "weightsync-operator"},
+        },
+        "type": "Opaque",
+        "data": {KEY_FIELD: base64.b64encode(key).decode()},
+    }
     try:
-        core.create_namespaced_secret(namespace, body)
+        await kube.writer.create(
+            api_path("", "v1", "secrets", namespace=namespace), body, resource="secrets"
+        )
     except ApiException as error:
         if error.status != CONFLICT:
             raise
-        return load_key(core, namespace, name)  # another replica created it first
+        return await load_key(kube, namespace, name)  # another replica created it first
     log.info("created the agent token key in Secret %s/%s", namespace, name)
     return key

@@ -109,7 +109,7 @@ class Applier:
         # Last: nothing above waits on them, and a failure here (it fails the pass) must
         # not leave a generation counted as delivered whose plans never went out.
         if actions.write_token:
-            await asyncio.to_thread(self.kube.write_token, namespace, raw, seen.token)
+            await self.kube.write_token(namespace, raw, seen.token)
             memory.token_written_for = raw["metadata"]["uid"]
         if actions.recreate:
             await pod_actions.recreate(self.kube, self.post_event, raw, actions.recreate)

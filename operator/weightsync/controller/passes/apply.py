@@ -1,13 +1,14 @@
 """The apply step of a pass: performs the `actions.Actions` that `decide` returned.
 
 In order: the soft state is adopted (before any await, so nothing the background does
-meanwhile is lost), recoveries reported and started, then the status written while a
+meanwhile is lost), the token Secret written (once per WeightSync object: its pods cannot
+start without it; a failure is logged, the next pass writes it), recoveries reported and
+started, then the status written while a
 new generation's plans go out (`PLANS_WAIT_SECONDS`: a thousand plans take seconds, and
 `kubectl get wsync` need not wait to name the new members; refusals answered in time are
 written once more), Events posted, the readiness gates handed to a background writer
-(`gatesync`: status first, so `kubectl get wsync` never lags them), and last the token
-Secret (once per WeightSync object) and the pods the webhook missed, recreated: no agent
-reads a token Secret written this pass, and a pod without the sidecar has no agent.
+(`gatesync`: status first, so `kubectl get wsync` never lags them), and last the pods
+the webhook missed, recreated (a pod without the sidecar has no agent).
 
 Recoveries (`carry_out`): attempts that ended are counted and reported in Events, then
 the requests `recovery.decide_recoveries` chose are posted together (`POST /v1/recover`;
@@ -21,6 +22,8 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
+
+from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import reasons
 from weightsync.api.base import utc_now
@@ -81,6 +84,8 @@ class Applier:
             memory.adopt(actions.soft)
             memory.watched = actions.watched
         memory.poll_soon = actions.poll_soon
+        if actions.write_token:
+            await self.write_token(raw, seen.token, memory)
         if actions.recoveries is not None:
             await carry_out(
                 actions.recoveries, raw=raw, agents=self.agents, token=seen.token,
@@ -106,13 +111,23 @@ class Applier:
             memory.gates = GateSync(self.kube.writer, namespace, self.tasks)
         memory.gates.submit(seen.pods, actions.gates)
         metrics.record_status(namespace, name, new)
-        # Last: nothing above waits on them, and a failure here (it fails the pass) must
-        # not leave a generation counted as delivered whose plans never went out.
-        if actions.write_token:
-            await self.kube.write_token(namespace, raw, seen.token)
-            memory.token_written_for = raw["metadata"]["uid"]
+        # Last: nothing above waits on them.
         if actions.recreate:
             await pod_actions.recreate(self.kube, self.post_event, raw, actions.recreate)
+
+    async def write_token(self, raw: Mapping[str, Any], token: str, memory: Memory) -> None:
+        """The agents' token Secret, early in the pass: the WeightSync's pods are being
+        created meanwhile, and the kubelet cannot start one before its token Secret exists
+        (FailedMount, retried with back-off). A failed write does not fail the pass (its
+        plans must still go out: the soft state counts them delivered); the next pass
+        writes it."""
+        namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
+        try:
+            await self.kube.write_token(namespace, raw, token)
+        except (ApiException, ConnectionError) as error:
+            log_pass_failure(f"the agent token Secret of {namespace}/{name}", error)
+            return
+        memory.token_written_for = raw["metadata"]["uid"]
 
     def send_plans(
         self, key: Key, delivery: Coroutine[Any, Any, dict[str, str]], memory: Memory

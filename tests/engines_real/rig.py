@@ -18,15 +18,16 @@ from typing import Any, TypeVar
 import torch
 
 from tests.engines_real.servers import MODEL
+from tests.support.engine_contract import pack, plan_buckets
 from tests.support.eventually import eventually
 from weightsync.engines._rounds import RoundAdapter
 from weightsync.reference.model import LlamaForCausalLM, build_model, greedy_generate
 from weightsync.transfer.buffers import BucketSlots
-from weightsync.transfer.layout import TensorSlice
 
 T = TypeVar("T")
 
 SLOT_BYTES = 1 << 19  # 512 KiB: the 1.6 MB model goes in several buckets
+BUCKET_BYTES = SLOT_BYTES // 2  # a bucket fills half a slot: room for alignment
 PROMPT = [5, 6, 7, 8, 9]
 NEW_TOKENS = 8
 
@@ -67,35 +68,6 @@ def post_empty(url: str, timeout: float = 60.0) -> str:
         return text
 
 
-def plan_buckets(
-    weights: dict[str, torch.Tensor], capacity: int = SLOT_BYTES // 2
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Name-ordered buckets of at most `capacity` bytes (half a slot: room for alignment)."""
-    out: list[list[tuple[str, torch.Tensor]]] = [[]]
-    used = 0
-    for name, tensor in weights.items():
-        if used + tensor.nbytes > capacity and out[-1]:
-            out.append([])
-            used = 0
-        out[-1].append((name, tensor))
-        used += tensor.nbytes
-    return out
-
-
-def pack(slot: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> list[TensorSlice]:
-    """Write `named` into `slot` at 64-byte aligned offsets, as the agent's layout does."""
-    slices: list[TensorSlice] = []
-    offset = 0
-    for name, tensor in named:
-        offset = -(-offset // 64) * 64
-        raw = tensor.contiguous().view(-1).view(torch.uint8)
-        slot[offset : offset + raw.numel()].copy_(raw)
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        slices.append(TensorSlice(name, dtype, tuple(tensor.shape), offset, raw.numel()))
-        offset += raw.numel()
-    return slices
-
-
 @dataclass
 class Rig:
     """An adapter attached to two /dev/shm bucket slots, as a sink agent's are, driven on
@@ -122,7 +94,7 @@ class Rig:
 
     async def sync(self, weights: dict[str, torch.Tensor], version: int) -> None:
         await self.adapter.begin_update(version)
-        await self.load(plan_buckets(weights))
+        await self.load(plan_buckets(weights, BUCKET_BYTES))
         await self.adapter.finish_update(version)
 
     def close(self) -> None:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.engines_real.rig import (
+    BUCKET_BYTES,
     PROMPT,
     Rig,
-    plan_buckets,
     post_empty,
     reference_tokens,
     state,
@@ -23,6 +23,7 @@ from tests.engines_real.rig import (
 )
 from tests.engines_real.servers import EngineServer
 from tests.engines_real.serving import assert_sglang_serves, generate, resumed_on_new_weights
+from tests.support.engine_contract import plan_buckets
 from weightsync.engines.base import EngineError
 from weightsync.engines.sglang import SGLangAdapter, SGLangSettings
 
@@ -112,7 +113,7 @@ def test_bad_bucket_fails_the_round_and_leaves_the_old_version_whole(
     async def round_() -> None:
         await link.adapter.begin_update(32)
         with pytest.raises(EngineError) as caught:
-            await link.load(plan_buckets(weights))
+            await link.load(plan_buckets(weights, BUCKET_BYTES))
         assert caught.value.reason == "bad_bucket"
         await link.adapter.abort_update(32, str(caught.value))
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.engines_real.rig import (
+    BUCKET_BYTES,
     PROMPT,
     Rig,
-    plan_buckets,
     reference_tokens,
     state,
     stream,
@@ -22,6 +22,7 @@ from tests.engines_real.rig import (
 )
 from tests.engines_real.servers import EngineServer
 from tests.engines_real.serving import assert_vllm_serves, completion, resumed_on_new_weights
+from tests.support.engine_contract import plan_buckets
 from weightsync.engines.base import EngineError
 from weightsync.engines.vllm import SHM_BACKEND, VLLMAdapter, VLLMSettings
 
@@ -104,7 +105,7 @@ def test_failed_update_is_repaired_and_the_engine_says_it_is_torn(
     async def round_() -> None:
         await link.adapter.begin_update(32)
         with pytest.raises(EngineError) as caught:
-            await link.load(plan_buckets(weights))
+            await link.load(plan_buckets(weights, BUCKET_BYTES))
         # Several workers on CPU: vLLM wraps the worker's message.
         assert caught.value.reason == "engine_failed", caught.value
         # The 500 closed the connection; the abort goes through on new ones.

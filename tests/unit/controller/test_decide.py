@@ -78,6 +78,16 @@ def test_a_blocked_pass_writes_ready_false_and_nothing_else() -> None:
     assert [e.reason for e in actions.status.events] == [reasons.TRAINER_NOT_FOUND]
     assert actions.soft is None  # the soft state is as it was
     assert (actions.plans, actions.recoveries, actions.gates) == (None, None, ())
+    assert not actions.write_token  # written already (the default) or no token
+
+
+def test_a_pass_waiting_for_its_workloads_writes_their_pods_token_first() -> None:
+    # The trainer's pods may come with its StatefulSet: they cannot start without it.
+    problem = Blocked(Outcome.WAITING, reasons.TRAINER_NOT_FOUND, "trainer not found")
+    seen = Observed(
+        RAW, WeightSyncStatus(), 1, AT, blocked=problem, token="t0k", token_written=False
+    )
+    assert decided(seen, SoftState()).write_token
 
 
 def test_a_first_pass_plans_a_generation_and_names_it_in_the_status() -> None:

@@ -78,6 +78,8 @@ class Applier:
         raw, laps = seen.raw, memory.laps
         namespace, name = raw["metadata"]["namespace"], raw["metadata"]["name"]
         if actions.status is not None and actions.result.outcome is not Outcome.OK:
+            if actions.write_token:  # waiting for a workload whose pods need it
+                await self.write_token(raw, seen.token, memory)
             await self.write(raw, actions.status, memory)  # a problem: Ready=False
             return
         if actions.soft is not None:

@@ -62,7 +62,11 @@ def decide(seen: Observed, soft: SoftState) -> Actions:
     if seen.blocked is not None:
         blocked = seen.blocked
         new = problem_status(old, seen.generation, blocked.reason, blocked.message, seen.at)
-        return Actions(Result(blocked.outcome, blocked.message), status_write(old, new))
+        return Actions(
+            Result(blocked.outcome, blocked.message),
+            status_write(old, new),
+            write_token=not seen.token_written,  # a valid spec waiting for its workloads
+        )
     sync = seen.sync
     if sync is None:
         raise ValueError("an observation that is not blocked has its WeightSync")

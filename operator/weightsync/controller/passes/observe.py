@@ -54,7 +54,7 @@ class Blocked:
 @dataclass(frozen=True, slots=True)
 class Observed:
     """What one pass read (the input of `decide.decide`); nothing in it changes after.
-    Of a `blocked` pass, only the first four fields are read."""
+    Of a `blocked` pass, only the first five fields and the token's are read."""
 
     raw: Mapping[str, Any]  # the WeightSync as stored
     old: WeightSyncStatus  # its status, parsed
@@ -123,8 +123,12 @@ class Observer:
         generation = int(raw["metadata"].get("generation") or 0)
         old = cached_status(raw, memory)
 
-        def blocked(outcome: Outcome, problem: tuple[str, str]) -> Observed:
-            return Observed(raw, old, generation, utc_now(), Blocked(outcome, *problem))
+        def blocked(outcome: Outcome, problem: tuple[str, str], token: str = "") -> Observed:
+            return Observed(
+                raw, old, generation, utc_now(), Blocked(outcome, *problem),
+                token=token,
+                token_written=not token or memory.token_written_for == raw["metadata"]["uid"],
+            )  # fmt: skip
 
         try:
             # Without the status (`old` has it: a thousand members) nor the field managers'
@@ -144,10 +148,10 @@ class Observer:
         deployments = [entry.deployment_ref.name for entry in spec.inference]
         world = await self.world(namespace, spec.trainer.stateful_set_ref.name, deployments)
         laps("observe")
-        absent = unmet(sync, world.statefulset, world.deployments)
-        if absent is not None:
-            return blocked(Outcome.WAITING, absent)
         token = tokens.derive(self.token_key, namespace, sync.metadata.name or "")
+        absent = unmet(sync, world.statefulset, world.deployments)
+        if absent is not None:  # its pods may come with the workload: their token first
+            return blocked(Outcome.WAITING, absent, token)
         pods = sync_pods(sync, world)
         seen = await self.answers(key, pods, token, memory)
         laps("answers")

@@ -33,6 +33,7 @@ from weightsync.controller.runtime import taskdump
 from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
 from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
+from weightsync.controller.runtime.timing import TIMER_EXIT_POLL_SECONDS
 from weightsync.controller.settings import OperatorSettings, SettingsError
 
 log = logging.getLogger("weightsync.operator")
@@ -110,6 +111,7 @@ def configure_kopf(
     # (PASS_TIMEOUT_SECONDS, well below the timeout) does.
     kopf_settings.execution.default_backoff = BACKOFF
     kopf_settings.execution.max_workers = 8  # sync admission handlers run in threads
+    kopf_settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
     # On SIGTERM, handlers get 20 s to finish before kopf cancels them (the chart's
     # terminationGracePeriodSeconds is longer).
     kopf_settings.process.ultimate_exiting_timeout = 20

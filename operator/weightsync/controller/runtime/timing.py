@@ -26,3 +26,6 @@ PASS_TIMEOUT_SECONDS: Final = 120.0
 HANDLER_BACKOFF_SECONDS: Final = 60.0
 # How long kopf keeps calling a handler that raises, from its first call.
 HANDLER_TIMEOUT_SECONDS: Final = 600.0
+# A WeightSync deleted while one of its timers runs keeps its finalizer until that call
+# returns; kopf looks again only this often (its default, 60 s, held a delete that long).
+TIMER_EXIT_POLL_SECONDS: Final = 1.0

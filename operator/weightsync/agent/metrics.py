@@ -4,20 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Bounds at 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6 and 8 of each decade: at most a third apart.
-_DECADE = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 # Rounds of a 16 GB model take tens of milliseconds on NVLink and seconds over TCP.
-# histogram_quantile interpolates inside a bucket, so a quantile drawn can be off by
-# the bucket's width: the demo's p99 of 1.45 s drew as 2.4 s in a bucket from 1 to 2.5 s.
-_ROUND_BUCKETS = (
-    *(round(scale * step, 4) for scale in (0.01, 0.1, 1.0) for step in _DECADE),
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    60.0,
-    120.0,
-)
+# histogram_quantile interpolates inside the bucket that holds the quantile, and the true
+# value lies in that bucket too: the drawn one is off by at most the bucket's ratio, so 25
+# bounds a decade from 10 ms to 100 s (each 1.097x the one before) keep a drawn p50 or
+# p99 within 10% of the rounds' own. A third apart drew the demo's 1,262 ms p99 as 1,470.
+# The cost: about 100 series per agent for this histogram.
+_ROUND_BUCKETS = (*(float(f"{10 ** (k / 25 - 2):.4g}") for k in range(101)), 120.0)
 _PREWARM_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # A recovery pulls a whole model: about a second over RDMA, minutes over TCP.
 _RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -18,6 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 import weightsync.engines
+from tests.support.serving import serving
 from weightsync.agent.front import ExposureWatch, Front, end_to_end, normalized_path, refusal
 from weightsync.agent.service import Agent
 from weightsync.agent.settings import AgentSettings
@@ -228,19 +229,6 @@ class Upstream:
             {"bytes": size, "sha256": digest.hexdigest(), "headers": dict(request.headers)},
             headers={"X-Engine": "yes"},
         )
-
-
-@asynccontextmanager
-async def serving(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[int]:
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.2)
-    await runner.setup()
-    site = web.TCPSite(runner, host, 0)
-    await site.start()
-    assert site._server is not None
-    try:
-        yield site._server.sockets[0].getsockname()[1]
-    finally:
-        await runner.cleanup()
 
 
 @asynccontextmanager

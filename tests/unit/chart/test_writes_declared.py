@@ -21,6 +21,7 @@ from aiohttp import web
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from tests.support.serving import start
 from tests.unit.chart.test_operator_contract import api_calls_in_controller
 from weightsync.controller import uninstall
 from weightsync.controller.admission import webhook
@@ -62,10 +63,7 @@ async def recording() -> AsyncIterator[tuple[Kube, list[tuple[str, str, str]]]]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", record)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = runner.addresses[0][1]
+    runner, port = await start(app)
     kube = Kube(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
     try:
         yield kube, sent

@@ -12,6 +12,7 @@ from typing import Any, Self
 from aiohttp import web
 from kubernetes import client
 
+from tests.support.serving import start
 from tests.unit.api.builders import weightsync
 from weightsync.api import parse_weightsync
 from weightsync.api.control import (
@@ -190,10 +191,7 @@ async def agent_server(
 
     app = web.Application()
     app.router.add_get("/v1/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
+    return await start(app)
 
 
 def reconciler(

@@ -13,6 +13,7 @@ from aiohttp import web
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from tests.support.serving import start
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller.cluster.apiwriter import (
     JSON_PATCH,
@@ -58,11 +59,7 @@ def test_no_gate_write_starts_while_held() -> None:
     async def scenario() -> None:
         app = web.Application()
         app.router.add_patch("/api/v1/namespaces/ns/pods/{pod}/status", patch)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, port = await start(app)
         writer = ApiWriter(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
         try:
             await writer.set_condition("ns", "before", {"type": "t"})
@@ -93,10 +90,7 @@ def test_a_status_is_merge_patched_and_errors_read_as_the_official_clients() -> 
         app = web.Application()
         path = f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/{{name}}/status"
         app.router.add_patch(path, patch)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await start(app)
         writer = ApiWriter(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
         unreachable = ApiWriter(client.ApiClient(client.Configuration(host="http://127.0.0.1:9")))
         try:
@@ -135,10 +129,7 @@ def test_any_object_is_written_as_the_official_client_wrote_it() -> None:
     async def scenario() -> None:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", record)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
+        runner, port = await start(app)
         writer = ApiWriter(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
         secrets = api_path("", "v1", "secrets", namespace="ns")
         scale = api_path("apps", "v1", "deployments", namespace="ns", name="d", sub="scale")

@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 from kubernetes import client
 
+from tests.support.serving import start
 from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import agent, pod
 from weightsync.api import GROUP, PLURAL, VERSION, reasons
@@ -81,13 +82,6 @@ class Served:
     events: list[EventSpec]
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
-
-
 def _world(ports: Mapping[str, int]) -> World:
     def agent_on(built: dict[str, Any], name: str) -> dict[str, Any]:
         built["metadata"]["annotations"][names.AGENT_PORT_ANNOTATION] = str(ports[name])
@@ -138,7 +132,7 @@ async def served() -> AsyncIterator[Served]:
         app = web.Application()
         app.router.add_get("/v1/status", status)
         app.router.add_put("/v1/plan", put_plan)
-        runner, ports[name] = await _serve(app)
+        runner, ports[name] = await start(app)
         runners.append(runner)
 
     raw = weightsync("sync").namespace("ns").build()
@@ -170,7 +164,7 @@ async def served() -> AsyncIterator[Served]:
     api.router.add_patch(f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/sync/status",
                          patch_status)  # fmt: skip
     api.router.add_patch("/api/v1/namespaces/ns/pods/{pod}/status", patch_pod_status)
-    api_runner, api_port = await _serve(api)
+    api_runner, api_port = await start(api)
     runners.append(api_runner)
     cluster = Cluster(f"http://127.0.0.1:{api_port}", raw, world)
     agents = AgentClient(timeout_seconds=5)

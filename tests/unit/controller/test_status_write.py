@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.support.serving import start
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from tests.unit.controller.builders import reconciler as make_reconciler
 from weightsync.api import GROUP, PLURAL, VERSION, ConditionType, find_condition, reasons
@@ -32,13 +33,6 @@ from weightsync.controller.readiness.gates import Current
 from weightsync.controller.status.observed import EventSpec, Observation, observed_status
 
 WAIT = 10.0  # how long the slow member's plan waits for the status to arrive
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
 
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -76,10 +70,10 @@ async def staged(
     api = web.Application()
     api.router.add_patch(f"/apis/{GROUP}/{VERSION}/namespaces/ns/{PLURAL}/sync/status",
                          patch_status)  # fmt: skip
-    api_runner, api_port = await _serve(api)
+    api_runner, api_port = await start(api)
     agents_app = web.Application()
     agents_app.router.add_put("/v1/plan", put_plan)
-    agents_runner, port = await _serve(agents_app)
+    agents_runner, port = await start(agents_app)
     agents = AgentClient(timeout_seconds=WAIT + 5)
     api_url = f"http://127.0.0.1:{api_port}"
     reconciler = make_reconciler(agents, api_url, post_event)  # type: ignore[arg-type]

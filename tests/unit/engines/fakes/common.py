@@ -22,6 +22,8 @@ import torch
 from aiohttp import web
 from torch.multiprocessing import reductions
 
+from tests.support.serving import serving
+
 _TORCH_DTYPE_NAMES = {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 # (module, name) pairs a weightsync payload may use; all are in SGLang's allow-list.
@@ -153,18 +155,8 @@ def drop_connection(request: web.Request) -> NoReturn:
 @asynccontextmanager
 async def serve(app: web.Application) -> AsyncIterator[str]:
     """Run `app` on a free loopback port; yield its base URL."""
-    # In-flight handlers (a stalled reply in a timeout test) get a short grace at exit.
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.2)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = site._server  # the asyncio Server: the only place the bound port is kept
-    assert server is not None
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(app) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def apply_to_model(model: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:

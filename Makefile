@@ -9,8 +9,9 @@ PYTEST_ARGS ?=
         cluster-up cluster-down chaos chaos-restarts scale test-engine-pods
 
 demo:  ## the local demo: control plane, chart, trainer + engines syncing, a crash recovered
-	WEIGHTSYNC_SETUP_ENGINES=0 bash .ci/setup  # reference engines only: not vLLM's and SGLang's venvs
-	$(PY) -m tests.e2e.demo run $(DEMO_ARGS)
+	@# reference engines only (not vLLM's and SGLang's venvs); setup's step times for the summary
+	times=$$(mktemp) && WEIGHTSYNC_SETUP_ENGINES=0 WEIGHTSYNC_SETUP_TIMES=$$times bash .ci/setup \
+	  && $(PY) -m tests.e2e.demo run --setup-times $$times $(DEMO_ARGS); rc=$$?; rm -f $$times; exit $$rc
 
 demo-down:  ## stop everything `make demo` started
 	$(PY) -m tests.e2e.demo down

@@ -74,6 +74,7 @@ class Console:
     def __init__(self, *, quiet: bool = False) -> None:
         self.started = time.monotonic()
         self.quiet = quiet
+        self.steps: list[tuple[str, float]] = []  # (step, seconds) for the summary
 
     def say(self, message: str) -> None:
         if not self.quiet:
@@ -96,7 +97,9 @@ class Console:
             yield
         finally:
             done.set()
-        self.say(f"{message}: done in {time.monotonic() - began:.1f}s")
+        seconds = time.monotonic() - began
+        self.steps.append((message, seconds))
+        self.say(f"{message}: done in {seconds:.1f}s")
 
 
 @dataclass
@@ -120,12 +123,19 @@ class DemoResult:
     ready_at_stale_version: list[str] = field(default_factory=list)
     endpoints_while_recovering: list[str] = field(default_factory=list)
     images: dict[str, images.ImageInfo] = field(default_factory=dict)
-    latency_quantiles_ms: dict[str, float] = field(default_factory=dict)
+    latency_quantiles_ms: dict[str, float] = field(default_factory=dict)  # as drawn
+
+    def own_quantiles_ms(self) -> dict[str, int]:
+        """p50 and p99 of the rounds themselves (those an agent timed), by nearest rank."""
+        timed = [r.millis for r in self.rounds if r.millis > 0]
+        return {"p50": _nearest_rank(timed, 0.5), "p99": _nearest_rank(timed, 0.99)}
+
     prometheus_url: str = ""
     panels_with_data: list[str] = field(default_factory=list)
     panels_without_data: list[str] = field(default_factory=list)
     alerts_evaluated: dict[str, int] = field(default_factory=dict)  # alert -> series returned
     dashboard_png: Path | None = None
+    setup_times: list[tuple[str, float]] = field(default_factory=list)  # .ci/setup's steps
     # The WeightSync's Ready condition once every engine serves: (status, reason, message)
     ready: tuple[str, str, str] = ("", "", "")
 
@@ -499,12 +509,21 @@ class Demo:
         for alert, expr in _alert_expressions(self.cluster.bin_dir / "helm").items():
             result.alerts_evaluated[alert] = len(server.query(expr))
 
-    def quantiles(self, server: prom.Prometheus) -> dict[str, float]:
+    def quantiles(self, server: prom.Prometheus, rounds: int) -> dict[str, float]:
+        """Round latency p50 and p99 as the dashboard draws them, from rank 0's agent: the
+        one whose rounds the demo lists, so both figures come from the same rounds."""
+        rank0 = 'role="source", pod="trainer-0"'
+        server.wait_for(  # every round the demo ran is in the scraped histogram
+            f"sum(weightsync_round_duration_seconds_count{{{rank0}}})",
+            lambda found: bool(found) and float(found[0]["value"][1]) >= rounds,
+            timeout=30,
+            message=f"rank 0's agent's histogram holds {rounds} rounds",
+        )
         found: dict[str, float] = {}
         for name, q in (("p50", 0.5), ("p99", 0.99)):
             expr = (
                 f"histogram_quantile({q}, sum by (le) "
-                f'(weightsync_round_duration_seconds_bucket{{role="source"}}))'
+                f"(weightsync_round_duration_seconds_bucket{{{rank0}}}))"
             )
             result = server.wait_for(expr, bool, timeout=30)
             found[name] = float(result[0]["value"][1]) * 1000
@@ -541,12 +560,12 @@ def _alert_expressions(helm: Path) -> dict[str, str]:
     raise DemoError("the chart rendered no PrometheusRule")
 
 
-def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
+def run(demo: Demo, *, rounds: int, kill_at: int, setup_times: Path | None = None) -> DemoResult:
     """The scenario; everything it starts keeps running until `demo.close()` or `down`."""
     if not 1 <= kill_at < rounds:
         raise DemoError(f"--kill-at must be between 1 and {rounds - 1}")
     console = demo.console
-    result = DemoResult()
+    result = DemoResult(setup_times=read_setup_times(setup_times))
     demo.start_cluster(result)
     demo.install_chart()
     demo.apply_workloads()
@@ -599,7 +618,9 @@ def run(demo: Demo, *, rounds: int, kill_at: int) -> DemoResult:
             timeout=30,
             message=f"every engine's scraped version is {final}",
         )
-        result.latency_quantiles_ms = demo.quantiles(server)
+        result.latency_quantiles_ms = demo.quantiles(
+            server, len([r for r in result.rounds if r.millis > 0])
+        )
         result.prometheus_url = server.url
         demo.observe(result, watching_since)
     _summary(result, demo, console)
@@ -635,17 +656,30 @@ def _nearest_rank(values: list[int], q: float) -> int:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def read_setup_times(path: Path | None) -> list[tuple[str, float]]:
+    """The steps `.ci/setup` timed on this run (`WEIGHTSYNC_SETUP_TIMES`): one
+    "step<TAB>seconds" line each; none when the demo was started without it."""
+    if path is None or not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        name, _, seconds = line.rpartition("\t")
+        if name:
+            steps.append((name, float(seconds)))
+    return steps
+
+
 def _summary(result: DemoResult, demo: Demo, console: Console) -> None:
     ok = [r for r in result.rounds if r.ok]
     total_bytes = sum(r.bytes for r in ok)
+    own = result.own_quantiles_ms()
     lines = [
         "",
         "weightsync demo summary",
         f"  rounds                 {len(ok)} of {len(result.rounds)} committed",
         f"  round latency (Prom.)  p50 {result.latency_quantiles_ms.get('p50', 0):.0f} ms, "
         f"p99 {result.latency_quantiles_ms.get('p99', 0):.0f} ms (the rounds themselves: "
-        f"p50 {_nearest_rank([r.millis for r in result.rounds], 0.5)} ms, "
-        f"p99 {_nearest_rank([r.millis for r in result.rounds], 0.99)} ms)",
+        f"p50 {own['p50']} ms, p99 {own['p99']} ms)",
         f"  bytes per round        {ok[-1].bytes if ok else 0} ({total_bytes} in all)",
         f"  failed / recovered     {result.killed_pod} -> {result.replacement_pod} "
         f"in {result.recovery_seconds:.1f}s (in its Service's endpoints while behind: "
@@ -653,6 +687,14 @@ def _summary(result: DemoResult, demo: Demo, console: Console) -> None:
         "  images                 "
         + ", ".join(
             f"{info.ref} ({info.size_bytes / 1e9:.2f} GB)" for info in result.images.values()
+        ),
+        "  time on this run       (.ci/setup's steps, then the demo's)",
+        *(
+            f"    {name.split(' (')[0]:62s} {seconds:6.1f} s"
+            for name, seconds in [
+                *(("setup: " + n, t) for n, t in result.setup_times),
+                *console.steps,
+            ]
         ),
         "  engine pods            version  bit-identical to trainer",
     ]
@@ -682,12 +724,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--kill-at", type=int, default=5)
     parser.add_argument("--state-dir", type=Path, default=DEMO_DIR)
+    parser.add_argument(
+        "--setup-times", type=Path, help="the step times .ci/setup wrote on this run"
+    )
     args = parser.parse_args(argv)
     if args.command == "down":
         Demo(args.state_dir, Console()).close()  # keeps the imported images
         print("demo stopped")
         return 0
-    result = run(Demo(args.state_dir, Console()), rounds=args.rounds, kill_at=args.kill_at)
+    result = run(
+        Demo(args.state_dir, Console()),
+        rounds=args.rounds,
+        kill_at=args.kill_at,
+        setup_times=args.setup_times,
+    )
     healthy = (
         all(result.identical.values())
         and not result.ready_at_stale_version

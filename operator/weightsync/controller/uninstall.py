@@ -7,7 +7,8 @@ Run as the operator's own ServiceAccount before Helm removes it and its rights:
 2. delete the webhook configurations it registered: `validate-claims` fails closed, and
    with nothing behind it every later `kubectl apply` of a WeightSync would be refused;
 3. for every WeightSync: open its pods' readiness gates (as deleting it would) and remove
-   the operator's finalizer, so deleting WeightSyncs or the CRD later does not hang;
+   the operator's finalizer, so deleting WeightSyncs or the CRD later does not hang; and
+   remove it again while the operator's pod may still be terminating (its grace period);
 4. delete a `helm test` pod that failed (its hook policy keeps failed ones).
 
 The CRD and the WeightSyncs stay, as docs/install.md says. Reads go through the official
@@ -47,6 +48,9 @@ API_CALLS = (
 )
 NOT_FOUND = 404
 STOP_TIMEOUT_SECONDS = 60.0
+# After its grace period the kubelet kills the operator; a little more for the kill.
+SIGKILL_MARGIN_SECONDS = 5.0
+RECHECK_SECONDS = 1.0
 
 
 async def stop_operator(kube: Kube, namespace: str, deployment: str) -> None:
@@ -105,25 +109,43 @@ def weightsyncs(kube: Kube, namespaces: list[str]) -> list[dict[str, Any]]:
 async def let_go(kube: Kube, sync: dict[str, Any]) -> None:
     """Open the WeightSync's gates and drop the operator's finalizer (nothing else)."""
     meta = sync["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
     # No watches here: the pods are listed.
-    await pod_actions.release(kube, namespace, sync, Indexes())
+    await pod_actions.release(kube, meta["namespace"], sync, Indexes())
+    await drop_finalizer(kube, sync)
+    log.info("released WeightSync %s/%s", meta["namespace"], meta["name"])
+
+
+async def drop_finalizer(kube: Kube, sync: dict[str, Any]) -> bool:
+    """Remove the operator's finalizer if `sync` has it; whether it had."""
+    meta = sync["metadata"]
     finalizers = list(meta.get("finalizers") or [])
-    if names.FINALIZER in finalizers:
-        kept = [f for f in finalizers if f != names.FINALIZER]
-        patch = {"metadata": {"finalizers": kept, "resourceVersion": meta["resourceVersion"]}}
-        path = api_path(GROUP, VERSION, PLURAL, namespace=namespace, name=name)
-        await kube.writer.patch(path, patch, resource="weightsyncs", content_type=MERGE_PATCH)
-    log.info("released WeightSync %s/%s", namespace, name)
+    if names.FINALIZER not in finalizers:
+        return False
+    kept = [f for f in finalizers if f != names.FINALIZER]
+    patch = {"metadata": {"finalizers": kept, "resourceVersion": meta["resourceVersion"]}}
+    path = api_path(GROUP, VERSION, PLURAL, namespace=meta["namespace"], name=meta["name"])
+    await kube.writer.patch(path, patch, resource="weightsyncs", content_type=MERGE_PATCH)
+    return True
 
 
 async def uninstall(kube: Kube, args: argparse.Namespace) -> None:
+    # A Deployment scaled to 0 counts no terminating pod: the operator may still be
+    # handling events for its grace period, and the update that drops a finalizer is one
+    # (kopf adds its finalizer back). Only after that period is it gone for sure, so the
+    # finalizers are dropped again until then (a demo's WeightSync kept one: CI, 2026-11-28).
+    gone_by = time.monotonic() + args.operator_grace_seconds + SIGKILL_MARGIN_SECONDS
     await stop_operator(kube, args.operator_namespace, args.deployment)
     if args.test_pod:
         await delete_test_pod(kube, args.operator_namespace, args.test_pod)
     await delete_webhooks(kube, args.webhook_configuration)
     for sync in await asyncio.to_thread(weightsyncs, kube, args.namespace):
         await let_go(kube, sync)
+    while time.monotonic() < gone_by:
+        await asyncio.sleep(RECHECK_SECONDS)
+        for sync in await asyncio.to_thread(weightsyncs, kube, args.namespace):
+            if await drop_finalizer(kube, sync):
+                meta = sync["metadata"]
+                log.info("dropped a finalizer added back to %s/%s", meta["namespace"], meta["name"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--webhook-configuration", required=True)
     parser.add_argument("--namespace", action="append", default=[], help="watched namespaces")
     parser.add_argument("--test-pod", default="", help="a failed `helm test` pod to delete")
+    parser.add_argument(
+        "--operator-grace-seconds", type=float, default=30.0,
+        help="the operator pod's terminationGracePeriodSeconds",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     kube = Kube(load_config())

@@ -427,6 +427,9 @@ def test_uninstall_runs_first_as_the_operator_and_removes_its_webhooks() -> None
         f"--deployment={deployment['metadata']['name']}",
         f"--webhook-configuration={name}",
         "--test-pod=ws-weightsync-test-webhooks",
+        # Until the operator pod's grace period has run out, dropped finalizers are
+        # dropped again (a terminating pod may add one back).
+        f"--operator-grace-seconds={deployment['spec']['template']['spec']['terminationGracePeriodSeconds']}",
         "--namespace=team-a",
     ]
 

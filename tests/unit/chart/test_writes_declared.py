@@ -93,7 +93,8 @@ async def every_write(kube: Kube) -> None:
     await configurations.apply({"url": "https://127.0.0.1:9443"})
     await configurations.apply(None)
     args = argparse.Namespace(operator_namespace="ops", deployment="op", test_pod="t",
-                              webhook_configuration="ws", namespace=["ns"])  # fmt: skip
+                              webhook_configuration="ws", namespace=["ns"],
+                              operator_grace_seconds=-10.0)  # fmt: skip
     stopped = SimpleNamespace(status=None)
     with (
         mock.patch.object(kube.apps, "read_namespaced_deployment", return_value=stopped),

@@ -141,9 +141,13 @@ def parse_from(
         for problem in problems:
             *parents, last = problem["loc"]
             node = data
-            for key in parents:
-                node = node[key]
-            node.pop(last, None)
+            try:
+                for key in parents:
+                    node = node[key]
+                del node[last]
+            except (KeyError, IndexError, TypeError):
+                # A path that is not the JSON's (a union member's tag in it): no guessing.
+                raise error from None
         # By field, not by list item: a roster's thousand members share one.
         fields = (".".join(str(k) for k in p["loc"] if not isinstance(k, int)) for p in problems)
         return model.model_validate(data), tuple(dict.fromkeys(fields))

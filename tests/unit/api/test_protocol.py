@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from weightsync.api.control import AgentStatus, MembershipPlan, RecoverRequest
 from weightsync.api.protocol import (
@@ -155,3 +155,26 @@ def _old_status() -> dict[str, Any]:
         "engine": None,
         "last_round": None,
     }
+
+
+class _Left(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    left: int
+
+
+class _Right(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    left: int
+    right: int = 0
+
+
+class _Either(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    side: _Left | _Right
+
+
+def test_an_unknown_field_in_a_union_is_refused_not_guessed_at() -> None:
+    # Its error's path names the union member tried, which is no key of the JSON.
+    raw = json.dumps({"side": {"left": 1, "new": 2}})
+    with pytest.raises(ValidationError, match=r"new"):
+        parse_from(_Either, raw, N + 1)

@@ -6,6 +6,9 @@ Routes (messages in `weightsync.api.control`):
 * `GET /v1/status` -> `AgentStatus`; `?with=a,b` adds those of `STATUS_ADDITIONS`
 * `GET /v1/holding` -> `Holding` (the version held for P2P pulls), 404 when none
 * `POST /v1/recover` `RecoverRequest` -> 202 `RecoveryStatus`; pulls in the background
+Every request may carry the operator's protocol version (`api.protocol.HEADER`; none is
+the oldest): a newer operator's unknown request fields are ignored, and the status leaves
+out the fields the operator's version lacks (`api.protocol`'s skew policy).
 Metrics: `GET /metrics` on the metrics port (no token: Prometheus scrapes it).
 A sink with a front (`agent.front`) serves the engine's clients on the front's port, on
 every interface.
@@ -17,10 +20,11 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from weightsync.agent.generations import PlanRejectedError
 from weightsync.agent.handoff_server import serve_publisher
@@ -32,11 +36,25 @@ from weightsync.api.control import (
     MembershipPlan,
     RecoverRequest,
 )
+from weightsync.api.protocol import HEADER, PROTOCOL_VERSION, for_peer, parse_from, sender_version
 from weightsync.api.reasons import ErrorCode
 
 log = logging.getLogger(__name__)
 
 AGENT_KEY: web.AppKey[Agent] = web.AppKey("agent")
+# Unknown fields already logged (`_parse`): a newer operator sends them on every request.
+IGNORED_KEY: web.AppKey[set[str]] = web.AppKey("ignored", set[str])
+
+MessageT = TypeVar("MessageT", bound=BaseModel)
+
+
+class _BadRequestError(Exception):
+    """A request the agent answers 400 to: `error` and `detail` of its `ErrorResponse`."""
+
+    def __init__(self, error: str, detail: str) -> None:
+        super().__init__(detail)
+        self.error = error
+        self.detail = detail
 
 
 @web.middleware
@@ -55,12 +73,39 @@ def _error(status: int, error: str, detail: str) -> web.Response:
     return web.Response(status=status, text=body, content_type="application/json")
 
 
+def _sender(request: web.Request) -> int:
+    """The requesting operator's protocol version (absent: the oldest)."""
+    try:
+        return sender_version(request.headers.get(HEADER))
+    except ValueError as exc:
+        raise _BadRequestError(ErrorCode.INVALID_REQUEST, f"header {HEADER}: {exc}") from exc
+
+
+async def _parse(request: web.Request, model: type[MessageT], error: str) -> MessageT:
+    """The request's body as `model`; a newer operator's unknown fields ignored, logged
+    once per field (it sends them on every request)."""
+    sender = _sender(request)
+    try:
+        message, ignored = parse_from(model, await request.read(), sender)
+    except ValidationError as exc:
+        raise _BadRequestError(error, str(exc)) from exc
+    seen = request.app[IGNORED_KEY]
+    new = [f"{model.__name__}.{path}" for path in ignored if f"{model.__name__}.{path}" not in seen]
+    if new:
+        seen.update(new)
+        log.info(
+            "ignoring fields the operator's protocol version %d adds (this agent's is %d): %s",
+            sender, PROTOCOL_VERSION, ", ".join(new),
+        )  # fmt: skip
+    return message
+
+
 async def put_plan(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     try:
-        plan = MembershipPlan.model_validate_json(await request.read())
-    except ValidationError as exc:
-        return _error(400, ErrorCode.INVALID_PLAN, str(exc))
+        plan = await _parse(request, MembershipPlan, ErrorCode.INVALID_PLAN)
+    except _BadRequestError as exc:
+        return _error(400, exc.error, exc.detail)
     try:
         accepted = agent.apply_plan(plan)
     except PlanRejectedError as exc:
@@ -71,12 +116,16 @@ async def put_plan(request: web.Request) -> web.Response:
 
 
 async def get_status(request: web.Request) -> web.Response:
+    try:
+        sender = _sender(request)
+    except _BadRequestError as exc:
+        return _error(400, exc.error, exc.detail)
     status = await request.app[AGENT_KEY].status()
     asked = {name for value in request.query.getall("with", []) for name in value.split(",")}
-    # An operator that did not ask for a field may not know it: its parser would refuse
-    # the whole answer.
-    unasked = {name for name in STATUS_ADDITIONS if name not in asked}
-    body = status.model_dump_json(exclude=unasked)
+    # An operator that did not ask for a field, or whose version lacks it, may not know
+    # it: its parser would refuse the whole answer.
+    unasked = frozenset(name for name in STATUS_ADDITIONS if name not in asked)
+    body = for_peer(status, sender, exclude=unasked).json()
     return web.Response(text=body, content_type="application/json")
 
 
@@ -94,9 +143,9 @@ async def get_holding(request: web.Request) -> web.Response:
 
 async def post_recover(request: web.Request) -> web.Response:
     try:
-        recover = RecoverRequest.model_validate_json(await request.read())
-    except ValidationError as exc:
-        return _error(400, ErrorCode.INVALID_REQUEST, str(exc))
+        recover = await _parse(request, RecoverRequest, ErrorCode.INVALID_REQUEST)
+    except _BadRequestError as exc:
+        return _error(400, exc.error, exc.detail)
     try:
         started = request.app[AGENT_KEY].start_recovery(recover)
     except RecoveryFailed as exc:
@@ -112,6 +161,7 @@ async def get_metrics(request: web.Request) -> web.Response:
 def make_control_app(agent: Agent) -> web.Application:
     app = web.Application(middlewares=[_auth])
     app[AGENT_KEY] = agent
+    app[IGNORED_KEY] = set()
     app.router.add_put("/v1/plan", put_plan)
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/v1/holding", get_holding)

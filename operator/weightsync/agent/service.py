@@ -37,6 +37,7 @@ from weightsync.api.control import (
     RecoveryStatus,
     RecoveryTransport,
 )
+from weightsync.api.protocol import PROTOCOL_VERSION
 from weightsync.api.reasons import RecoveryFailureReason
 from weightsync.api.v1alpha1 import Role
 from weightsync.api.v1alpha1.spec import RecoveryProtocol
@@ -220,6 +221,7 @@ class Agent:
                 detail=self.transport.detail,
             ),
             front=self.exposure.status() if self.exposure is not None else None,
+            protocol_version=PROTOCOL_VERSION,
         )
 
     # ---------------------------------------------------------------- recovery

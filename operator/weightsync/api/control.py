@@ -15,6 +15,9 @@ Routes (bearer-token auth on every route):
   is a member of a warm group generation; 400 for an invalid request.
 
 Durations are integers with their unit in the name, like the WeightSync status.
+Every request carries the operator's protocol version, every status the agent's; which
+fields each side sends the other, and which versions work together, is
+`weightsync.api.protocol`'s skew policy.
 """
 
 from __future__ import annotations
@@ -302,6 +305,9 @@ class AgentStatus(_Message):
     local_engine: str | None = None
     recovery_transport: RecoveryTransport | None = None  # in `STATUS_ADDITIONS`
     front: FrontStatus | None = None
+    # The agent's control-protocol version (`api.protocol`); absent from the agents
+    # released before versions, which speak the oldest.
+    protocol_version: int = Field(default=1, ge=1)
 
 
 class Holding(_Message):

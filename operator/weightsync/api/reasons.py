@@ -112,6 +112,12 @@ AGENT_REFUSES_OPERATOR_MESSAGE: Final = (
     "The agents of {pods} refuse the operator's credentials (HTTP 401): their Secret is not"
     " the one this operator derives (another operator key?)."
 )
+AGENT_PROTOCOL_SKEW: Final = "AgentProtocolSkew"
+AGENT_PROTOCOL_SKEW_MESSAGE: Final = (
+    "The agents of {pods} speak control protocol version {versions}; this operator speaks"
+    " {version} and works with agents {low} to {high}. They are not planned: recreate their"
+    " pods to give them the operator's agent image."
+)
 CONTAINERS_NOT_READY: Final = "ContainersNotReady"
 CONTAINERS_NOT_READY_MESSAGE: Final = (
     "A container of the pod is not ready (restarted?): the engine is vouched for again"

@@ -11,6 +11,7 @@ from typing import Any
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api import ConditionType, find_condition, reasons
 from weightsync.api.control import AgentStatus, GenerationState
+from weightsync.api.protocol import PROTOCOL_VERSION
 from weightsync.api.v1alpha1 import Member, Role, WeightSync, WeightSyncStatus
 from weightsync.controller.agents.view import AgentView
 from weightsync.controller.membership.workloads import PodView
@@ -204,3 +205,38 @@ def test_a_generation_past_its_pre_warm_timeout_benches_its_cold_members_once() 
     again = decided(observed(statuses, pods=pods, parsed=parsed, old=old), after)
     assert again.soft is not None
     assert again.soft.cooldown == after.cooldown
+
+
+def test_an_agent_beyond_the_protocol_skew_is_reported_and_neither_planned_nor_recovered() -> None:
+    parsed = sync(spec__recovery={"protocol": "TCP", "holders": 1})
+    far = PROTOCOL_VERSION + 2  # two releases ahead: its messages may mean other things
+    statuses = {
+        SOURCE.name: agent(SOURCE.name, Role.SOURCE, generations={1: (A, 0)}, version=5).model_copy(
+            update={"holding": 5}
+        ),
+        E1.name: agent(E1.name, generations={1: (A, 1)}, version=5, engine_version=5),
+        E2.name: agent(E2.name).model_copy(update={"protocol_version": far}),  # behind, too
+    }
+    old = grouped(1, SOURCE, E1, version=5)
+    actions = decided(observed(statuses, parsed=parsed, old=old), SoftState())
+    assert actions.plans is None  # the group it would have joined stays as it is
+    assert actions.recoveries is not None
+    assert actions.recoveries.starts == ()
+    assert actions.status is not None
+    degraded = find_condition(actions.status.new.conditions, ConditionType.DEGRADED)
+    assert degraded is not None
+    assert (degraded.status, degraded.reason) == ("True", reasons.AGENT_PROTOCOL_SKEW)
+    assert f"e-2 speak control protocol version {far}" in degraded.message
+    assert reasons.AGENT_PROTOCOL_SKEW in [e.reason for e in actions.status.events]
+    # Within one version either side, the same agent is planned in.
+    near = {**statuses, E2.name: statuses[E2.name].model_copy(update={"protocol_version": 1})}
+    fine = decided(observed(near, parsed=parsed, old=old), SoftState())
+    assert fine.recoveries is not None
+    assert [s.pod.name for s in fine.recoveries.starts] == ["e-2"]
+    # One that serves the current version would join the group, within the skew only.
+    current = agent(E2.name, version=5, engine_version=5)
+    for version, joins in ((far, False), (PROTOCOL_VERSION + 1, True)):
+        said = {**statuses, E2.name: current.model_copy(update={"protocol_version": version})}
+        joined = decided(observed(said, parsed=parsed, old=old), SoftState())
+        planned = joined.plans.desired.members if joined.plans is not None else ()
+        assert ("e-2" in [m.name for m in planned]) is joins

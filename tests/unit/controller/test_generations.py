@@ -111,7 +111,9 @@ def test_a_generation_the_status_does_not_record_yet_is_not_planned_again() -> N
     delivered: list[int] = []
 
     class Agents:  # a test double: records the plans it would deliver to agents
-        async def deliver(self, deliveries: dict[str, Any], token: str) -> dict[str, str]:
+        async def deliver(
+            self, deliveries: dict[str, Any], token: str, versions: dict[str, int]
+        ) -> dict[str, str]:
             delivered.append(next(iter(deliveries.values()))[1].generation)
             return {}
 

@@ -211,7 +211,7 @@ class RecordingAgents(AgentClient):
         self.requests: list[tuple[AgentAddress, RecoverRequest]] = []
 
     async def recover(
-        self, agent: AgentAddress, request: RecoverRequest, token: str
+        self, agent: AgentAddress, request: RecoverRequest, token: str, *, peer_version: int
     ) -> RecoveryStatus | str:
         self.requests.append((agent, request))
         return self.answers[agent.pod]

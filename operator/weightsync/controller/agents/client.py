@@ -3,6 +3,10 @@
 One aiohttp session for the whole operator; every request has a total timeout and a
 bearer token. Failures are values, not exceptions: a pass asks many agents at once
 and must carry on with the ones that answered.
+
+Every request says the operator's protocol version (`api.protocol.HEADER`), and a request
+to an agent of an older version leaves out the fields that version lacks; one that needs
+such a field set is not sent (`api.protocol`'s skew policy).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from weightsync.api.control import (
     RecoverRequest,
     RecoveryStatus,
 )
+from weightsync.api.protocol import HEADER, OLDEST, PROTOCOL_VERSION, for_peer
 from weightsync.controller import metrics
 from weightsync.controller.agents.view import AgentView
 
@@ -72,7 +77,7 @@ class AgentClient:
     ) -> ReplyT | str:
         """One control-API request; the parsed reply, or why there is none (counted by label).
         `pod`: the reply must name it (its `pod` field)."""
-        headers = _auth(token)
+        headers = {**_auth(token), HEADER: str(PROTOCOL_VERSION)}
         if body is not None:
             headers["Content-Type"] = "application/json"
         try:
@@ -136,13 +141,20 @@ class AgentClient:
         if sweep:
             metrics.AGENT_POLL_DURATION.observe(time.monotonic() - asked)
 
-    async def put_plan(self, agent: AgentAddress, plan: MembershipPlan, token: str) -> str | None:
-        """Deliver `plan`; None when accepted, else why not."""
-        body = plan.model_dump_json()
-        metrics.PLAN_BYTES.inc(len(body))
+    async def put_plan(
+        self, agent: AgentAddress, plan: MembershipPlan, token: str, *, peer_version: int
+    ) -> str | None:
+        """Deliver `plan` to an agent of protocol version `peer_version`; None when accepted, else
+        why not."""
+        body = for_peer(plan, peer_version)
+        if body.lost:
+            metrics.AGENT_REQUESTS.labels("plan", metrics.AgentRequestResult.REJECTED).inc()
+            return _too_old(peer_version, body.lost)
+        text = body.json()
+        metrics.PLAN_BYTES.inc(len(text))
         accepted = await self._call(
             "PUT", f"{agent.url}/v1/plan", token, PlanAccepted,
-            label="plan", expect=202, body=body,
+            label="plan", expect=202, body=text,
         )  # fmt: skip
         if isinstance(accepted, str):
             return accepted
@@ -152,21 +164,34 @@ class AgentClient:
         return None
 
     async def recover(
-        self, agent: AgentAddress, request: RecoverRequest, token: str
+        self, agent: AgentAddress, request: RecoverRequest, token: str, *, peer_version: int
     ) -> RecoveryStatus | str:
-        """Ask a sink agent to pull `request.version` from holders; its status, or why not."""
+        """Ask a sink agent (of protocol version `peer_version`) to pull `request.version` from
+        holders; its status, or why not."""
+        body = for_peer(request, peer_version)
+        if body.lost:
+            metrics.AGENT_REQUESTS.labels("recover", metrics.AgentRequestResult.REJECTED).inc()
+            return _too_old(peer_version, body.lost)
         return await self._call(
             "POST", f"{agent.url}/v1/recover", token, RecoveryStatus,
-            label="recover", expect=202, body=request.model_dump_json(),
+            label="recover", expect=202, body=body.json(),
         )  # fmt: skip
 
     async def deliver(
-        self, plans: Mapping[str, tuple[AgentAddress, MembershipPlan]], token: str
+        self,
+        plans: Mapping[str, tuple[AgentAddress, MembershipPlan]],
+        token: str,
+        versions: Mapping[str, int],
     ) -> dict[str, str]:
-        """Deliver one plan per pod at once; the errors by pod (empty: all accepted)."""
+        """Deliver one plan per pod at once, each for its agent's protocol version
+        (`versions`, by pod; an agent missing there is taken for the oldest); the errors by
+        pod (empty: all accepted)."""
         items = list(plans.items())
         results = await asyncio.gather(
-            *(self.put_plan(address, plan, token) for _, (address, plan) in items)
+            *(
+                self.put_plan(address, plan, token, peer_version=versions.get(pod, OLDEST))
+                for pod, (address, plan) in items
+            )
         )
         return {pod: error for (pod, _), error in zip(items, results, strict=True) if error}
 
@@ -184,4 +209,11 @@ def _describe_error(status: int, body: bytes) -> str:
         f"HTTP {status} {error.error}: {error.detail}"
         if error.detail
         else f"HTTP {status} {error.error}"
+    )
+
+
+def _too_old(peer_version: int, lost: tuple[str, ...]) -> str:
+    return (
+        f"the agent speaks protocol version {peer_version}, which lacks {', '.join(lost)}:"
+        " recreate its pod to upgrade it"
     )

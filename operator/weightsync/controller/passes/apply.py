@@ -220,7 +220,9 @@ async def carry_out(
     async def start(job: RecoveryStart) -> None:
         pod = job.pod
         address = AgentAddress(pod.name, pod.ip or "", pod.agent_port or default_port)
-        answer = await agents.recover(address, job.request, token)
+        answer = await agents.recover(
+            address, job.request, token, peer_version=job.protocol_version
+        )
         _started(
             pod.name, job.request, answer, tracker=job.tracker, post_event=post_event,
             raw=raw, now=now,

@@ -13,8 +13,10 @@ the observation, so a test constructs both inputs and checks the value.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from weightsync.api.protocol import out_of_skew
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
 from weightsync.controller.agents.view import AgentView
 from weightsync.controller.cluster.pods import uninjected
@@ -54,6 +56,7 @@ class Group:
     planned: Planned
     recoveries: Recoveries
     prewarm_timed_out: bool
+    skewed: dict[str, int]  # agents too many protocol versions away: neither planned nor recovered
 
 
 def decide(seen: Observed, soft: SoftState) -> Actions:
@@ -86,6 +89,7 @@ def decide(seen: Observed, soft: SoftState) -> Actions:
         prewarm_timed_out=group.prewarm_timed_out,
         agent_errors=seen.agents.errors,
         sources=seen.sources,
+        skewed=group.skewed,
     )
     plans = None
     if planned.fresh and planned.generation is not None:
@@ -113,9 +117,10 @@ def _group(seen: Observed, sync: WeightSync, soft: SoftState) -> Group:
     statuses = view.statuses
     soft.cooldown = {uid: t for uid, t in soft.cooldown.items() if t > now}
     cooling = {p.name for p in pods if p.uid in soft.cooldown}
-    recoveries = _recoveries(seen, sync, soft)
+    skewed = out_of_skew({pod: s.protocol_version for pod, s in statuses.items()})
+    recoveries = _recoveries(seen, sync, soft, skewed)
     soft.recoveries = recoveries.trackers
-    excluded = cooling | recoveries.held.held_out
+    excluded = cooling | recoveries.held.held_out | skewed.keys()
     generation, previous = soft.planned(
         old.group_generation, [Slot(m.rank, m.pod, m.role) for m in old.members]
     )
@@ -164,12 +169,16 @@ def _group(seen: Observed, sync: WeightSync, soft: SoftState) -> Group:
         )  # fmt: skip
     evidence = view.since(soft.planned_at.get(planned.generation or 0))
     timed_out = Planner.prewarm_timed_out(sync, planned, evidence, pods, soft, now=now)
-    return Group(desired, planned, recoveries, timed_out)
+    return Group(desired, planned, recoveries, timed_out, skewed)
 
 
-def _recoveries(seen: Observed, sync: WeightSync, soft: SoftState) -> Recoveries:
-    """Recoveries of pods that are behind, to start and follow; which to hold out."""
-    old, statuses = seen.old, seen.agents.statuses
+def _recoveries(
+    seen: Observed, sync: WeightSync, soft: SoftState, skewed: Mapping[str, int]
+) -> Recoveries:
+    """Recoveries of pods that are behind, to start and follow; which to hold out. An
+    agent out of skew is asked nothing: its pod shows as if its agent were silent."""
+    old = seen.old
+    statuses = {p: s for p, s in seen.agents.statuses.items() if p not in skewed}
     lead = min(seen.sources, default=0)  # plan rank 0: commits last, reports it
     source = next((p for p in seen.pods if p.role is Role.SOURCE and p.rank == lead), None)
     return decide_recoveries(

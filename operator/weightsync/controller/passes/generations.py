@@ -157,7 +157,9 @@ class Planner:
             )
             for pod, plan in zip(members, plans, strict=True)
         }
-        errors = await self.agents.deliver(deliveries, token)
+        statuses = memory.agents.statuses
+        versions = {pod: status.protocol_version for pod, status in statuses.items()}
+        errors = await self.agents.deliver(deliveries, token, versions)
         metrics.GENERATIONS_PLANNED.inc()
         log.info(
             "%s/%s: planned generation %d with %d ranks (%d refused)",

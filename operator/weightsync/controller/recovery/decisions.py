@@ -46,6 +46,7 @@ from weightsync.api.control import (
     RecoveryStatus,
     RecoveryTransport,
 )
+from weightsync.api.protocol import OLDEST
 from weightsync.api.v1alpha1 import RecoveryProtocol, Role, SyncMode, WeightSyncSpec
 from weightsync.controller.membership.plan import HOLDING_STATES
 from weightsync.controller.membership.workloads import PodView
@@ -322,6 +323,7 @@ class RecoveryStart:
     pod: PodView
     request: RecoverRequest
     tracker: Tracker
+    protocol_version: int  # its agent's (`api.protocol`): the request is written for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +367,9 @@ def decide_recoveries(
         tracker = after[decision.pod.uid] = decision.tracker
         if decision.step is Step.START and current.version is not None:
             request = request_for(spec, current, decision.holders, decision.protocol)
-            starts.append(RecoveryStart(decision.pod, request, tracker))
+            status = statuses.get(decision.pod.name)
+            version = status.protocol_version if status is not None else OLDEST
+            starts.append(RecoveryStart(decision.pod, request, tracker, version))
         if decision.step is not Step.ADMIT:
             watched.add(decision.pod.name)
             if not decision.in_group:

@@ -21,6 +21,7 @@ from weightsync.api.conditions import (
     set_conditions,
 )
 from weightsync.api.control import AgentStatus, GenerationState, GenerationStatus
+from weightsync.api.protocol import PROTOCOL_VERSION, SKEW
 from weightsync.api.v1alpha1 import (
     Member,
     Role,
@@ -91,6 +92,7 @@ class Observation:
     plan_errors: Mapping[str, str] = field(default_factory=dict)
     agent_errors: Mapping[str, str] = field(default_factory=dict)  # status polls that failed
     sources: Sequence[int] | None = None  # the trainer ranks planned (default: the listed)
+    skewed: Mapping[str, int] = field(default_factory=dict)  # `protocol.out_of_skew`, by pod
 
 
 def _ordered(conditions: Sequence[Condition]) -> list[Condition]:
@@ -275,6 +277,17 @@ def _degraded(obs: Observation, source: AgentStatus | None) -> ConditionUpdate:
         return ConditionUpdate(
             kind, T, reasons.AGENT_REFUSES_OPERATOR,
             reasons.AGENT_REFUSES_OPERATOR_MESSAGE.format(pods=listing(refused)),
+        )  # fmt: skip
+    if obs.skewed:  # they are not planned (`decide`); only their pods' recreation helps
+        pods = sorted(obs.skewed)
+        return ConditionUpdate(
+            kind, T, reasons.AGENT_PROTOCOL_SKEW,
+            reasons.AGENT_PROTOCOL_SKEW_MESSAGE.format(
+                pods=listing(pods),
+                versions=listing(sorted({str(obs.skewed[p]) for p in pods})),
+                version=PROTOCOL_VERSION, low=PROTOCOL_VERSION - SKEW,
+                high=PROTOCOL_VERSION + SKEW,
+            ),
         )  # fmt: skip
     for slot in obs.planned:
         broken = _broken(obs.statuses.get(slot.pod), obs.planned_generation)

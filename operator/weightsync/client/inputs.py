@@ -32,9 +32,10 @@ _DATA_PTR = torch.Tensor.data_ptr
 def held(tensor: torch.Tensor) -> torch.Tensor:
     """The bytes this rank holds of `tensor`: a DTensor's own shard (the tensor `to_local()`
     views, without a new view object per call), a plain tensor itself."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    assert isinstance(local, torch.Tensor)
-    return local
+    local = getattr(tensor, "_local_tensor", None)  # DTensor's own: to_local() views it
+    if isinstance(local, torch.Tensor):
+        return local
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 _SHAPE = operator.attrgetter("shape")

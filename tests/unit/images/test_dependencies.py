@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.metadata
+import os
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -53,14 +55,15 @@ def runtime_imports() -> dict[str, list[str]]:
     return found
 
 
-# Which extra each subpackage's image installs (None: the base dependencies suffice).
+# Which extra each subpackage's image installs (None: the base dependencies suffice; the
+# client runs in the trainer's image, which installs `weightsync[client]`).
 PART_EXTRAS: dict[str, str | None] = {
     "api": None,
     "controller": "operator",
     "agent": "agent",
     "transfer": "agent",
     "engines": "agent",
-    "client": "agent",
+    "client": "client",
     "reference": "agent",
 }
 
@@ -121,3 +124,27 @@ def test_the_operator_image_carries_no_torch_and_the_agent_image_no_kubernetes()
 
 def test_the_reader_sees_the_package_imports() -> None:
     assert {"kopf", "kubernetes", "torch", "pydantic", "prometheus_client"} <= set(IMPORTS)
+
+
+def test_the_client_imports_only_what_the_client_extra_installs() -> None:
+    """A trainer installs `weightsync[client]` beside its own torch: everything importing
+    `weightsync.client` loads (through `transfer`, `api`, ...) comes with it."""
+    code = (
+        "import sys, weightsync.client, weightsync.client.shards;"
+        "print('\\n'.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "operator")},
+    )  # fmt: skip
+    loaded = {m for m in done.stdout.split() if m not in sys.stdlib_module_names}
+    third_party = {m: distributions_of()[m] for m in loaded if m in distributions_of()}
+    assert "torch" in third_party
+    assert "pydantic" in third_party
+    installed = installed_by_pip_install("client")
+    missing = {
+        module: names
+        for module, names in third_party.items()
+        if module != "weightsync" and not any(_canonical(d) in installed for d in names)
+    }
+    assert missing == {}, f"the client loads modules its extra does not install: {missing}"

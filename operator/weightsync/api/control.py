@@ -25,11 +25,11 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync.api.engines import EngineOptions
+from weightsync.api.v1alpha1.colocated import SyncMode
 from weightsync.api.v1alpha1.spec import (
     Engine,
     PrewarmSpec,
     RecoveryProtocol,
-    SyncMode,
     TransferSpec,
 )
 from weightsync.api.v1alpha1.status import Role

@@ -301,6 +301,8 @@ class EngineErrorReason(StrEnum):
     BAD_SLOT = "bad_slot"  # a slot index that was never attached
     SEQUENCE = "sequence"  # calls out of order (load before begin, finish of another version)
     RESTARTED = "restarted"  # the engine process changed since the update began
+    UNSUPPORTED = "unsupported"  # the engine cannot do what was asked (release memory)
+    SLEEPING = "sleeping"  # the engine released its memory: it serves nothing until woken
 
 
 class ErrorCode(StrEnum):

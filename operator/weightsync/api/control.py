@@ -25,7 +25,7 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1.colocated import SyncMode
+from weightsync.api.v1alpha1.colocated import MemoryRelease, SyncMode
 from weightsync.api.v1alpha1.spec import (
     Engine,
     PrewarmSpec,
@@ -86,6 +86,8 @@ class LocalEngine(_Message):
     engine: Engine
     url: str = Field(min_length=1)  # its HTTP base URL (pod IP and the entry's port)
     options: EngineOptions = EngineOptions()
+    # What `Publisher.release()` frees (`spec.colocated.memoryRelease`).
+    memory_release: MemoryRelease = MemoryRelease.NONE
 
 
 class MembershipPlan(_Message):

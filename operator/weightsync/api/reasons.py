@@ -220,6 +220,9 @@ class FailureReason(StrEnum):
     LAYOUT_UNAVAILABLE = "layout_unavailable"
     SLOTS_UNAVAILABLE = "slots_unavailable"
     ENGINE_ATTACH_FAILED = "engine_attach_failed"
+    # Colocated: the engine's memory, released while the trainer trains.
+    ENGINE_RELEASE_FAILED = "engine_release_failed"
+    ENGINE_WAKE_FAILED = "engine_wake_failed"
     ROUND_MISMATCH = "round_mismatch"
     # Sharded rounds: the source ranks' shards.
     BAD_SHARDS = "bad_shards"

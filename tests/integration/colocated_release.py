@@ -11,6 +11,7 @@ pod).
 
 from __future__ import annotations
 
+import re
 import urllib.error
 from pathlib import Path
 
@@ -26,6 +27,14 @@ from weightsync.client import Publisher
 from weightsync.reference.model import PRESETS, build_model, randomize
 
 KV_CACHE_BYTES = 8 << 20
+# The engine's own log lines for a wake and a committed update, in the order they happened.
+_EVENT = re.compile(r'resumed (\w+)|update phases \{"version":(\d+),"outcome":"committed"')
+
+
+def engine_events(engine: Engine) -> list[str]:
+    """ "wake <tag>" and "commit <version>", as the engine logged them."""
+    text = engine.proc.log.read_text(errors="replace")
+    return [f"wake {tag}" if tag else f"commit {v}" for tag, v in _EVENT.findall(text)]
 
 
 def assert_refuses_inference(engine: Engine) -> None:
@@ -80,6 +89,13 @@ def run_colocated_release(
                 expect_served(trainer, [engine], version)
                 health = engine.health()
                 assert (health["detail"], health["resident_bytes"]) == ("", awake)
+            # The engine's own record: weights woken before each round's loads, the KV cache
+            # only once the round committed.
+            want = ["commit 1"]
+            for version in range(2, rounds + 2):
+                wake_weights = ["wake weights"] if MemoryTag.WEIGHTS in tags else []
+                want += [*wake_weights, f"commit {version}", "wake kv_cache"]
+            assert engine_events(engine) == want
             publisher.release()
             engine.proc.kill()
             failed = publisher.publish(trainer.named_parameters(), version=rounds + 2)

@@ -197,7 +197,8 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         round_ = Round(version=version, previous_label=previous)
         self._round = round_
         try:
-            await self._pause()
+            if not self._released:  # asleep, the release stopped its scheduler already
+                await self._pause()
             await self._open_session()
             round_.session_open = True
             await self._write_label(_versions.partial_label(version))
@@ -224,7 +225,7 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         round_.session_open = False
         round_.marked = False
         self._round = None
-        await self._resume()
+        await self._resume_unless_asleep()
         served = await self._read_label(self._control_timeout)
         if served != _versions.served_label(version):
             raise EngineError(
@@ -267,12 +268,21 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
             except EngineError as err:
                 failures.append(str(err))
         try:
-            await self._resume()
+            await self._resume_unless_asleep()
         except EngineError as err:
             failures.append(str(err))
             raise EngineError(err.reason, "; ".join(failures)) from err
         if failures:
             log.warning("abort on %s: %s", self._http.base_url, "; ".join(failures))
+
+    async def _resume_unless_asleep(self) -> None:
+        # Generation restarted while part of the engine's memory is still released would
+        # run on a KV cache that is not there: the last wake restarts it (`_awake`).
+        if not self._released:
+            await self._resume()
+
+    async def _awake(self) -> None:
+        """Every released tag is back: let the engine generate (vLLM's last wake does)."""
 
     async def release_memory(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
         if not tags:
@@ -291,6 +301,8 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
             if tag in tags:
                 await self._wake(tag)
                 self._released -= {tag}
+        if tags and not self._released:
+            await self._awake()
 
     async def health(self) -> EngineHealth:
         if self._released:  # asleep as asked: its /health may not say so

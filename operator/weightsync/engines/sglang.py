@@ -170,10 +170,20 @@ class SGLangAdapter(RoundAdapter[SGLangSettings]):
         await self._call("/continue_generation", self._control_timeout, {})
 
     async def _release(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        # SGLang releases only an idle server (or a paused one, ignoring what waits), and
+        # its release stops nothing itself: pause first, continue once fully awake.
         # Answers null on success, an error status otherwise (`--enable-memory-saver`).
+        await self._pause()
         body = {"tags": sorted(tags)}
-        await self._call("/release_memory_occupation", self._control_timeout, body)
+        try:
+            await self._call("/release_memory_occupation", self._control_timeout, body)
+        except EngineError:
+            await self._resume()  # nothing was released: serve again
+            raise
         return tags
+
+    async def _awake(self) -> None:
+        await self._resume()
 
     async def _wake(self, tag: MemoryTag) -> None:
         body = {"tags": [tag.value]}

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 from aiohttp import web
 
 from tests.unit.engines.fakes.common import serve
 from tests.unit.engines.fakes.vllm_server import FakeVLLM
-from tests.unit.engines.harness import VLLM, connected
-from tests.unit.engines.support import make_model, run, zeros_like_model
+from tests.unit.engines.harness import CASES, SLOT_BYTES, VLLM, EngineCase, Link, connected
+from tests.unit.engines.support import cpu_slots, make_model, run, zeros_like_model
 from weightsync.api.engines import MemoryTag
 from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineError
@@ -100,10 +101,57 @@ def test_sglang_releases_and_resumes_with_its_tags_weights_first() -> None:
 
     assert run(scenario()) == BOTH
     assert [(m, p, b) for m, p, _, b in seen.requests] == [
+        ("POST", "/pause_generation", {"mode": "abort"}),  # it releases only an idle server
         ("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
         ("POST", "/resume_memory_occupation", {"tags": ["weights"]}),
         ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}),
+        ("POST", "/continue_generation", {}),  # once fully awake
     ]
+
+
+MEMORY_ROUTES = ("/sleep", "/wake_up", "/release_memory_occupation", "/resume_memory_occupation")
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_a_round_while_asleep_never_restarts_generation_before_the_kv_cache_is_back(
+    case: EngineCase,
+) -> None:
+    """Between the release and the last wake the engine has no KV cache: a round there
+    must not pause or resume generation (the release paused it; the last wake resumes)."""
+    source = make_model(seed=5)
+    fake = case.make_fake(zeros_like_model(source))
+    app = fake.app()
+
+    async def memory_route(request: web.Request) -> web.Response:
+        return web.json_response(None)
+
+    for path in MEMORY_ROUTES:
+        app.router.add_post(path, memory_route)
+
+    async def scenario() -> None:
+        async with serve(app) as url:
+            adapter = case.make_adapter(url)
+            slots = cpu_slots(2, SLOT_BYTES)
+            await adapter.attach_buffers(slots)
+            link = Link(adapter, slots, url)
+            try:
+                await adapter.release_memory(BOTH)
+                await adapter.resume_memory(frozenset({MemoryTag.WEIGHTS}))
+                await link.sync(source, 1)
+                await adapter.resume_memory(KV)
+            finally:
+                await adapter.close()
+
+    run(scenario())
+    paths = fake.controls.paths()
+    first = min(i for i, p in enumerate(paths) if p in MEMORY_ROUTES)
+    last = max(i for i, p in enumerate(paths) if p in MEMORY_ROUTES)
+    asleep = paths[first:last]
+    assert case.load_path in asleep  # the round ran in between
+    assert case.resume_path not in asleep
+    assert not {"/pause", "/pause_generation"} & set(asleep)
+    for name, tensor in source.items():
+        assert torch.equal(fake.model[name], tensor), name
 
 
 @pytest.mark.parametrize("adapter_class", [VLLMAdapter, SGLangAdapter])

@@ -70,7 +70,7 @@ class EngineUnderTest(abc.ABC):
     stages: bool  # an abort after a load keeps the old version serving (else: torn)
     sequence_reason: str  # the reason a call out of order is refused with
     # Frees and brings back its memory between Colocated rounds (`release_memory`) where
-    # the tier can run it; the recorded fakes have no recordings of those routes yet.
+    # the tier can run it: its tier runs `MemoryContract` on it too.
     releases_memory: bool = False
     url: str
     adapter: EngineAdapter
@@ -144,20 +144,16 @@ class EngineUnderTest(abc.ABC):
         await self.adapter.finish_update(version)
 
 
-def sleeping(engine: EngineUnderTest) -> EngineUnderTest:
-    if not engine.releases_memory:
-        pytest.skip(f"{engine} does not release memory in this tier")
-    return engine
-
-
-class EngineContract:
-    """Every engine's contract; a tier subclasses it as `Test...` with an `engine` fixture."""
+class MemoryContract:
+    """Releasing and waking an engine's memory between Colocated rounds; a tier subclasses
+    it for the engines that can (`releases_memory`: the recorded fakes have no recordings
+    of those routes, and vLLM's and SGLang's CPU builds cannot sleep)."""
 
     def test_released_kv_cache_is_freed_and_woken_after_the_next_round(
         self, engine: EngineUnderTest
     ) -> None:
         first, second = engine.weights(1), engine.weights(2)
-        engine.run(sleeping(engine).sync(first, 1))
+        engine.run(engine.sync(first, 1))
         awake = engine.resident_bytes()
         freed = engine.run(engine.adapter.release_memory(frozenset({MemoryTag.KV_CACHE})))
         assert MemoryTag.KV_CACHE in freed
@@ -175,7 +171,7 @@ class EngineContract:
         self, engine: EngineUnderTest
     ) -> None:
         first, second = engine.weights(1), engine.weights(2)
-        engine.run(sleeping(engine).sync(first, 1))
+        engine.run(engine.sync(first, 1))
         awake = engine.resident_bytes()
         kv_only = engine.run(engine.adapter.release_memory(frozenset({MemoryTag.KV_CACHE})))
         engine.run(engine.adapter.resume_memory(kv_only))
@@ -197,7 +193,7 @@ class EngineContract:
         self, engine: EngineUnderTest
     ) -> None:
         first = engine.weights(1)
-        engine.run(sleeping(engine).sync(first, 1))
+        engine.run(engine.sync(first, 1))
         engine.run(engine.adapter.release_memory(frozenset(MemoryTag)))
         engine.run(engine.adapter.resume_memory(frozenset({MemoryTag.WEIGHTS})))
         engine.run(engine.adapter.begin_update(2))
@@ -212,13 +208,17 @@ class EngineContract:
         engine.assert_at_rest()
 
     def test_release_during_an_update_is_refused(self, engine: EngineUnderTest) -> None:
-        engine.run(sleeping(engine).sync(engine.weights(1), 1))
+        engine.run(engine.sync(engine.weights(1), 1))
         engine.run(engine.adapter.begin_update(2))
         with pytest.raises(EngineError) as caught:
             engine.run(engine.adapter.release_memory(frozenset(MemoryTag)))
         assert caught.value.reason == EngineErrorReason.SEQUENCE
         engine.run(engine.adapter.abort_update(2, "test over"))
         engine.assert_serves(engine.weights(1), 1)
+
+
+class EngineContract:
+    """Every engine's contract; a tier subclasses it as `Test...` with an `engine` fixture."""
 
     def test_a_round_loads_every_tensor_and_serves_its_version(
         self, engine: EngineUnderTest

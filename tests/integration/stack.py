@@ -153,14 +153,17 @@ class Stack:
         device: str,
         load_delay_seconds: float = 0.0,
         tp: int = 1,
+        kv_cache_bytes: int = 0,
     ) -> Engine:
         """A reference engine; `load_delay_seconds` slows each bucket's load so a test can
-        act while a round or a recovery runs; `tp` workers from `device` on."""
+        act while a round or a recovery runs; `tp` workers from `device` on; a KV-cache
+        reserve of `kv_cache_bytes`."""
         port = free_port()
         argv = [
             sys.executable, "-m", "weightsync.reference.server",
             "--port", str(port), "--preset", preset, "--seed", str(seed), "--device", device,
-            "--load-delay-seconds", str(load_delay_seconds), "--tp", str(tp), *self.engine_args,
+            "--load-delay-seconds", str(load_delay_seconds), "--tp", str(tp),
+            "--kv-cache-bytes", str(kv_cache_bytes), *self.engine_args,
         ]  # fmt: skip
         return Engine(self._spawn(name, argv, {}), port, argv)
 

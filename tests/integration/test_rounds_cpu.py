@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.colocated_release import run_colocated_release
 from tests.integration.contract import ContractConfig, run_colocated, run_contract
 from tests.integration.tensor_parallel import TensorParallelConfig, run_tensor_parallel
 from weightsync.api.control import Backend
+from weightsync.api.v1alpha1 import MemoryRelease
 
 
 @pytest.mark.timeout(150)
@@ -18,6 +20,11 @@ def test_rounds_gloo(tmp_path: Path) -> None:
 
 def test_colocated_handoff(tmp_path: Path) -> None:
     run_colocated(tmp_path, "cpu")
+
+
+@pytest.mark.parametrize("release", [MemoryRelease.KV_CACHE, MemoryRelease.KV_CACHE_AND_WEIGHTS])
+def test_colocated_engine_released_between_rounds(tmp_path: Path, release: MemoryRelease) -> None:
+    run_colocated_release(tmp_path, "cpu", release)
 
 
 @pytest.mark.timeout(180)

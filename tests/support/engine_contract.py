@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from tests.support.ports import free_port
+from weightsync.api.engines import MemoryTag
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.api.v1alpha1 import Engine
 from weightsync.engines import adapter_class
 from weightsync.engines.base import EngineAdapter, EngineError
@@ -67,6 +69,9 @@ class EngineUnderTest(abc.ABC):
     engine: Engine
     stages: bool  # an abort after a load keeps the old version serving (else: torn)
     sequence_reason: str  # the reason a call out of order is refused with
+    # Frees and brings back its memory between Colocated rounds (`release_memory`) where
+    # the tier can run it: its tier runs `MemoryContract` on it too.
+    releases_memory: bool = False
     url: str
     adapter: EngineAdapter
     slots: list[torch.Tensor]
@@ -95,6 +100,14 @@ class EngineUnderTest(abc.ABC):
     @abc.abstractmethod
     def assert_at_rest(self) -> None:
         """Assert, asking the engine itself, that no update is open and it generates."""
+
+    def resident_bytes(self) -> int:
+        """What the engine holds in memory now, asking the engine itself."""
+        raise NotImplementedError(f"{self} cannot measure its memory")
+
+    def assert_refuses_inference(self) -> None:
+        """Assert, asking the engine itself, that it refuses to generate (it sleeps)."""
+        raise NotImplementedError(f"{self} cannot be asked to generate")
 
     @abc.abstractmethod
     def kill(self) -> None:
@@ -129,6 +142,79 @@ class EngineUnderTest(abc.ABC):
         await self.adapter.begin_update(version)
         await self.load(weights)
         await self.adapter.finish_update(version)
+
+
+class MemoryContract:
+    """Releasing and waking an engine's memory between Colocated rounds; a tier subclasses
+    it for the engines that can (`releases_memory`: the recorded fakes have no recordings
+    of those routes, and vLLM's and SGLang's CPU builds cannot sleep)."""
+
+    def test_released_kv_cache_is_freed_and_woken_after_the_next_round(
+        self, engine: EngineUnderTest
+    ) -> None:
+        first, second = engine.weights(1), engine.weights(2)
+        engine.run(engine.sync(first, 1))
+        awake = engine.resident_bytes()
+        freed = engine.run(engine.adapter.release_memory(frozenset({MemoryTag.KV_CACHE})))
+        assert MemoryTag.KV_CACHE in freed
+        assert engine.resident_bytes() < awake
+        engine.assert_refuses_inference()
+        assert "sleeping" in engine.run(engine.adapter.health()).detail
+        engine.run(engine.adapter.resume_memory(freed & {MemoryTag.WEIGHTS}))
+        engine.run(engine.sync(second, 2))
+        engine.run(engine.adapter.resume_memory(freed - {MemoryTag.WEIGHTS}))
+        assert engine.resident_bytes() == awake
+        engine.assert_serves(second, 2)
+        engine.assert_at_rest()
+
+    def test_released_weights_leave_memory_and_come_back_with_a_round(
+        self, engine: EngineUnderTest
+    ) -> None:
+        first, second = engine.weights(1), engine.weights(2)
+        engine.run(engine.sync(first, 1))
+        awake = engine.resident_bytes()
+        kv_only = engine.run(engine.adapter.release_memory(frozenset({MemoryTag.KV_CACHE})))
+        engine.run(engine.adapter.resume_memory(kv_only))
+        everything = frozenset(MemoryTag)
+        assert engine.run(engine.adapter.release_memory(everything)) == everything
+        model_bytes = sum(tensor.nbytes for tensor in first.values())
+        asleep = engine.resident_bytes()
+        assert asleep <= awake - model_bytes  # at least one copy of the model freed
+        engine.run(engine.adapter.resume_memory(frozenset({MemoryTag.WEIGHTS})))
+        assert engine.resident_bytes() >= asleep + model_bytes  # allocated again
+        engine.assert_refuses_inference()  # memory is back, the bytes come with the round
+        engine.run(engine.sync(second, 2))
+        engine.run(engine.adapter.resume_memory(frozenset({MemoryTag.KV_CACHE})))
+        assert engine.resident_bytes() == awake
+        engine.assert_serves(second, 2)
+        engine.assert_at_rest()
+
+    def test_a_failed_round_after_released_weights_never_serves_them_stale(
+        self, engine: EngineUnderTest
+    ) -> None:
+        first = engine.weights(1)
+        engine.run(engine.sync(first, 1))
+        engine.run(engine.adapter.release_memory(frozenset(MemoryTag)))
+        engine.run(engine.adapter.resume_memory(frozenset({MemoryTag.WEIGHTS})))
+        engine.run(engine.adapter.begin_update(2))
+        engine.run(engine.load(engine.weights(2), limit=1))
+        engine.run(engine.adapter.abort_update(2, "broadcast failed"))
+        engine.run(engine.adapter.resume_memory(frozenset({MemoryTag.KV_CACHE})))
+        health = engine.run(engine.adapter.health())
+        assert "sleeping" in health.detail
+        engine.assert_refuses_inference()
+        engine.run(engine.sync(first, 3))
+        engine.assert_serves(first, 3)
+        engine.assert_at_rest()
+
+    def test_release_during_an_update_is_refused(self, engine: EngineUnderTest) -> None:
+        engine.run(engine.sync(engine.weights(1), 1))
+        engine.run(engine.adapter.begin_update(2))
+        with pytest.raises(EngineError) as caught:
+            engine.run(engine.adapter.release_memory(frozenset(MemoryTag)))
+        assert caught.value.reason == EngineErrorReason.SEQUENCE
+        engine.run(engine.adapter.abort_update(2, "test over"))
+        engine.assert_serves(engine.weights(1), 1)
 
 
 class EngineContract:

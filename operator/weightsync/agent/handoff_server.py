@@ -12,6 +12,7 @@ from weightsync.transfer.buffers import SlotError, SlotHandles
 from weightsync.transfer.handoff import (
     Abandon,
     Attach,
+    Attached,
     Fence,
     Fill,
     Filled,
@@ -19,6 +20,7 @@ from weightsync.transfer.handoff import (
     Pieces,
     ProtocolError,
     Publish,
+    Release,
     read_message,
     write_message,
 )
@@ -67,6 +69,21 @@ class SocketFillChannel:
             )
 
 
+async def _attach(source: SourceLoop, message: Attach) -> Attached | HandoffError:
+    try:
+        metas = [TensorMeta(n, tuple(s), d) for n, s, d in message.tensors]
+        return await source.attach(metas, message.sources, message.boxes)
+    except (LayoutError, RoundFailed, SlotError) as exc:
+        reason: str = (
+            FailureReason.BAD_LAYOUT
+            if isinstance(exc, LayoutError)
+            else FailureReason.SLOTS_UNAVAILABLE
+        )
+        if isinstance(exc, RoundFailed):
+            reason = exc.reason
+        return HandoffError(reason=reason, message=str(exc))
+
+
 async def serve_publisher(
     source: SourceLoop, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
@@ -79,19 +96,7 @@ async def serve_publisher(
                 await source.publisher_left()
                 return
             if isinstance(message, Attach):
-                try:
-                    metas = [TensorMeta(n, tuple(s), d) for n, s, d in message.tensors]
-                    attached = await source.attach(metas, message.sources, message.boxes)
-                    await write_message(writer, attached)
-                except (LayoutError, RoundFailed, SlotError) as exc:
-                    reason: str = (
-                        FailureReason.BAD_LAYOUT
-                        if isinstance(exc, LayoutError)
-                        else FailureReason.SLOTS_UNAVAILABLE
-                    )
-                    if isinstance(exc, RoundFailed):
-                        reason = exc.reason
-                    await write_message(writer, HandoffError(reason=reason, message=str(exc)))
+                await write_message(writer, await _attach(source, message))
             elif isinstance(message, Publish):
                 result = await source.publish(
                     message, SocketFillChannel(reader, writer, source.fill_timeout)
@@ -99,6 +104,11 @@ async def serve_publisher(
                 await write_message(writer, result)
             elif isinstance(message, Fence):
                 await write_message(writer, await source.fence(message.version, message.clean))
+            elif isinstance(message, Release):
+                try:
+                    await write_message(writer, await source.release())
+                except RoundFailed as exc:  # the engine refused: the trainer is told why
+                    await write_message(writer, HandoffError(reason=exc.reason, message=str(exc)))
             else:
                 await write_message(
                     writer,

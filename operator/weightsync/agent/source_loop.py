@@ -11,7 +11,6 @@ source ranks). Its start and end go in the `RoundBook`, as a sink's do from the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -20,10 +19,9 @@ from functools import partial
 
 import torch
 
-from weightsync.agent.doorbell import SwitchNotice, doorbell_key
-from weightsync.agent.engine_adapter import adapter_for
+from weightsync.agent.colocated import ColocatedEngine
 from weightsync.agent.failures import Stage
-from weightsync.agent.generations import Generation, Generations
+from weightsync.agent.generations import Generations
 from weightsync.agent.holder import Holder
 from weightsync.agent.packing import PiecePacker, SourcePacker, held_blocks, map_packer
 from weightsync.agent.round_book import RoundBook
@@ -32,18 +30,25 @@ from weightsync.agent.sharded import ShardPlans, report_of
 from weightsync.agent.sharded_source import ShardedSourceRound
 from weightsync.agent.slot_pool import SlotPool
 from weightsync.agent.source import FillChannel, SourceRound
-from weightsync.api.control import DEFAULT_TRANSFER, GenerationState, LocalEngine
+from weightsync.agent.switching import select_generation
+from weightsync.api.control import DEFAULT_TRANSFER
+from weightsync.api.engines import MemoryTag
 from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError
 from weightsync.transfer.buffers import BucketSlots, SlotHandles, TensorSources
-from weightsync.transfer.handoff import Attached, Boxes, Fenced, Publish, PublishResult
+from weightsync.transfer.handoff import (
+    Attached,
+    Boxes,
+    Fenced,
+    Publish,
+    PublishResult,
+    Released,
+)
 from weightsync.transfer.layout import BucketLayout, LayoutError, TensorMeta, plan_layout
 from weightsync.transfer.shards import RankReport, plan_shards, staging_bound
 
 log = logging.getLogger(__name__)
-
-_SWITCH_NOTICE_SECONDS = 5.0  # the most a round waits to tell an old generation to switch
 
 
 @dataclass(frozen=True)
@@ -84,10 +89,8 @@ class SourceLoop:
         self._publisher_epoch = -1  # the slot epoch the Publisher was last given
         self._packer: SourcePacker | PiecePacker | None = None  # the Publisher's tensors
         self._hold: _PendingHold | None = None
-        # A Colocated plan's engine (in another pod on this GPU), its adapter, and the slot
-        # epoch it attached.
-        self._planned_engine: tuple[LocalEngine, EngineAdapter] | None = None
-        self._engine_epoch = -1
+        # A Colocated plan's engine (in another pod on this GPU).
+        self.colocated = ColocatedEngine(engine_timeout_seconds)
 
     @property
     def fill_timeout(self) -> float:
@@ -95,8 +98,7 @@ class SourceLoop:
         return (plan.transfer if plan else DEFAULT_TRANSFER).timeout_seconds
 
     async def close(self) -> None:
-        if self._planned_engine is not None:
-            await self._planned_engine[1].close()
+        await self.colocated.close()
 
     # ---------------------------------------------------------------- attach
     async def attach(
@@ -178,12 +180,48 @@ class SourceLoop:
                     repr(exc),
                     lineage=request.lineage,
                 )
+            outcome, hold = await self._wake_kv_cache(outcome, hold, started)
             pending = hold if outcome.ok and hold is not None and not hold.done() else None
             if pending is not None:
                 self._hold = _PendingHold(outcome.version, outcome.lineage, pending)
             self.book.finished(outcome, hold_pending=pending is not None)
         result = outcome.result()
         return result if pending is None else result.model_copy(update={"holding": True})
+
+    async def _wake_kv_cache(
+        self, outcome: RoundOutcome, hold: asyncio.Task[None] | None, started: float
+    ) -> tuple[RoundOutcome, asyncio.Task[None] | None]:
+        """Wake a released KV cache once the round is over (the weights are in place): a
+        round that succeeded but leaves the engine without it fails, saying so."""
+        try:
+            await self.colocated.wake(MemoryTag.KV_CACHE)
+        except RoundFailed as exc:
+            if not outcome.ok:  # its own failure says more; the next round wakes it
+                log.warning("after the failed round for version %d: %s", outcome.version, exc)
+                return outcome, hold
+            if hold is not None:  # the holder's copy is not vouched for by a failed round
+                await asyncio.wait({hold}, timeout=self.fill_timeout)
+                self.holder.abandon()
+            failed = RoundOutcome.failed(
+                outcome.version,
+                outcome.generation,
+                started,
+                exc.reason,
+                f"version {outcome.version} was loaded, but {exc}",
+                lineage=outcome.lineage,
+                member=self._member(),
+                stage=Stage.COMMIT,
+            )
+            return failed, None
+        return outcome, hold
+
+    async def release(self) -> Released:
+        """Free the Colocated engine's memory as the newest plan says (the trainer is about
+        to train); the next round wakes it."""
+        plan = self.generations.newest_plan()
+        async with self._lock:
+            freed = await self.colocated.release(plan.local_engine if plan else None)
+        return Released(tags=sorted(freed))
 
     async def fence(self, version: int, clean: bool) -> Fenced:
         """The Publisher will write the tensors of round `version`: wait for the holder's
@@ -243,7 +281,7 @@ class SourceLoop:
             raise RoundFailed(FailureReason.LAYOUT_MISMATCH, "the tensor set changed: attach again")
         # publish() returns within the transfer timeout: waiting for a group counts too.
         deadline = started + self.fill_timeout
-        generation = await self._select_generation(deadline)
+        generation = await select_generation(self.generations, deadline)
         transfer = generation.plan.transfer
         if transfer.bucket_size_bytes != layout.bucket_size_bytes:
             raise RoundFailed(
@@ -255,13 +293,15 @@ class SourceLoop:
             raise RoundFailed(
                 FailureReason.LAYOUT_MISMATCH, "the bucket slots changed: attach again"
             )
-        engine = await self._engine(generation.plan.local_engine)
-        if engine is not None and self._engine_epoch != self.pool.epoch:
+        planned = generation.plan.local_engine
+        engine = await self.colocated.adapter(planned) if planned else self.own_engine
+        await self.colocated.wake(MemoryTag.WEIGHTS)  # before any bucket, if released
+        if engine is not None and self.colocated.epoch != self.pool.epoch:
             try:
                 await asyncio.wait_for(engine.attach_buffers(slots.slots), self.engine_timeout)
             except (EngineError, TimeoutError) as exc:
                 raise RoundFailed(FailureReason.ENGINE_ATTACH_FAILED, f"attach: {exc!r}") from exc
-            self._engine_epoch = self.pool.epoch
+            self.colocated.epoch = self.pool.epoch
         packer = self._packer
         if packer is not None and (sources > 1) != isinstance(packer, PiecePacker):
             raise RoundFailed(
@@ -322,56 +362,3 @@ class SourceLoop:
             return slots, None
         self._publisher_epoch = self.pool.epoch
         return slots, slots.handles
-
-    async def _select_generation(self, deadline: float) -> Generation:
-        """The newest warm generation; older ones are told to switch, then retired.
-
-        With none warm, waits until `deadline` for one: a plan being pre-warmed, or the
-        generation the operator plans after a failed round broke the last one.
-        """
-        newest = self.generations.newest_usable()
-        while newest is None and (left := deadline - time.monotonic()) > 0:
-            async with self.generations.changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.generations.changed.wait(), left)
-            newest = self.generations.newest_usable()
-        if newest is None:
-            raise RoundFailed(
-                FailureReason.NO_GROUP, "no warm group generation; waiting for a plan"
-            )
-        for old in self.generations.all():
-            if old.number < newest.number and old.state != GenerationState.RETIRED:
-                await self._switch_away(old, newest.number)
-        if newest.state != GenerationState.ACTIVE:
-            newest.state = GenerationState.ACTIVE
-        return newest
-
-    async def _switch_away(self, old: Generation, target: int) -> None:
-        """Ring `old`'s doorbell with a switch notice (its sinks follow), then retire it."""
-        group = old.group
-        if group is not None:
-            key = doorbell_key(old.take_seq())
-            notice = SwitchNotice(generation=target).model_dump_json()
-            try:
-                await asyncio.wait_for(
-                    group.run(lambda: group.ctl.set(key, notice)), _SWITCH_NOTICE_SECONDS
-                )
-            except (TimeoutError, RuntimeError) as exc:
-                log.warning("could not tell generation %d to switch: %s", old.number, exc)
-        old.retire()
-
-    async def _engine(self, planned: LocalEngine | None) -> EngineAdapter | None:
-        """The engine a round hands buckets to: the plan's (Colocated), else the agent's
-        own, if any. A new planned engine (its pod was replaced) attaches anew."""
-        if planned is None:
-            return self.own_engine
-        if self._planned_engine is not None:
-            known, adapter = self._planned_engine
-            if known == planned:
-                return adapter
-            await adapter.close()
-        log.info("colocated engine: %s of pod %s at %s", planned.engine, planned.pod, planned.url)
-        adapter = adapter_for(planned.engine, planned.url, planned.options)
-        self._planned_engine = (planned, adapter)
-        self._engine_epoch = -1
-        return adapter

@@ -28,11 +28,11 @@ from typing import Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from weightsync.api.engines import EngineOptions
+from weightsync.api.v1alpha1.colocated import MemoryRelease, SyncMode
 from weightsync.api.v1alpha1.spec import (
     Engine,
     PrewarmSpec,
     RecoveryProtocol,
-    SyncMode,
     TransferSpec,
 )
 from weightsync.api.v1alpha1.status import Role
@@ -89,6 +89,8 @@ class LocalEngine(_Message):
     engine: Engine
     url: str = Field(min_length=1)  # its HTTP base URL (pod IP and the entry's port)
     options: EngineOptions = EngineOptions()
+    # What `Publisher.release()` frees (`spec.colocated.memoryRelease`).
+    memory_release: MemoryRelease = MemoryRelease.NONE
 
 
 class MembershipPlan(_Message):

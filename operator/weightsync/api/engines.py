@@ -7,6 +7,8 @@
   may call, which the agent's front (`spec.inference[].front`) refuses to forward.
 * `EngineOptions`: a WeightSync inference entry's engine options (`pauseMode`,
   `flushCache`), handed to the sink agent as JSON in `WEIGHTSYNC_ENGINE_OPTIONS`.
+* `MemoryTag`: the regions an engine frees between Colocated rounds (vLLM's and SGLang's
+  own tag names), and `released_tags`, which a `spec.colocated.memoryRelease` frees.
 
 The operator and the engine adapters both read these, so they live in `api`, which the
 controller may import (import-linter keeps it off `weightsync.engines`).
@@ -15,10 +17,34 @@ controller may import (import-linter keeps it off `weightsync.engines`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, StrictBool
 
+from weightsync.api.v1alpha1.colocated import MemoryRelease
 from weightsync.api.v1alpha1.spec import InferenceSpec, PauseMode
+
+
+class MemoryTag(StrEnum):
+    """A region of engine memory that can be freed and brought back (vLLM's and SGLang's
+    names for them)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+
+
+# Woken in this order inside a round: weights before the sync writes them, the KV cache
+# after, so the GPU never holds the KV cache beside a model that is still arriving.
+WAKE_ORDER = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
+
+
+def released_tags(release: MemoryRelease) -> frozenset[MemoryTag]:
+    """The memory `release` frees."""
+    if release is MemoryRelease.KV_CACHE:
+        return frozenset({MemoryTag.KV_CACHE})
+    if release is MemoryRelease.KV_CACHE_AND_WEIGHTS:
+        return frozenset(MemoryTag)
+    return frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +222,9 @@ SGLANG_PRIVATE_ROUTES = (
     ),
 )  # fmt: skip
 
-REFERENCE_PRIVATE_ROUTES = (PrivateRoutes("the reference engine's update routes", ("/v1/update",)),)
+REFERENCE_PRIVATE_ROUTES = (
+    PrivateRoutes("the reference engine's update and memory routes", ("/v1/update", "/v1/memory")),
+)
 
 PRIVATE_ROUTES: dict[str, tuple[PrivateRoutes, ...]] = {
     "VLLM": VLLM_PRIVATE_ROUTES,

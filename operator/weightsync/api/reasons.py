@@ -226,6 +226,9 @@ class FailureReason(StrEnum):
     LAYOUT_UNAVAILABLE = "layout_unavailable"
     SLOTS_UNAVAILABLE = "slots_unavailable"
     ENGINE_ATTACH_FAILED = "engine_attach_failed"
+    # Colocated: the engine's memory, released while the trainer trains.
+    ENGINE_RELEASE_FAILED = "engine_release_failed"
+    ENGINE_WAKE_FAILED = "engine_wake_failed"
     ROUND_MISMATCH = "round_mismatch"
     # Sharded rounds: the source ranks' shards.
     BAD_SHARDS = "bad_shards"
@@ -307,6 +310,8 @@ class EngineErrorReason(StrEnum):
     BAD_SLOT = "bad_slot"  # a slot index that was never attached
     SEQUENCE = "sequence"  # calls out of order (load before begin, finish of another version)
     RESTARTED = "restarted"  # the engine process changed since the update began
+    UNSUPPORTED = "unsupported"  # the engine cannot do what was asked (release memory)
+    SLEEPING = "sleeping"  # the engine released its memory: it serves nothing until woken
 
 
 class ErrorCode(StrEnum):

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from weightsync.api.cel import LOCATED_ERROR_TYPE, CelRule
 from weightsync.api.v1alpha1 import WeightSync
-from weightsync.api.v1alpha1.spec import MODE_IMMUTABLE, TRAINER_IMMUTABLE
+from weightsync.api.v1alpha1.colocated import MODE_IMMUTABLE
+from weightsync.api.v1alpha1.spec import TRAINER_IMMUTABLE
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from weightsync.client.shards import ShardError, check_placements
+from weightsync.client.shards import ShardError, check_placements, describe, is_sharded
+from weightsync.transfer.buffers import dtype_name
 from weightsync.transfer.handoff import Boxes
 from weightsync.transfer.layout import DTYPE_ITEMSIZE, TensorMeta
 
@@ -211,3 +212,46 @@ def kept_of(tensors: dict[str, torch.Tensor], described: Described) -> Kept | No
 def tensor_addresses(tensors: dict[str, torch.Tensor]) -> list[int]:
     """Where each tensor's data lies (a moved tensor must be shared again)."""
     return list(map(_DATA_PTR, tensors.values()))
+
+
+def checked_version(version: object, last: int | None) -> int:
+    """`version` if it is a step number above `last` (the last one published)."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise PublishInputError(
+            f"version: must be an int (a step number), got {type(version).__name__} {version!r}"
+        )
+    if version < 0:
+        raise PublishInputError(f"version: must be >= 0, got {version}")
+    if last is not None and version <= last:
+        raise PublishInputError(
+            f"version: must be above {last}, the last this Publisher published, got"
+            f" {version} (a trainer that restarts from an earlier step makes a new"
+            " Publisher: a new lineage)"
+        )
+    return version
+
+
+def describe_tensors(
+    tensors: dict[str, torch.Tensor],
+    metas: list[TensorMeta] | None,
+    signature: list[object],
+    boxes: Boxes | None,
+) -> Described:
+    """The tensor set as a rank publishes it; metadata is rebuilt only when names, shapes,
+    dtypes or held blocks changed from `signature` (then the Publisher attaches again)."""
+    if not is_sharded(tensors.values()):
+        whole: list[object] = [(name, t.shape, t.dtype) for name, t in tensors.items()]
+        if metas is not None and whole == signature and boxes is None:
+            return Described(metas, None, tensors, whole)
+        fresh = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()]
+        return Described(fresh, None, tensors, whole)
+    try:
+        pieces = [describe(name, t) for name, t in tensors.items()]
+    except ShardError as exc:  # nothing was sent: the Publisher stays usable
+        raise PublishInputError(str(exc)) from None
+    held_boxes: Boxes = [(list(p.box.offset), list(p.box.shape)) if p.box else None for p in pieces]
+    local = {p.meta.name: p.local for p in pieces if p.local is not None}
+    sharded: list[object] = [(p.meta, p.box) for p in pieces]
+    if metas is not None and sharded == signature:
+        return Described(metas, boxes, local, sharded)
+    return Described([p.meta for p in pieces], held_boxes, local, sharded)

@@ -4,6 +4,9 @@
     publisher = Publisher()
     result = publisher.publish(model.named_parameters(), version=step)
 
+In Colocated mode with `spec.colocated.memoryRelease`, call `publisher.release()` before
+training: the engine frees its KV cache (and weights), and `publish` wakes it again.
+
 The first publish sends the tensor metadata; the agent plans the bucket layout (call
 `publisher.attach(model.named_parameters())` at start-up to do it before the first step).
 * On GPU the tensors themselves are shared once (CUDA IPC); the agent packs each bucket
@@ -54,13 +57,13 @@ from weightsync.client.filling import PublishTimings, SlotFiller
 from weightsync.client.inputs import (
     Described,
     Kept,
-    PublishInputError,
     checked_tensors,
+    checked_version,
+    describe_tensors,
     kept_of,
     tensor_addresses,
 )
-from weightsync.client.shards import ShardError, describe, is_sharded
-from weightsync.transfer.buffers import describe_sources, dtype_name
+from weightsync.transfer.buffers import describe_sources
 from weightsync.transfer.handoff import (
     Abandon,
     Attach,
@@ -75,6 +78,8 @@ from weightsync.transfer.handoff import (
     ProtocolError,
     Publish,
     PublishResult,
+    Release,
+    Released,
     recv_message,
     send_message,
 )
@@ -215,6 +220,18 @@ class Publisher:
             raise PublisherError(FailureReason.PROTOCOL, f"expected Fenced, got {reply.type}")
         return reply.held
 
+    def release(self) -> list[str]:
+        """Free the Colocated engine's memory before the trainer trains, as the WeightSync's
+        `colocated.memoryRelease` says (None: nothing), and return what the engine has
+        released. The next `publish()` wakes it: the weights, the sync, then the KV cache.
+        Raises `PublisherError` with the engine's refusal (`engine_release_failed`)."""
+        reply = self._exchange(Release())
+        if isinstance(reply, HandoffError):
+            raise PublisherError(reply.reason, reply.message)
+        if not isinstance(reply, Released):
+            raise PublisherError(FailureReason.PROTOCOL, f"expected Released, got {reply.type}")
+        return reply.tags
+
     def guard(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Fence before every `optimizer.step()`; the hook's handle (`.remove()`)."""
 
@@ -224,40 +241,11 @@ class Publisher:
         return optimizer.register_step_pre_hook(before_step)
 
     def _checked_version(self, version: object) -> int:
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise PublishInputError(
-                f"version: must be an int (a step number), got {type(version).__name__} {version!r}"
-            )
-        if version < 0:
-            raise PublishInputError(f"version: must be >= 0, got {version}")
-        last = self.last_published
-        if last is not None and version <= last:
-            raise PublishInputError(
-                f"version: must be above {last}, the last this Publisher published, got"
-                f" {version} (a trainer that restarts from an earlier step makes a new"
-                " Publisher: a new lineage)"
-            )
-        return version
+        return checked_version(version, self.last_published)
 
     def _described(self, tensors: dict[str, torch.Tensor]) -> Described:
-        """The tensor set as this rank publishes it; metadata is rebuilt only when names,
-        shapes, dtypes or held blocks changed (then the Publisher attaches again)."""
-        if not is_sharded(tensors.values()):
-            signature: list[object] = [(name, t.shape, t.dtype) for name, t in tensors.items()]
-            if self._metas is not None and signature == self._signature and self._boxes is None:
-                return Described(self._metas, None, tensors, signature)
-            metas = [TensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()]
-            return Described(metas, None, tensors, signature)
-        try:
-            pieces = [describe(name, t) for name, t in tensors.items()]
-        except ShardError as exc:  # nothing was sent: the Publisher stays usable
-            raise PublishInputError(str(exc)) from None
-        boxes: Boxes = [(list(p.box.offset), list(p.box.shape)) if p.box else None for p in pieces]
-        local = {p.meta.name: p.local for p in pieces if p.local is not None}
-        signature = [(p.meta, p.box) for p in pieces]
-        if self._metas is not None and signature == self._signature:
-            return Described(self._metas, self._boxes, local, signature)
-        return Described([p.meta for p in pieces], boxes, local, signature)
+        """The tensor set as this rank publishes it (`inputs.describe_tensors`)."""
+        return describe_tensors(tensors, self._metas, self._signature, self._boxes)
 
     def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> PublishResult:
         self.fence()  # the last round's copy, if the trainer did not fence
@@ -319,7 +307,9 @@ class Publisher:
         self.close()
 
     # ------------------------------------------------------------------ protocol
-    def _exchange(self, message: Attach | Publish | Filled | Abandon | Fence | None) -> Message:
+    def _exchange(
+        self, message: Attach | Publish | Filled | Abandon | Fence | Release | None
+    ) -> Message:
         if self._sock is None:
             self._sock = connect(self.socket_path, self.timeout)
         sock = self._sock

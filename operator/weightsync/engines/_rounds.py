@@ -17,6 +17,7 @@ endpoints to the engine modules:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from pydantic import SecretStr
 
+from weightsync.api.engines import WAKE_ORDER, MemoryTag
 from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines import _versions
 from weightsync.engines._http import EngineHTTP, Reply, engine_message, error_reason
@@ -99,6 +101,7 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         self._health_timeout = settings.health_timeout_seconds
         self._slots: list[LogicalSlot] = []
         self._round: Round | None = None
+        self._released: frozenset[MemoryTag] = frozenset()  # as this adapter asked
 
     @classmethod
     def for_engine(cls, base_url: str, options: EngineOptions | None = None) -> Self:
@@ -140,6 +143,14 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
     @abc.abstractmethod
     async def _load(self, round_: Round, slot: int, tensors: Sequence[TensorSlice]) -> None:
         """Hand one bucket to the engine; count each request in `round_.loads_attempted`."""
+
+    @abc.abstractmethod
+    async def _release(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        """Ask the engine to free `tags`; what it freed."""
+
+    @abc.abstractmethod
+    async def _wake(self, tag: MemoryTag) -> None:
+        """Ask the engine to allocate `tag` again."""
 
     def _check_slots(self, slots: list[LogicalSlot]) -> None:
         """Refuse slots this engine cannot read (raise ValueError)."""
@@ -186,7 +197,8 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         round_ = Round(version=version, previous_label=previous)
         self._round = round_
         try:
-            await self._pause()
+            if not self._released:  # asleep, the release stopped its scheduler already
+                await self._pause()
             await self._open_session()
             round_.session_open = True
             await self._write_label(_versions.partial_label(version))
@@ -213,7 +225,7 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         round_.session_open = False
         round_.marked = False
         self._round = None
-        await self._resume()
+        await self._resume_unless_asleep()
         served = await self._read_label(self._control_timeout)
         if served != _versions.served_label(version):
             raise EngineError(
@@ -256,14 +268,50 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
             except EngineError as err:
                 failures.append(str(err))
         try:
-            await self._resume()
+            await self._resume_unless_asleep()
         except EngineError as err:
             failures.append(str(err))
             raise EngineError(err.reason, "; ".join(failures)) from err
         if failures:
             log.warning("abort on %s: %s", self._http.base_url, "; ".join(failures))
 
+    async def _resume_unless_asleep(self) -> None:
+        # Generation restarted while part of the engine's memory is still released would
+        # run on a KV cache that is not there: the last wake restarts it (`_awake`).
+        if not self._released:
+            await self._resume()
+
+    async def _awake(self) -> None:
+        """Every released tag is back: let the engine generate (vLLM's last wake does)."""
+
+    async def release_memory(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        if not tags:
+            return tags
+        if self._round is not None:
+            raise EngineError(
+                EngineErrorReason.SEQUENCE,
+                f"release during the update to {self._round.version}: abort it first",
+            )
+        freed = await self._release(tags)
+        self._released |= freed
+        return freed
+
+    async def resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+        for tag in WAKE_ORDER:
+            if tag in tags:
+                await self._wake(tag)
+                self._released -= {tag}
+        if tags and not self._released:
+            await self._awake()
+
     async def health(self) -> EngineHealth:
+        if self._released:  # asleep as asked: its /health may not say so
+            asleep = f"sleeping: {', '.join(sorted(self._released))} released"
+            health = await self._health()
+            return dataclasses.replace(health, detail=f"{asleep}; {health.detail}")
+        return await self._health()
+
+    async def _health(self) -> EngineHealth:
         try:
             label = await self._read_label(self._health_timeout)
         except EngineError as err:

@@ -11,6 +11,12 @@ An update is all-or-nothing from the operator's point of view: after
 stage) or reporting itself `torn` (engines that load in place) until a later
 version or a recovery repairs it. It never silently serves a mix.
 
+Memory between rounds (Colocated mode): `release_memory(tags)` frees at least `tags` while
+the trainer trains and answers what it freed (vLLM's sleep at level 1 frees the KV cache
+and moves the weights to host memory: both leave the GPU); `resume_memory(tags)` brings
+them back. The agent wakes weights before a round's loads and the KV cache after its
+commit. An engine whose weights were released refuses inference until a round commits.
+
 Engine incarnations: an engine process can die and come back at the same address (a
 kubelet restarts a crashed container in place). Every adapter learns an identity of the
 process it talks to, `EngineHealth.incarnation` (a start time, a server id, or one the
@@ -36,10 +42,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
+from weightsync.api.reasons import EngineErrorReason
+
 if TYPE_CHECKING:
     import torch
 
-    from weightsync.api.engines import EngineOptions
+    from weightsync.api.engines import EngineOptions, MemoryTag
     from weightsync.transfer.layout import TensorSlice
 
 
@@ -111,6 +119,19 @@ class EngineAdapter(abc.ABC):
     @abc.abstractmethod
     async def health(self) -> EngineHealth:
         """The engine's health and served version."""
+
+    async def release_memory(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        """Free `tags` (and perhaps more) between rounds; return every tag freed. No tags:
+        nothing is asked of the engine (as for `resume_memory`)."""
+        raise EngineError(
+            EngineErrorReason.UNSUPPORTED, f"{type(self).__name__} cannot release memory"
+        )
+
+    async def resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+        """Allocate `tags` again (weights with undefined contents until a round loads)."""
+        raise EngineError(
+            EngineErrorReason.UNSUPPORTED, f"{type(self).__name__} cannot resume memory"
+        )
 
     async def close(self) -> None:  # noqa: B027 - most adapters hold nothing to release
         """Release connections; the engine keeps running."""

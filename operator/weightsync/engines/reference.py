@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import aiohttp
 import torch
 
+from weightsync.api.engines import MemoryTag
 from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
 from weightsync.engines.reference_channel import (
@@ -32,12 +33,12 @@ from weightsync.engines.reference_channel import (
     Reply,
     Staged,
     UpdateChannelClient,
+    copy_spans,
     rows,
 )
 from weightsync.transfer.buffers import (
     SlotError,
     SlotHandles,
-    copy_tensors,
     describe_slots,
     open_slots,
 )
@@ -132,10 +133,10 @@ class ReferenceEngineAdapter(EngineAdapter):
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         return self._session
 
-    async def _post(self, action: str, body: str) -> dict[str, Any]:
+    async def _post(self, action: str, body: str, *, api: str = "update") -> dict[str, Any]:
         try:
             async with self._client().post(
-                f"{self._base_url}/v1/update/{action}",
+                f"{self._base_url}/v1/{api}/{action}",
                 data=body,
                 headers={"Content-Type": "application/json"},
             ) as response:
@@ -269,9 +270,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         loop = asyncio.get_running_loop()
         # A cancelled wait leaves the copy to finish on the stream; the next copy into
         # this arena is queued behind it on the same stream, so it never lands late.
-        await loop.run_in_executor(
-            self._copier, partial(_copy_spans, source, arena, copies, stream)
-        )
+        await loop.run_in_executor(self._copier, partial(copy_spans, source, arena, copies, stream))
 
     def _note_bucket(self, tensors: Sequence[TensorSlice]) -> None:
         """Before a bucket of a new layout is staged, let go of every arena this round has
@@ -315,6 +314,22 @@ class ReferenceEngineAdapter(EngineAdapter):
             await self._post("abort", _dumps({"version": version, "reason": reason}))
         self._forget_unused_arenas()  # rounds that keep failing must not keep old arenas
 
+    async def release_memory(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        if not tags:
+            return tags
+        reply = await self._post("release", _dumps({"tags": sorted(tags)}), api="memory")
+        self._same_engine(reply.get("incarnation"), "release")
+        if MemoryTag.WEIGHTS in tags:  # unmap every arena, or the release frees nothing
+            self._forget_arenas(used_before=self._rounds + 1)
+            self._layout_buckets.clear()
+        return frozenset(MemoryTag(tag) for tag in reply.get("released", ()))
+
+    async def resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+        if not tags:
+            return
+        reply = await self._post("resume", _dumps({"tags": sorted(tags)}), api="memory")
+        self._same_engine(reply.get("incarnation"), "resume")
+
     async def health(self) -> EngineHealth:
         try:
             async with self._client().get(f"{self._base_url}/health") as response:
@@ -344,27 +359,6 @@ class ReferenceEngineAdapter(EngineAdapter):
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def _copy_spans(
-    source: torch.Tensor,
-    arena: torch.Tensor,
-    copies: list[tuple[int, int, int]],
-    stream: torch.cuda.Stream | None,
-) -> None:
-    """Copy the spans of a slot into an arena; return once the copy is complete."""
-    destinations = [arena[at : at + nbytes] for _, at, nbytes in copies]
-    sources = [source[start : start + nbytes] for start, _, nbytes in copies]
-    if stream is None:
-        copy_tensors(destinations, sources)
-        return
-    # After whatever the agent queued that writes the slot (the receive, its holder copy).
-    stream.wait_stream(torch.cuda.current_stream(source.device))
-    with torch.cuda.stream(stream):
-        copy_tensors(destinations, sources)
-    stream.synchronize()
-    if arena.device != source.device:
-        torch.cuda.synchronize(arena.device)
 
 
 def _dumps(body: dict[str, Any]) -> str:

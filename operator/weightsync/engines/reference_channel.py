@@ -40,9 +40,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from weightsync.transfer.buffers import SlotHandle
+from weightsync.transfer.buffers import SlotHandle, copy_tensors
 from weightsync.transfer.handoff import ProtocolError, frame, read_frame
 from weightsync.transfer.layout import TensorSlice
 
@@ -244,3 +245,24 @@ class UpdateChannelClient:
             if writer is not None:
                 with contextlib.suppress(OSError, ConnectionError):
                     await writer.wait_closed()
+
+
+def copy_spans(
+    source: torch.Tensor,
+    arena: torch.Tensor,
+    copies: list[tuple[int, int, int]],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Copy the spans of a slot into an arena; return once the copy is complete."""
+    destinations = [arena[at : at + nbytes] for _, at, nbytes in copies]
+    sources = [source[start : start + nbytes] for start, _, nbytes in copies]
+    if stream is None:
+        copy_tensors(destinations, sources)
+        return
+    # After whatever the agent queued that writes the slot (the receive, its holder copy).
+    stream.wait_stream(torch.cuda.current_stream(source.device))
+    with torch.cuda.stream(stream):
+        copy_tensors(destinations, sources)
+    stream.synchronize()
+    if arena.device != source.device:
+        torch.cuda.synchronize(arena.device)

@@ -49,7 +49,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from weightsync.api.engines import SGLANG_INJECTION  # noqa: F401 - re-exported: its flags are this engine's
+from weightsync.api.engines import (
+    SGLANG_INJECTION,  # noqa: F401 - re-exported: its flags are this engine's
+    MemoryTag,
+)
 from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines import _versions
 from weightsync.engines._http import engine_message, normalize_base_url
@@ -165,6 +168,26 @@ class SGLangAdapter(RoundAdapter[SGLangSettings]):
 
     async def _resume(self) -> None:
         await self._call("/continue_generation", self._control_timeout, {})
+
+    async def _release(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        # SGLang releases only an idle server (or a paused one, ignoring what waits), and
+        # its release stops nothing itself: pause first, continue once fully awake.
+        # Answers null on success, an error status otherwise (`--enable-memory-saver`).
+        await self._pause()
+        body = {"tags": sorted(tags)}
+        try:
+            await self._call("/release_memory_occupation", self._control_timeout, body)
+        except EngineError:
+            await self._resume()  # nothing was released: serve again
+            raise
+        return tags
+
+    async def _awake(self) -> None:
+        await self._resume()
+
+    async def _wake(self, tag: MemoryTag) -> None:
+        body = {"tags": [tag.value]}
+        await self._call("/resume_memory_occupation", self._control_timeout, body)
 
     async def _open_session(self) -> None:
         try:

@@ -49,7 +49,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from weightsync.api.engines import VLLM_INJECTION  # noqa: F401 - re-exported: its flags are this engine's
+from weightsync.api.engines import (
+    VLLM_INJECTION,  # noqa: F401 - re-exported: its flags are this engine's
+    MemoryTag,
+)
 from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines import _versions
 from weightsync.engines._http import normalize_base_url
@@ -198,6 +201,17 @@ class VLLMAdapter(RoundAdapter[VLLMSettings]):
 
     async def _resume(self) -> None:
         await self._call("/resume", self._control_timeout)
+
+    async def _release(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        # Level 1 drops the KV cache and moves the weights to host memory; level 2 drops
+        # both. Either way the weights leave the GPU and are woken before the next round.
+        level = "2" if MemoryTag.WEIGHTS in tags else "1"
+        params = {"level": level, "mode": self.settings.pause_mode}
+        await self._call("/sleep", self._control_timeout, params=params)
+        return frozenset(MemoryTag)
+
+    async def _wake(self, tag: MemoryTag) -> None:
+        await self._call("/wake_up", self._control_timeout, params={"tags": tag.value})
 
     async def _open_session(self) -> None:
         timeout = self._control_timeout

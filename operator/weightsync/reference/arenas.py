@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.engines.base import EngineError
-from weightsync.transfer.buffers import BucketSlots, dtype_name
+from weightsync.transfer.buffers import BucketSlots, copy_tensors, dtype_name, torch_dtype
 from weightsync.transfer.layout import DEFAULT_ALIGNMENT, TensorSlice, align_up
 
 
@@ -72,6 +72,15 @@ class UpdateStats:
         self.load_seconds += seconds
         self.longest_load_seconds = max(self.longest_load_seconds, seconds)
 
+    def summary(self, version: int, outcome: str) -> str:
+        """The update's one-line JSON summary (the benchmarks read it from the log)."""
+        return (
+            f'{{"version":{version},"outcome":"{outcome}","loads":{self.loads},'
+            f'"bytes":{self.bytes},"load_ms":{self.load_seconds * 1000:.3f},'
+            f'"longest_load_ms":{self.longest_load_seconds * 1000:.3f},'
+            f'"allocated_bytes":{self.allocated_bytes}}}'
+        )
+
 
 # A bucket whose span in the slot exceeds its payload by more than this per tensor is
 # copied tensor by tensor into a compact arena instead of as one span.
@@ -115,3 +124,70 @@ def make_plan(params: Mapping[str, torch.Tensor], tensors: tuple[TensorSlice, ..
         compact.append(at)
         at = align_up(at + item.nbytes, DEFAULT_ALIGNMENT)
     return BucketPlan(tensors, start, end, False, tuple(compact), max(at, 1))
+
+
+def _device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        if device.type != "cuda":
+            raise
+        # Arenas released here stay allocated while the agent maps them; those it has
+        # let go of are reclaimed by collecting CUDA IPC's released blocks.
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def allocate_arena(
+    plan: BucketPlan, device: torch.device, shm_dir: str | None, arena_id: int
+) -> Arena:
+    """A new arena for `plan`: in shared memory under `shm_dir` on CPU (None: private)."""
+    shared: BucketSlots | None = None
+    try:
+        if device.type == "cpu" and shm_dir is not None:
+            shared = BucketSlots(1, plan.arena_bytes, device, shm_dir)
+            buffer = shared.slots[0]
+        else:
+            buffer = _device_buffer(plan.arena_bytes, device)
+    except (torch.OutOfMemoryError, OSError) as exc:  # a refusal, not a dead connection
+        raise EngineError(
+            "out_of_memory",
+            f"no room on {device} to stage {plan.arena_bytes} B (the bucket of "
+            f"{plan.tensors[0].name}, {len(plan.tensors)} tensors): {exc}",
+        ) from exc
+    views = {
+        item.name: buffer[at : at + item.nbytes].view(torch_dtype(item.dtype)).view(item.shape)
+        for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
+    }
+    return Arena(arena_id, buffer, views, shared)
+
+
+def copy_bucket(
+    plan: BucketPlan,
+    arena: Arena,
+    source: torch.Tensor,
+    stream: torch.cuda.Stream | None,
+    device: torch.device,
+) -> None:
+    """Copy one bucket from a slot into its arena (on `stream` when the slot is on the
+    engine's device); return once copied: the agent may overwrite the slot then."""
+    if plan.dense:
+        destinations = [arena.buffer[: plan.arena_bytes]]
+        sources = [source[plan.start : plan.end]]
+    else:
+        destinations = [
+            arena.buffer[at : at + item.nbytes]
+            for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
+        ]
+        sources = [source[item.offset : item.offset + item.nbytes] for item in plan.tensors]
+    if stream is not None and source.device == device:
+        with torch.cuda.stream(stream):
+            copy_tensors(destinations, sources)
+        stream.synchronize()
+        return
+    # The slot lives on another device (or the CPU): the copy moves it to ours.
+    copy_tensors(destinations, sources)
+    for on in {source.device, device}:
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)

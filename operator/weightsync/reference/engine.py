@@ -34,17 +34,24 @@ from collections.abc import Sequence
 
 import torch
 
+from weightsync.api.engines import MemoryTag
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineError, EngineHealth
-from weightsync.reference.arenas import Arena, BucketPlan, UpdateStats, make_plan
+from weightsync.reference.arenas import (
+    Arena,
+    BucketPlan,
+    UpdateStats,
+    allocate_arena,
+    copy_bucket,
+    make_plan,
+)
+from weightsync.reference.memory import KVCacheReserve, Sleep, storage_bytes
 from weightsync.reference.model import LlamaForCausalLM, greedy_generate
 from weightsync.transfer.buffers import (
-    BucketSlots,
     SlotHandle,
     SlotHandles,
-    copy_tensors,
     describe_slots,
     open_slots,
-    torch_dtype,
 )
 from weightsync.transfer.layout import TensorSlice
 
@@ -68,6 +75,12 @@ class ReferenceEngine:
     None keeps CPU arenas private (loads only). GPU arenas are always shareable.
     `load_delay_seconds`: a slow engine for tests: each bucket's load (or stage) takes that
     much longer, so a test can act while a round or a recovery is in its middle.
+    `kv_cache_bytes`: the KV cache it reserves (`memory.KVCacheReserve`).
+
+    Between Colocated rounds it releases its KV cache and its weights (`release`): the
+    weights' arenas and the parameters are freed (each parameter keeps its shape over one
+    element), and it refuses inference until a round commits new weights; `resume`
+    allocates the KV cache again and the freed arenas as the next round's staging.
     """
 
     def __init__(
@@ -77,6 +90,7 @@ class ReferenceEngine:
         *,
         shm_dir: str | None = None,
         load_delay_seconds: float = 0.0,
+        kv_cache_bytes: int = 0,
     ) -> None:
         self.model = model
         self.version = version
@@ -98,6 +112,9 @@ class ReferenceEngine:
         # and nothing an adapter mapped from this one is valid there.
         self.incarnation = uuid.uuid4().hex
         self._stats = UpdateStats()
+        self._kv_cache = KVCacheReserve(kv_cache_bytes, self.device)
+        self._sleep = Sleep()
+        self._freed_plans: list[BucketPlan] = []  # the arenas released with the weights
         self.last_update: UpdateStats | None = None  # the last committed or aborted update
         self._copy_stream = (
             torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -115,13 +132,62 @@ class ReferenceEngine:
         if any(not prompt for prompt in prompts):
             raise EngineError("bad_request", "empty prompt")
         with self._lock:
+            self._sleep.check_awake("generate")
             return greedy_generate(self.model, prompts, max_new_tokens), self.version
 
     def health(self) -> EngineHealth:
-        detail = "updating" if self._staging_version is not None else ""
+        detail = "updating" if self._staging_version is not None else self._sleep.detail
         return EngineHealth(
             healthy=True, version=self.version, detail=detail, incarnation=self.incarnation
         )
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes it holds now: parameters, staging arenas and KV cache (shared once)."""
+        with self._update_lock:
+            arenas = [*self._served.values(), *self._staged.values(), *self._spare.values()]
+            tensors = [*self.params.values(), *(arena.buffer for arena in arenas)]
+            return storage_bytes(tensors) + self._kv_cache.nbytes
+
+    # --------------------------------------------------------------- memory
+    def release(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        """Free `tags` between rounds; inference is refused until `resume` (and, for the
+        weights, a committed round)."""
+        with self._update_lock:
+            if self._staging_version is not None:
+                raise EngineError(
+                    EngineErrorReason.SEQUENCE, "release during an update: abort it first"
+                )
+            with self._lock:
+                if MemoryTag.KV_CACHE in tags:
+                    self._kv_cache.free()
+                if MemoryTag.WEIGHTS in tags and not self._sleep.weights_gone:
+                    self._freed_plans = list(self._served)
+                    for arena in [*self._served.values(), *self._spare.values()]:
+                        arena.release()
+                    self._served, self._spare = {}, {}
+                    for param in self.params.values():  # one element, shape kept for plans
+                        one = torch.empty(1, dtype=param.dtype, device=self.device)
+                        param.data = one.expand(param.shape)
+                    self._sleep.weights_gone = True
+                self._sleep.released |= tags
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("released %s", ", ".join(sorted(tags)) or "nothing")
+        return tags
+
+    def resume(self, tags: frozenset[MemoryTag]) -> None:
+        """Allocate `tags` again: the KV cache, and the released weights' arenas as the next
+        round's staging (their bytes arrive with that round)."""
+        with self._update_lock:
+            if MemoryTag.WEIGHTS in tags & self._sleep.released:
+                for plan in self._freed_plans:
+                    self._spare[plan] = self._allocate(plan)
+                self._freed_plans = []
+            if MemoryTag.KV_CACHE in tags:
+                self._kv_cache.allocate()
+            self._sleep.released -= tags
+        log.info("resumed %s", ", ".join(sorted(tags)) or "nothing")
 
     @property
     def held_bytes(self) -> int:
@@ -137,6 +203,7 @@ class ReferenceEngine:
 
     def digests(self) -> tuple[int | None, dict[str, str]]:
         with self._lock:
+            self._sleep.check_weights("digest")
             return self.version, {name: tensor_digest(p) for name, p in self.params.items()}
 
     # --------------------------------------------------------------- updates
@@ -230,7 +297,7 @@ class ReferenceEngine:
                     "bad_bucket", f"bytes up to {plan.end} lie outside the {source.numel()} B slot"
                 )
             arena = self._take_arena(plan)
-            self._copy(plan, arena, source)
+            copy_bucket(plan, arena, source, self._copy_stream, self.device)
             self._stats.add(plan.payload_bytes, time.perf_counter() - started)
 
     def _release_spares(self) -> None:
@@ -245,38 +312,10 @@ class ReferenceEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _device_buffer(self, nbytes: int) -> torch.Tensor:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        except torch.OutOfMemoryError:
-            if self.device.type != "cuda":
-                raise
-            # Arenas released here stay allocated while the agent maps them; those it has
-            # let go of are reclaimed by collecting CUDA IPC's released blocks.
-            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
-            torch.cuda.empty_cache()
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
     def _allocate(self, plan: BucketPlan) -> Arena:
-        shared: BucketSlots | None = None
-        try:
-            if self.device.type == "cpu" and self._shm_dir is not None:
-                shared = BucketSlots(1, plan.arena_bytes, self.device, self._shm_dir)
-                buffer = shared.slots[0]
-            else:
-                buffer = self._device_buffer(plan.arena_bytes)
-        except (torch.OutOfMemoryError, OSError) as exc:  # a refusal, not a dead connection
-            raise EngineError(
-                "out_of_memory",
-                f"no room on {self.device} to stage {plan.arena_bytes} B (the bucket of "
-                f"{plan.tensors[0].name}, {len(plan.tensors)} tensors): {exc}",
-            ) from exc
+        arena = allocate_arena(plan, self.device, self._shm_dir, next(self._arena_ids))
         self._stats.allocated_bytes += plan.arena_bytes
-        views = {
-            item.name: buffer[at : at + item.nbytes].view(torch_dtype(item.dtype)).view(item.shape)
-            for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
-        }
-        return Arena(next(self._arena_ids), buffer, views, shared)
+        return arena
 
     def find_arena(self, arena_id: int) -> Arena:
         with self._update_lock:
@@ -289,28 +328,6 @@ class ReferenceEngine:
     def arena_handle(self, arena: Arena) -> SlotHandle:
         """How another process maps `arena` (CUDA IPC, or its shared-memory file)."""
         return describe_slots([arena.buffer]).slots[0]
-
-    def _copy(self, plan: BucketPlan, arena: Arena, source: torch.Tensor) -> None:
-        if plan.dense:
-            destinations = [arena.buffer[: plan.arena_bytes]]
-            sources = [source[plan.start : plan.end]]
-        else:
-            destinations = [
-                arena.buffer[at : at + item.nbytes]
-                for item, at in zip(plan.tensors, plan.arena_offsets, strict=True)
-            ]
-            sources = [source[item.offset : item.offset + item.nbytes] for item in plan.tensors]
-        stream = self._copy_stream
-        if stream is not None and source.device == self.device:
-            with torch.cuda.stream(stream):
-                copy_tensors(destinations, sources)
-            stream.synchronize()  # the agent may overwrite the slot as soon as we return
-            return
-        # The slot lives on another device (or the CPU): the copy moves it to ours.
-        copy_tensors(destinations, sources)
-        for device in {source.device, self.device}:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
 
     def ready(self, version: int) -> None:
         """Raise unless `commit(version)` would succeed (every tensor staged for it)."""
@@ -335,6 +352,7 @@ class ReferenceEngine:
                     for name, view in arena.views.items():
                         self.params[name].data = view
                 self.version = version
+                self._sleep.weights_gone = False
             self._spare = self._retire(staged)
             self._served = staged
             self._staged, self._staged_names = {}, {}
@@ -376,16 +394,5 @@ class ReferenceEngine:
                     arena.release()
 
     def _log_update(self, version: int, outcome: str) -> None:
-        stats = self.last_update = self._stats
-        log.info(
-            '%s{"version":%d,"outcome":"%s","loads":%d,"bytes":%d,"load_ms":%.3f,'
-            '"longest_load_ms":%.3f,"allocated_bytes":%d}',
-            UPDATE_LOG_PREFIX,
-            version,
-            outcome,
-            stats.loads,
-            stats.bytes,
-            stats.load_seconds * 1000,
-            stats.longest_load_seconds * 1000,
-            stats.allocated_bytes,
-        )
+        self.last_update = self._stats
+        log.info("%s%s", UPDATE_LOG_PREFIX, self._stats.summary(version, outcome))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from weightsync.api.engines import MemoryTag
 from weightsync.engines.base import EngineHealth
 from weightsync.reference.arenas import Arena, BucketPlan
 from weightsync.transfer.buffers import SlotHandle, SlotHandles
@@ -55,5 +56,9 @@ class ServedEngine(Protocol):
     def commit(self, version: int) -> None: ...
 
     def abort(self, version: int) -> None: ...
+
+    def release(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]: ...
+
+    def resume(self, tags: frozenset[MemoryTag]) -> None: ...
 
     def close(self) -> None: ...

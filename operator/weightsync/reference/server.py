@@ -15,6 +15,10 @@ Routes:
 * `POST /v1/update/load`    {"slot", "tensors": [[name, dtype, shape, offset, nbytes]]}
 * `POST /v1/update/finish`  {"version"}              (atomic swap to the new version)
 * `POST /v1/update/abort`   {"version", "reason"}
+* `POST /v1/memory/release` {"tags": ["kv_cache", "weights"]} -> {"ok", "released", ...}
+* `POST /v1/memory/resume`  {"tags": [...]}           (Colocated: between rounds; while
+                            anything is released, generate answers 503 and health's
+                            detail says "sleeping: ...")
 
 Update errors answer 409 with {"reason", "message"}; the adapter turns them into
 `EngineError`. The server listens on localhost by default: the update API is for the
@@ -38,6 +42,8 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from weightsync.api.engines import MemoryTag
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineError
 from weightsync.reference.channel import UpdateChannelServer
 from weightsync.reference.engine import ReferenceEngine
@@ -71,6 +77,10 @@ class VersionRequest(_Body):
 class AbortRequest(_Body):
     version: int = Field(ge=0)
     reason: str = ""
+
+
+class MemoryRequest(_Body):
+    tags: frozenset[MemoryTag] = Field(min_length=1)
 
 
 class LoadRequest(_Body):
@@ -108,6 +118,8 @@ async def generate(request: web.Request) -> web.Response:
             request, lambda: engine.generate(body.input_ids, body.max_new_tokens)
         )
     except EngineError as exc:
+        if exc.reason == EngineErrorReason.SLEEPING:
+            raise web.HTTPServiceUnavailable(text=str(exc)) from exc
         raise web.HTTPBadRequest(text=str(exc)) from exc
     return web.json_response({"output_ids": outputs, "weight_version": version})
 
@@ -123,6 +135,10 @@ async def health(request: web.Request) -> web.Response:
             "detail": state.detail,
             "incarnation": state.incarnation,
             "staged_buckets": engine.staged_buckets,  # how far an open update got
+            # What it holds in memory (one engine in this process): weights, arenas, KV.
+            "resident_bytes": (
+                engine.resident_bytes if isinstance(engine, ReferenceEngine) else None
+            ),
         }
     )
 
@@ -136,6 +152,25 @@ async def digest(request: web.Request) -> web.Response:
     version, tensors = agreed(workers)
     rows = [dataclasses.asdict(w) for w in workers]
     return web.json_response({"version": version, "tensors": tensors, "workers": rows})
+
+
+async def memory(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body = _parse(MemoryRequest, await request.read())
+    action = request.match_info["action"]
+    try:
+        if action == "release":
+            released = await _in_thread(request, lambda: engine.release(body.tags))
+        elif action == "resume":
+            await _in_thread(request, lambda: engine.resume(body.tags))
+            released = frozenset()
+        else:
+            raise web.HTTPNotFound
+    except EngineError as exc:
+        return _engine_error(exc)
+    return web.json_response(
+        {"ok": True, "released": sorted(released), "incarnation": engine.incarnation}
+    )
 
 
 async def update(request: web.Request) -> web.Response:
@@ -192,6 +227,7 @@ def make_app(engine: ServedEngine, *, update_channel: str = "") -> web.Applicati
     app.router.add_get("/health", health)
     app.router.add_get("/v1/weights/digest", digest)
     app.router.add_post("/v1/update/{action}", update)
+    app.router.add_post("/v1/memory/{action}", memory)
 
     async def _shutdown(app: web.Application) -> None:
         app[EXECUTOR_KEY].shutdown(wait=False, cancel_futures=True)
@@ -211,6 +247,7 @@ def _engine(
             model,
             shm_dir=None if args.shm_dir == "none" else args.shm_dir,
             load_delay_seconds=args.load_delay_seconds,
+            kv_cache_bytes=args.kv_cache_bytes,
         )
     spec = WorkerSpec(
         args.preset, args.layers, seed, args.dtype, args.device, args.threads,
@@ -253,6 +290,12 @@ def main(argv: list[str] | None = None) -> None:
         help="tests: each bucket load takes this much longer, so a test can act mid-round",
     )
     parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=0,
+        help="the KV cache it reserves, released and resumed between Colocated rounds",
+    )
+    parser.add_argument(
         "--shm-dir",
         default="/dev/shm",  # noqa: S108 - POSIX shared memory, not a temp dir
         help="where a CPU engine keeps its staging arenas so the agent can fill them; "
@@ -275,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--load-delay-seconds must be a finite number >= 0")
     if args.tp < 1:
         parser.error("--tp must be at least 1")
+    if args.kv_cache_bytes < 0 or (args.kv_cache_bytes and args.tp != 1):
+        parser.error("--kv-cache-bytes must be >= 0, and is for one engine (--tp 1) only")
     engine = _engine(args, config, parser)
     address = args.update_socket or f"@weightsync-reference-{args.host}-{args.port}"
     channel: UpdateChannelServer | None = None

@@ -30,8 +30,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from weightsync.api.engines import MemoryTag
 from weightsync.engines.base import EngineError, EngineHealth
 from weightsync.reference.arenas import Arena, BucketPlan, make_plan
+from weightsync.reference.memory import Sleep
 from weightsync.reference.model import build_model, preset
 from weightsync.reference.tp_worker import (
     Call,
@@ -108,6 +110,7 @@ class TensorParallelEngine:
         self._staging: int | None = None
         self._staged = 0
         self._torn = ""  # why the workers may serve different versions
+        self._sleep = Sleep()  # as every worker's own (they release and resume together)
 
     def _await_start(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
@@ -172,7 +175,7 @@ class TensorParallelEngine:
 
     def health(self) -> EngineHealth:
         gone = [w.name() for w in self._workers if not w.process.is_alive()]
-        detail = "updating" if self._staging is not None else ""
+        detail = "updating" if self._staging is not None else self._sleep.detail
         if self._torn:
             detail = self._torn
         if gone:
@@ -258,11 +261,22 @@ class TensorParallelEngine:
             self._torn = f"version {version} committed on some workers only: {exc}"
             raise
         self.version, self._torn = version, ""
+        self._sleep.weights_gone = False
         self._staging, self._staged = None, 0
 
     def abort(self, version: int) -> None:
         self._staging, self._staged = None, 0
         self._all("abort", version)
+
+    def release(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
+        self._all("release", tags)
+        self._sleep.released |= tags
+        self._sleep.weights_gone |= MemoryTag.WEIGHTS in tags
+        return tags
+
+    def resume(self, tags: frozenset[MemoryTag]) -> None:
+        self._all("resume", tags)
+        self._sleep.released -= tags
 
     def close(self) -> None:
         for worker in self._workers:

@@ -4,6 +4,7 @@ of workers is `tensor_parallel`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -124,11 +125,13 @@ def _dispatch(
     if op == "attach":
         engine.attach(SlotHandles.model_validate_json(args[0]), copy)
         return None
-    calls = {
+    calls: dict[str, Callable[..., object]] = {
         "begin": engine.begin,
         "ready": engine.ready,
         "commit": engine.commit,
         "abort": engine.abort,
+        "release": engine.release,
+        "resume": engine.resume,
     }
     if op not in calls:
         raise EngineError("bad_request", f"no worker call {op!r}")

@@ -13,6 +13,8 @@ Tensor bytes travel through the shared bucket slots (`buffers.SlotHandles`).
                              <-  PublishResult(version, ok, duration, bytes, reason)
     Fence(version, clean)    ->                      (only after a result with `holding`)
                              <-  Fenced(version, held)
+    Release                  ->                      (Colocated: before the trainer trains)
+                             <-  Released(tags)
 
 On GPU the Publisher shares its tensors once in `Attach.sources` (CUDA IPC); when the agent
 can map them (`Attached.agent_packs`), it packs every bucket itself, in the process and on
@@ -32,6 +34,9 @@ agent) attaches the global shape of every tensor it publishes and, in `Attach.bo
 block of it that it holds (`transfer.shards.Box`). Its agent asks it to fill only its own
 pieces, each at the byte offset in the slot that `Fill.pieces` names; the first `Fill` of
 a round carries new slot handles when the round's layout needed larger slots.
+
+`Release` frees the Colocated engine's memory as the plan's `memory_release` says; the
+next `Publish` wakes it (weights, the round, then the KV cache: `agent.colocated`).
 
 A Publisher that cannot fill a bucket sends `Abandon`; the agent still drives the
 round to its end so every rank fails it together, then answers `PublishResult(ok=False)`.
@@ -149,6 +154,15 @@ class Fenced(_Msg):
     held: bool  # the agent holds `version` for recovery pulls
 
 
+class Release(_Msg):
+    type: Literal["release"] = "release"
+
+
+class Released(_Msg):
+    type: Literal["released"] = "released"
+    tags: list[str]  # what the engine has released now (`api.engines.MemoryTag` values)
+
+
 class HandoffError(_Msg):
     type: Literal["error"] = "error"
     reason: str
@@ -165,6 +179,8 @@ Message = Annotated[
     | PublishResult
     | Fence
     | Fenced
+    | Release
+    | Released
     | HandoffError,
     Field(discriminator="type"),
 ]

@@ -245,7 +245,7 @@ def test_no_room_to_stage_is_a_refusal_that_names_the_bucket(
     def full(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("weightsync.reference.engine.BucketSlots", full)
+    monkeypatch.setattr("weightsync.reference.arenas.BucketSlots", full)
     engine.begin(1)
     first = layout.buckets[0].tensors
     with pytest.raises(EngineError, match=f"the bucket of {first[0].name}") as caught:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from weightsync.api.engines import MemoryTag
 from weightsync.engines.base import EngineError
 from weightsync.reference.engine import tensor_digest
 from weightsync.reference.model import PRESETS, build_model, state_dict_metas
@@ -117,6 +118,28 @@ def test_an_incomplete_update_switches_no_worker(
     after = engine.worker_digests()
     assert [(w.version, w.tensors) for w in after] == [(w.version, w.tensors) for w in before]
     assert engine.health().version == before[0].version
+
+
+def test_workers_release_together_and_serve_again_only_after_a_round(
+    engine: TensorParallelEngine, copies: list[BucketSlots]
+) -> None:
+    attach(engine, copies)
+    engine.begin(4)
+    stream(engine, LAYOUT, copies, seeds=[9, 9])
+    engine.commit(4)
+    engine.release(frozenset(MemoryTag))
+    assert engine.health().detail == "sleeping: kv_cache, weights released"
+    with pytest.raises(EngineError, match="cannot generate: sleeping"):
+        engine.generate(PROMPTS, 1)
+    engine.resume(frozenset({MemoryTag.WEIGHTS}))
+    assert engine.health().detail == "sleeping: kv_cache released"
+    engine.begin(5)
+    stream(engine, LAYOUT, copies, seeds=[10, 10])
+    engine.commit(5)
+    engine.resume(frozenset({MemoryTag.KV_CACHE}))
+    assert engine.health().detail == ""
+    assert engine.digests() == (5, want(10))
+    assert engine.generate(PROMPTS, 1)[1] == 5
 
 
 def test_copies_must_match_the_workers(engine: TensorParallelEngine, tmp_path: Path) -> None:

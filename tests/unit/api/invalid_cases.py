@@ -13,12 +13,15 @@ from typing import Any
 from tests.unit.api.builders import weightsync
 from weightsync.api.cel import CelRule
 from weightsync.api.v1alpha1.agent import ENV_NOT_RESERVED, NO_GPU_OF_ITS_OWN
-from weightsync.api.v1alpha1.front import COLOCATED_NO_FRONT, FRONT_NOT_ENGINE_PORT
-from weightsync.api.v1alpha1.spec import (
+from weightsync.api.v1alpha1.colocated import (
     COLOCATED_ONE_INFERENCE,
     COLOCATED_ONE_SOURCE,
-    INFERENCE_UNIQUE,
+    COLOCATED_ONLY,
     MODE_IMMUTABLE,
+)
+from weightsync.api.v1alpha1.front import COLOCATED_NO_FRONT, FRONT_NOT_ENGINE_PORT
+from weightsync.api.v1alpha1.spec import (
+    INFERENCE_UNIQUE,
     SGLANG_CANNOT_WAIT,
     SOURCE_RANKS_FORM,
     STAGING_LIMIT,
@@ -299,6 +302,22 @@ CREATE_CASES = [
         "spec.inference",
         COLOCATED_NO_FRONT.message,
         rule=COLOCATED_NO_FRONT,
+    ),
+    Invalid(
+        "memory-release-when-disaggregated",
+        weightsync().set("spec.colocated", {"memoryRelease": "KVCache"}).build(),
+        "spec.colocated",
+        COLOCATED_ONLY.message,
+        rule=COLOCATED_ONLY,
+    ),
+    Invalid(
+        "memory-release-unknown",
+        weightsync()
+        .set("spec.mode", "Colocated")
+        .set("spec.colocated", {"memoryRelease": "Everything"})
+        .build(),
+        "spec.colocated.memoryRelease",
+        'Unsupported value: "Everything"',
     ),
     Invalid(
         "colocated-with-two-engines",

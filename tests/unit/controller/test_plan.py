@@ -8,7 +8,7 @@ import pytest
 
 from tests.unit.controller.builders import agent, sink_view, source_view, sync
 from weightsync.api.control import AgentStatus, Backend, GenerationState
-from weightsync.api.v1alpha1 import Role, SyncMode
+from weightsync.api.v1alpha1 import MemoryRelease, Role, SyncMode
 from weightsync.controller.membership.plan import (
     JOIN_BATCH_SECONDS,
     Desired,
@@ -150,6 +150,20 @@ def test_a_colocated_plan_tells_the_source_where_its_engine_listens() -> None:
         rendezvous_port=29470,
     )  # fmt: skip
     assert [p.local_engine for p in disaggregated] == [None, None]
+    assert local.memory_release is MemoryRelease.NONE  # the default: release() frees nothing
+
+
+@pytest.mark.parametrize("release", list(MemoryRelease))
+def test_a_colocated_plan_says_what_the_engine_releases_between_rounds(
+    release: MemoryRelease,
+) -> None:
+    spec = sync(spec__mode="Colocated", spec__colocated={"memoryRelease": release.value}).spec
+    (plan,) = build_plans(
+        sync_name="ns/sync", spec=spec, generation=2, members=[source_view()],
+        rendezvous_port=29470, engine=sink_view("e-1", ip="10.0.1.1"),
+    )  # fmt: skip
+    assert plan.local_engine is not None
+    assert plan.local_engine.memory_release is release
 
 
 def test_excluded_pods_sit_out() -> None:

@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
@@ -22,7 +23,9 @@ from tests.unit.engines.fakes.common import serve
 from tests.unit.engines.fakes.sglang_server import FakeSGLang
 from tests.unit.engines.fakes.vllm_server import FakeVLLM
 from tests.unit.engines.support import cpu_slots, make_model, zeros_like_model
+from weightsync.api.reasons import EngineErrorReason
 from weightsync.api.v1alpha1 import Engine
+from weightsync.engines.base import EngineError
 from weightsync.reference.channel import UpdateChannelServer
 from weightsync.reference.engine import ReferenceEngine, tensor_digest
 from weightsync.reference.model import PRESETS, build_model
@@ -33,6 +36,7 @@ T = TypeVar("T")
 
 REFERENCE_MODEL = PRESETS["tiny"]  # 21 tensors, the largest 64 KiB
 FAKE_SLOT_BYTES = 4096
+KV_CACHE_BYTES = 1 << 20
 
 
 class InProcess(EngineUnderTest):
@@ -69,12 +73,15 @@ class Reference(InProcess):
     engine = Engine.REFERENCE
     stages = True
     sequence_reason = "no_update"
+    releases_memory = True
 
     def __init__(self, tmp_path: Path) -> None:
         super().__init__(tmp_path)
         arenas = tmp_path / "arenas"
         arenas.mkdir()
-        self.served = ReferenceEngine(build_model(REFERENCE_MODEL, seed=0), shm_dir=str(arenas))
+        self.served = ReferenceEngine(
+            build_model(REFERENCE_MODEL, seed=0), shm_dir=str(arenas), kv_cache_bytes=KV_CACHE_BYTES
+        )
         self.stack.callback(self.served.close)
         address = f"@weightsync-test-{uuid.uuid4().hex}"
         self.channel = UpdateChannelServer(self.served, address)
@@ -100,6 +107,14 @@ class Reference(InProcess):
         assert self.served.health().detail != "updating"
         tokens, _ = self.served.generate([[1, 2, 3]], 1)
         assert len(tokens[0]) == 1
+
+    def resident_bytes(self) -> int:
+        return self.served.resident_bytes
+
+    def assert_refuses_inference(self) -> None:
+        with pytest.raises(EngineError) as caught:
+            self.served.generate([[1, 2, 3]], 1)
+        assert caught.value.reason == EngineErrorReason.SLEEPING
 
     def kill(self) -> None:
         self.channel.close()

@@ -1,6 +1,7 @@
 """The weightsync.io/v1alpha1 API: the WeightSync resource."""
 
 from weightsync.api.v1alpha1.agent import AgentResources, AgentSpec, EnvVar, VolumeMount
+from weightsync.api.v1alpha1.colocated import ColocatedSpec, MemoryRelease, SyncMode
 from weightsync.api.v1alpha1.front import FrontSpec
 from weightsync.api.v1alpha1.resource import API_VERSION, VERSION, ObjectMeta, WeightSync
 from weightsync.api.v1alpha1.spec import (
@@ -13,7 +14,6 @@ from weightsync.api.v1alpha1.spec import (
     RecoveryProtocol,
     RecoverySpec,
     StatefulSetRef,
-    SyncMode,
     TrainerSpec,
     TransferSpec,
     WeightSyncSpec,
@@ -31,12 +31,14 @@ __all__ = [
     "VERSION",
     "AgentResources",
     "AgentSpec",
+    "ColocatedSpec",
     "DeploymentRef",
     "Engine",
     "EnvVar",
     "FrontSpec",
     "InferenceSpec",
     "Member",
+    "MemoryRelease",
     "ObjectMeta",
     "PauseMode",
     "PrewarmSpec",

@@ -18,6 +18,14 @@ from pydantic import (
 from weightsync.api.base import INT64_MAX, ApiModel, ObjectName
 from weightsync.api.cel import CelRule, RuleReason, located_error, validations
 from weightsync.api.v1alpha1.agent import AgentSpec
+from weightsync.api.v1alpha1.colocated import (
+    COLOCATED_ONE_INFERENCE,
+    COLOCATED_ONE_SOURCE,
+    COLOCATED_ONLY,
+    MODE_IMMUTABLE,
+    ColocatedSpec,
+    SyncMode,
+)
 from weightsync.api.v1alpha1.front import COLOCATED_NO_FRONT, FRONT_NOT_ENGINE_PORT, FrontSpec
 
 MIB = 1 << 20
@@ -38,13 +46,6 @@ class Engine(StrEnum):
     REFERENCE = "Reference"
 
 
-class SyncMode(StrEnum):
-    """How weights travel from the trainer to the engines."""
-
-    DISAGGREGATED = "Disaggregated"
-    COLOCATED = "Colocated"
-
-
 class PauseMode(StrEnum):
     """What an engine does with in-flight requests while it loads new weights."""
 
@@ -62,11 +63,6 @@ class RecoveryProtocol(StrEnum):
     TCP = "TCP"
 
 
-MODE_IMMUTABLE = CelRule(
-    rule="self == oldSelf",
-    message="mode is immutable: create a new WeightSync to change it",
-    reason=RuleReason.FORBIDDEN,
-)
 TRAINER_IMMUTABLE = CelRule(
     rule="self == oldSelf",
     message=(
@@ -78,24 +74,6 @@ TRAINER_IMMUTABLE = CelRule(
 INFERENCE_UNIQUE = CelRule(
     rule="self.all(a, self.exists_one(b, b.deploymentRef.name == a.deploymentRef.name))",
     message="inference entries must name distinct Deployments in deploymentRef.name",
-)
-COLOCATED_ONE_INFERENCE = CelRule(
-    rule="self.mode != 'Colocated' || (has(self.inference) && size(self.inference) == 1)",
-    message=(
-        "Colocated mode needs exactly one inference entry: the engine that shares the"
-        " trainer's GPUs"
-    ),
-    field_path=".inference",
-)
-COLOCATED_ONE_SOURCE = CelRule(
-    rule="self.mode != 'Colocated' || !has(self.trainer.sourceRanks)"
-    " || (size(self.trainer.sourceRanks) == 1 && type(self.trainer.sourceRanks[0]) == int)",
-    message=(
-        "Colocated mode hands one source rank's full tensors to the engine on its GPU: list"
-        " one rank (an engine assembling its tensors from several ranks on its node is not"
-        " supported; publish full tensors from one rank, or use Disaggregated)"
-    ),
-    field_path=".trainer.sourceRanks",
 )
 # Each item is an int-or-string: a rank, or "all" alone. The schema cannot bound an
 # int-or-string, so the rule does.
@@ -356,6 +334,10 @@ class WeightSyncSpec(ApiModel):
     broadcast over NCCL) or Colocated (trainer and one engine share GPUs on each node,
     weights handed over by CUDA IPC). It cannot change after creation."""
 
+    colocated: ColocatedSpec | None = None
+    """colocated says what the engine gives back while the trainer trains; Colocated mode
+    only."""
+
     transfer: TransferSpec = Field(default_factory=TransferSpec, json_schema_extra={"default": {}})
     """transfer tunes how rounds move the weights."""
 
@@ -391,10 +373,12 @@ class WeightSyncSpec(ApiModel):
             raise COLOCATED_ONE_SOURCE.violation()
         if self.mode is SyncMode.COLOCATED and any(e.front for e in self.inference):
             raise COLOCATED_NO_FRONT.violation()
+        if self.mode is not SyncMode.COLOCATED and self.colocated is not None:
+            raise COLOCATED_ONLY.violation()
         return self
 
     model_config = ConfigDict(
         json_schema_extra=validations(
-            COLOCATED_ONE_INFERENCE, COLOCATED_ONE_SOURCE, COLOCATED_NO_FRONT
+            COLOCATED_ONE_INFERENCE, COLOCATED_ONE_SOURCE, COLOCATED_NO_FRONT, COLOCATED_ONLY
         )
     )

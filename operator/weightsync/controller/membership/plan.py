@@ -40,7 +40,7 @@ from weightsync.api.control import (
     TransferOptions,
 )
 from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1 import Role, SyncMode, WeightSyncSpec
+from weightsync.api.v1alpha1 import MemoryRelease, Role, SyncMode, WeightSyncSpec
 from weightsync.controller.membership.workloads import PodView
 
 # Newcomers wait this long at most for other inference pods still on their way (starting,
@@ -366,4 +366,7 @@ def local_engine(spec: WeightSyncSpec, pod: PodView) -> LocalEngine:
         engine=entry.engine.value,
         url=f"http://{pod.ip}:{entry.port}",
         options=EngineOptions.of(entry),
+        memory_release=(
+            spec.colocated.memory_release if spec.colocated is not None else MemoryRelease.NONE
+        ),
     )

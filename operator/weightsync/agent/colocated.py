@@ -1,0 +1,82 @@
+"""The Colocated engine a source agent loads: its adapter, the slot epoch it attached, and
+the memory it released while the trainer trained.
+
+`Publisher.release()` frees what the plan's `memory_release` names; the next round wakes
+the weights before any bucket moves and the KV cache once the round is over, so the GPU
+never holds the engine's KV cache beside a model still arriving, nor two models. An
+engine that cannot be released or woken fails the call or the round with its reason; it
+is never left serving what it held before without saying so (engines refuse inference
+while their weights are released, until a round commits new ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from weightsync.agent.engine_adapter import adapter_for
+from weightsync.agent.rounds import RoundFailed
+from weightsync.api.control import LocalEngine
+from weightsync.api.engines import MemoryTag, released_tags
+from weightsync.api.reasons import FailureReason
+from weightsync.engines.base import EngineAdapter, EngineError
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedEngine:
+    def __init__(self, timeout_seconds: float) -> None:
+        self._timeout = timeout_seconds
+        self._planned: tuple[LocalEngine, EngineAdapter] | None = None
+        self.epoch = -1  # the slot epoch the engine attached
+        self.asleep: frozenset[MemoryTag] = frozenset()  # released, not woken yet
+
+    async def adapter(self, planned: LocalEngine) -> EngineAdapter:
+        """The planned engine's adapter; a new planned engine (its pod was replaced)
+        attaches anew, and starts awake."""
+        if self._planned is not None:
+            known, adapter = self._planned
+            if known == planned:
+                return adapter
+            await adapter.close()
+            if (known.pod, known.url) != (planned.pod, planned.url):
+                self.asleep = frozenset()
+        log.info("colocated engine: %s of pod %s at %s", planned.engine, planned.pod, planned.url)
+        adapter = adapter_for(planned.engine, planned.url, planned.options)
+        self._planned = (planned, adapter)
+        self.epoch = -1
+        return adapter
+
+    async def release(self, planned: LocalEngine | None) -> frozenset[MemoryTag]:
+        """Free what `planned.memory_release` names; what the engine freed."""
+        tags = released_tags(planned.memory_release) if planned is not None else frozenset()
+        if planned is None or not tags - self.asleep:
+            return self.asleep
+        adapter = await self.adapter(planned)
+        try:
+            freed = await asyncio.wait_for(adapter.release_memory(tags), self._timeout)
+        except (EngineError, TimeoutError) as exc:
+            raise RoundFailed(
+                FailureReason.ENGINE_RELEASE_FAILED,
+                f"engine of {planned.pod} did not release {', '.join(sorted(tags))}: {exc!r}",
+            ) from exc
+        self.asleep |= freed
+        log.info("colocated engine of %s released %s", planned.pod, ", ".join(sorted(freed)))
+        return self.asleep
+
+    async def wake(self, tag: MemoryTag) -> None:
+        """Bring `tag` back if it was released; `RoundFailed` when the engine will not."""
+        if tag not in self.asleep or self._planned is None:
+            return
+        pod, adapter = self._planned[0].pod, self._planned[1]
+        try:
+            await asyncio.wait_for(adapter.resume_memory(frozenset({tag})), self._timeout)
+        except (EngineError, TimeoutError) as exc:
+            raise RoundFailed(
+                FailureReason.ENGINE_WAKE_FAILED, f"engine of {pod} did not wake {tag}: {exc!r}"
+            ) from exc
+        self.asleep -= {tag}
+
+    async def close(self) -> None:
+        if self._planned is not None:
+            await self._planned[1].close()

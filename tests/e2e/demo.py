@@ -690,7 +690,7 @@ def _summary(result: DemoResult, demo: Demo, console: Console) -> None:
         ),
         "  time on this run       (.ci/setup's steps, then the demo's)",
         *(
-            f"    {name.split(' (')[0]:62s} {seconds:6.1f} s"
+            f"    {name.split(' (')[0][:62]:62s} {seconds:6.1f} s"
             for name, seconds in [
                 *(("setup: " + n, t) for n, t in result.setup_times),
                 *console.steps,

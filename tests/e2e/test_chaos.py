@@ -171,7 +171,7 @@ class Publisher(threading.Thread):
         super().__init__(name="publisher", daemon=True)
         self.cluster, self.namespace, self.report = cluster, namespace, report
         self.published: dict[str, dict[int, dict[str, Any]]] = {}  # lineage -> version
-        self.uid, self.ip = "", ""  # the trainer pod stepped
+        self.uid, self.ip = "", ""  # the trainer pod stepped ("": find it again)
         self.lineage = ""  # the stepped trainer's, from its last step
         self.last_version = 0  # its last step's, ok or not: the next one is in flight
         self.latest: dict[str, Any] | None = None  # the last ok round's digest...
@@ -208,6 +208,8 @@ class Publisher(threading.Thread):
             self.follow_trainer()
             while not self.stop.is_set():
                 with self.stepping:
+                    if not self.ip:  # its pod was replaced between steps
+                        self.follow_trainer()
                     try:
                         result = step(self.ip)
                         digest = trainer_digest(self.ip) if result["ok"] else None
@@ -369,8 +371,13 @@ def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorP
         with partitioned(cluster.node, victim, "engine"):
             time.sleep(2 * TIMEOUT_SECONDS)
     elif kind == "trainer_replace":
-        (source,) = pods(cluster, namespace, "trainer")
-        replace_pod(cluster, source)
+        # Between two steps: a step in flight to a pod deleted at once waits out its HTTP
+        # timeout (60 s: nothing answers for a pod that is gone), and that was the test's
+        # trainer driver, not weightsync (a 62.9 s trainer replacement, 2026-11-28).
+        with publisher.paused():
+            (source,) = pods(cluster, namespace, "trainer")
+            replace_pod(cluster, source)
+            publisher.ip = ""  # the next step goes to the replacement (`follow_trainer`)
     elif kind == "bucket_corrupt":
         spare = (ENGINE_PORT, AGENT_HTTP_PORT, AGENT_METRICS_PORT)
         with corrupted(cluster.node, victim, "engine", spare):

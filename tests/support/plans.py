@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from weightsync.api.control import (
     Backend,
@@ -13,6 +14,23 @@ from weightsync.api.control import (
     TransferOptions,
 )
 from weightsync.api.v1alpha1 import Role, SyncMode
+
+
+def plan_body(**overrides: Any) -> dict[str, Any]:
+    """A valid `PUT /v1/plan` body as JSON data, rank 1 (the sink `infer-a`) of two, with
+    `overrides` on top: what tests of the message's parsing start from."""
+    body: dict[str, Any] = {
+        "sync_name": "demo",
+        "generation": 1,
+        "rank": 1,
+        "backend": "gloo",
+        "rendezvous": {"host": "10.0.0.1", "port": 29500},
+        "members": [
+            {"rank": 0, "pod": "trainer-0", "host": "10.0.0.1", "role": "source"},
+            {"rank": 1, "pod": "infer-a", "host": "10.0.0.2", "role": "sink"},
+        ],
+    }
+    return {**body, **overrides}
 
 
 def local_plan(

@@ -7,27 +7,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from tests.support.plans import plan_body
 from weightsync.api.control import MembershipPlan, RecoverRequest
 
 
-def plan(**overrides: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "sync_name": "demo",
-        "generation": 1,
-        "rank": 1,
-        "backend": "gloo",
-        "rendezvous": {"host": "10.0.0.1", "port": 29500},
-        "members": [
-            {"rank": 0, "pod": "trainer-0", "host": "10.0.0.1", "role": "source"},
-            {"rank": 1, "pod": "infer-a", "host": "10.0.0.2", "role": "sink"},
-        ],
-    }
-    body.update(overrides)
-    return body
-
-
 def test_valid_plan_defaults() -> None:
-    parsed = MembershipPlan.model_validate(plan())
+    parsed = MembershipPlan.model_validate(plan_body())
     assert parsed.world_size == 2
     assert parsed.me.pod == "infer-a"
     assert parsed.transfer.bucket_size_bytes == 1024 << 20
@@ -84,12 +69,12 @@ def test_valid_plan_defaults() -> None:
 )
 def test_invalid_plans(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
-        MembershipPlan.model_validate(plan(**overrides))
+        MembershipPlan.model_validate(plan_body(**overrides))
 
 
 def test_a_compact_plan_carries_this_member_and_the_group_size() -> None:
     compact = MembershipPlan.model_validate(
-        plan(
+        plan_body(
             rank=2,
             members=[{"rank": 2, "pod": "infer-b", "host": "10.0.0.3", "role": "sink"}],
             world_size=3,
@@ -98,7 +83,7 @@ def test_a_compact_plan_carries_this_member_and_the_group_size() -> None:
     )
     assert (compact.me.pod, compact.world_size, compact.source_count) == ("infer-b", 3, 1)
     assert not compact.has_roster
-    assert MembershipPlan.model_validate(plan()).has_roster
+    assert MembershipPlan.model_validate(plan_body()).has_roster
 
 
 @pytest.mark.parametrize(
@@ -130,7 +115,7 @@ def test_a_compact_plan_carries_this_member_and_the_group_size() -> None:
 )
 def test_invalid_compact_plans(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
-        MembershipPlan.model_validate(plan(**overrides))
+        MembershipPlan.model_validate(plan_body(**overrides))
 
 
 def test_a_pull_names_the_protocol_its_holders_serve_never_auto() -> None:

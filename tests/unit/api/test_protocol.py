@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tests.support.plans import plan_body
 from weightsync.api.control import AgentStatus, MembershipPlan, RecoverRequest
 from weightsync.api.protocol import (
     ADDED,
@@ -23,21 +24,6 @@ from weightsync.api.protocol import (
 from weightsync.api.v1alpha1 import Role
 
 N = PROTOCOL_VERSION
-
-
-def roster_plan(**changes: Any) -> dict[str, Any]:
-    plan: dict[str, Any] = {
-        "sync_name": "ns/sync",
-        "generation": 3,
-        "rank": 0,
-        "backend": "gloo",
-        "rendezvous": {"host": "10.0.0.1", "port": 29500},
-        "members": [
-            {"rank": 0, "pod": "trainer-0", "host": "10.0.0.1", "role": "source"},
-            {"rank": 1, "pod": "infer-0", "host": "10.0.1.1", "role": "sink"},
-        ],
-    }
-    return {**plan, **changes}
 
 
 @pytest.mark.parametrize(
@@ -67,7 +53,7 @@ def test_a_version_header_that_is_no_version_is_refused(header: str) -> None:
 
 
 def test_a_peer_of_this_version_gets_the_whole_message() -> None:
-    plan = MembershipPlan.model_validate(roster_plan(holder=True))
+    plan = MembershipPlan.model_validate(plan_body(holder=True))
     sent = for_peer(plan, N)
     assert sent.lost == ()
     assert MembershipPlan.model_validate_json(sent.json()) == plan
@@ -76,7 +62,7 @@ def test_a_peer_of_this_version_gets_the_whole_message() -> None:
 def test_an_older_peer_gets_no_field_its_version_lacks_nested_ones_too() -> None:
     # As if `holder`, the transfer's `checksum` and a member's `host` came in version N.
     added = {"MembershipPlan.holder": N, "TransferOptions.checksum": N}
-    plan = MembershipPlan.model_validate(roster_plan())
+    plan = MembershipPlan.model_validate(plan_body())
     sent = for_peer(plan, N - 1, added=added)
     assert sent.lost == ()  # both at their defaults: the peer assumes those anyway
     assert "holder" not in sent.data
@@ -92,7 +78,7 @@ def test_an_older_peer_gets_no_field_its_version_lacks_nested_ones_too() -> None
 
 def test_a_field_an_older_peer_lacks_is_named_when_it_says_something() -> None:
     added = {"MembershipPlan.holder": N, "TransferOptions.checksum": N}
-    plan = MembershipPlan.model_validate(roster_plan(holder=True, transfer={"checksum": True}))
+    plan = MembershipPlan.model_validate(plan_body(holder=True, transfer={"checksum": True}))
     assert set(for_peer(plan, N - 1, added=added).lost) == {"holder", "transfer.checksum"}
     request = RecoverRequest(version=3, holders=["http://10.0.0.1:8470"], protocol="TCP")
     later = {"RecoverRequest.timeout_seconds": N}
@@ -112,7 +98,7 @@ def test_the_status_leaves_its_version_out_for_an_operator_of_the_oldest() -> No
 
 def test_a_newer_sender_s_unknown_fields_are_ignored_by_field() -> None:
     raw = json.dumps(
-        roster_plan(
+        plan_body(
             shiny=1,
             transfer={"checksum": True, "compression": "zstd"},
             members=[
@@ -129,16 +115,16 @@ def test_a_newer_sender_s_unknown_fields_are_ignored_by_field() -> None:
 
 @pytest.mark.parametrize("sender", [OLDEST, N])
 def test_an_unknown_field_from_a_sender_not_newer_is_a_typo(sender: int) -> None:
-    raw = json.dumps(roster_plan(transfer={"chekcsum": True}))
+    raw = json.dumps(plan_body(transfer={"chekcsum": True}))
     with pytest.raises(ValidationError, match=r"transfer\.chekcsum"):
         parse_from(MembershipPlan, raw, sender)
 
 
 def test_a_newer_sender_s_invalid_message_is_still_refused() -> None:
-    raw = json.dumps(roster_plan(generation=0, shiny=1))
+    raw = json.dumps(plan_body(generation=0, shiny=1))
     with pytest.raises(ValidationError, match=r"generation"):
         parse_from(MembershipPlan, raw, N + 1)
-    _, ignored = parse_from(MembershipPlan, json.dumps(roster_plan()), N + 1)
+    _, ignored = parse_from(MembershipPlan, json.dumps(plan_body()), N + 1)
     assert ignored == ()
 
 

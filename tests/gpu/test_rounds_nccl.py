@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.colocated_release import run_colocated_release
 from tests.integration.contract import ContractConfig, run_colocated, run_contract
 from weightsync.api.control import Backend
+from weightsync.api.v1alpha1 import MemoryRelease
 from weightsync.transfer.buffers import TensorSources, describe_sources, open_sources
 
 pytestmark = pytest.mark.gpu
@@ -50,6 +52,18 @@ def test_colocated_cuda_ipc(tmp_path: Path) -> None:
     if gpus() < 1:
         pytest.skip("needs a GPU")
     run_colocated(tmp_path, "cuda:0")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("release", [MemoryRelease.KV_CACHE, MemoryRelease.KV_CACHE_AND_WEIGHTS])
+def test_colocated_engine_released_between_rounds_gpu(
+    tmp_path: Path, release: MemoryRelease
+) -> None:
+    """The CPU tier's time-sharing body on one GPU: what the engine releases comes back to
+    the device (the driver's free memory), and every round is bit-identical."""
+    if gpus() < 1:
+        pytest.skip("needs a GPU")
+    run_colocated_release(tmp_path, "cuda:0", release, kv_cache_bytes=1 << 30)
 
 
 Names = list[tuple[str, tuple[int, ...], str]]

@@ -16,6 +16,7 @@ import urllib.error
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.contract import ContractConfig, expect_served, make_plan
 from tests.integration.stack import Engine, free_port, stack, wait_warm
@@ -44,16 +45,31 @@ def assert_refuses_inference(engine: Engine) -> None:
     assert refused.value.code == 503
 
 
+def device_free(device: str) -> int | None:
+    """Free bytes on `device` as the driver counts them (every process's), None on CPU."""
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
 def run_colocated_release(
-    workdir: Path, device: str, release: MemoryRelease, rounds: int = 3
+    workdir: Path,
+    device: str,
+    release: MemoryRelease,
+    rounds: int = 3,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
 ) -> None:
+    """On a GPU the release must also show on the device: the driver's free memory rises by
+    what the engine says it gave back (a block still mapped by the agent, or kept in the
+    engine's allocator cache, would not), and falls again once the round woke it."""
     config = ContractConfig(
         backend=Backend.NCCL if device.startswith("cuda") else Backend.GLOO, devices=[device]
     )
     tags = released_tags(release)
     with stack(workdir) as st:
         engine = st.start_engine(
-            "engine-0", preset=config.preset, seed=0, device=device, kv_cache_bytes=KV_CACHE_BYTES
+            "engine-0", preset=config.preset, seed=0, device=device, kv_cache_bytes=kv_cache_bytes
         )
         source = st.start_agent("source-0", role="source", device=device)
         st.wait_ready([source], [engine])
@@ -72,16 +88,21 @@ def run_colocated_release(
             assert publisher.publish(trainer.named_parameters(), version=1).ok
             awake = engine.health()["resident_bytes"]
             for version in range(2, rounds + 2):
+                before = device_free(device)
                 freed = set(publisher.release())
                 assert freed == {str(tag) for tag in tags}
                 health = engine.health()
                 assert health["detail"].startswith("sleeping")
                 asleep = health["resident_bytes"]
                 if MemoryTag.WEIGHTS in tags:  # both copies of the staged engine are gone:
-                    assert awake >= KV_CACHE_BYTES + 2 * model_bytes
+                    assert awake >= kv_cache_bytes + 2 * model_bytes
                     assert asleep < 1024  # one placeholder element per tensor remains
                 else:
-                    assert asleep == awake - KV_CACHE_BYTES
+                    assert asleep == awake - kv_cache_bytes
+                after = device_free(device)
+                if before is not None and after is not None:
+                    # The allocator's rounding and the CUDA context's own pages: 5% slack.
+                    assert after - before >= 0.95 * (awake - asleep), (before, after, awake, asleep)
                 assert_refuses_inference(engine)
                 randomize(trainer, seed=3000 + version)  # "training"
                 result = publisher.publish(trainer.named_parameters(), version=version)
@@ -89,6 +110,9 @@ def run_colocated_release(
                 expect_served(trainer, [engine], version)
                 health = engine.health()
                 assert (health["detail"], health["resident_bytes"]) == ("", awake)
+                woken = device_free(device)
+                if before is not None and woken is not None:
+                    assert woken <= before + 0.05 * (awake - asleep), (before, woken)
             # The engine's own record: weights woken before each round's loads, the KV cache
             # only once the round committed.
             want = ["commit 1"]

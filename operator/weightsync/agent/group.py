@@ -12,6 +12,7 @@ order is the same on every rank and the event loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -253,6 +254,13 @@ class Group:
             else:
                 done.set_result(value)
 
+        def hand_over(value: bytes | None, error: BaseException | None) -> None:
+            # The agent may have stopped while this thread waited (a pod deleted while
+            # its sink idled): nobody is left to tell, and a raise here would end this
+            # thread with a traceback in a clean shutdown's log.
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                loop.call_soon_threadsafe(settle, value, error)
+
         def wait() -> None:
             try:
                 store.wait([key], quiet_after)
@@ -260,9 +268,9 @@ class Group:
             except dist.DistStoreError:
                 value = None  # a quiet slice
             except (dist.DistError, RuntimeError) as exc:
-                loop.call_soon_threadsafe(settle, None, exc)
+                hand_over(None, exc)
                 return
-            loop.call_soon_threadsafe(settle, value, None)
+            hand_over(value, None)
 
         threading.Thread(
             target=wait, name=f"ws-g{self.spec.generation}-doorbell", daemon=True

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -125,3 +127,27 @@ def test_a_round_on_a_closed_generation_fails_as_a_named_transfer_failure() -> N
     with pytest.raises(TransferError) as failure:
         worker.submit(lambda: 8)
     assert failure.value.reason == "generation_closed"
+
+
+def test_a_doorbell_answered_after_the_agent_stopped_ends_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI saw a traceback in a replaced engine pod's agent log: its doorbell thread, woken
+    after the agent's event loop had closed, raised `Event loop is closed`."""
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    loop = asyncio.new_event_loop()
+    group = loop.run_until_complete(form_group(specs(1, 1, free_port())[0]))
+    waiting = loop.create_task(group.wait_key("bell/0", timedelta(seconds=30)))
+    loop.run_until_complete(asyncio.sleep(0.2))  # its thread is in the store's wait
+    waiting.cancel()
+    loop.run_until_complete(asyncio.gather(waiting, return_exceptions=True))
+    loop.close()
+    group.ctl.set("bell/0", b"ring")  # wakes the thread, which has nobody left to tell
+    threads = [t for t in threading.enumerate() if t.name == "ws-g1-doorbell"]
+    assert threads
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    group.close()
+    assert raised == []

@@ -19,12 +19,13 @@ INVALID_SPEC_MESSAGE: Final = "The spec is invalid: {errors}"
 
 # Ready=False: a referenced workload does not exist.
 TRAINER_NOT_FOUND: Final = "TrainerNotFound"
-TRAINER_NOT_FOUND_MESSAGE: Final = "StatefulSet {name} does not exist in this namespace."
+TRAINER_NOT_FOUND_MESSAGE: Final = "{kind} {name} does not exist in this namespace."
+# Kept for every inference workload kind (LeaderWorkerSets too): alerts and users match it.
 DEPLOYMENT_NOT_FOUND: Final = "DeploymentNotFound"
-DEPLOYMENT_NOT_FOUND_MESSAGE: Final = "Deployment {name} does not exist in this namespace."
+DEPLOYMENT_NOT_FOUND_MESSAGE: Final = "{kind} {name} does not exist in this namespace."
 RANKS_BEYOND_TRAINER: Final = "SourceRanksBeyondTrainer"
 RANKS_BEYOND_TRAINER_MESSAGE: Final = (
-    "spec.trainer.sourceRanks lists {ranks}, but StatefulSet {name} runs ranks 0 to {last}"
+    "spec.trainer.sourceRanks lists {ranks}, but {kind} {name} runs ranks 0 to {last}"
     " ({replicas} pod(s) x ranksPerPod {per_pod}): a rank that never runs would hold every"
     " round back."
 )

@@ -17,7 +17,16 @@ from pydantic import ValidationError
 from weightsync.api.cel import LOCATED_ERROR_TYPE, CelRule
 from weightsync.api.v1alpha1 import WeightSync
 from weightsync.api.v1alpha1.colocated import MODE_IMMUTABLE
-from weightsync.api.v1alpha1.spec import TRAINER_IMMUTABLE
+from weightsync.api.v1alpha1.workloads import (
+    JOB_IMMUTABLE,
+    JOBSET_IMMUTABLE,
+    TRAINER_IMMUTABLE,
+    TRAINER_KIND_IMMUTABLE,
+)
+
+
+def _name(ref: Any) -> str | None:
+    return None if ref is None else str(ref.name)
 
 
 @dataclass(frozen=True)
@@ -32,10 +41,19 @@ class ImmutableField:
 # Every transition rule of the CRD, in Python; a unit test keeps the two lists equal.
 IMMUTABLE_FIELDS = (
     ImmutableField("spec.mode", MODE_IMMUTABLE, lambda sync: sync.spec.mode),
+    ImmutableField("spec.trainer", TRAINER_KIND_IMMUTABLE, lambda sync: sync.spec.trainer.kind),
     ImmutableField(
         "spec.trainer.statefulSetRef.name",
         TRAINER_IMMUTABLE,
-        lambda sync: sync.spec.trainer.stateful_set_ref.name,
+        lambda sync: _name(sync.spec.trainer.stateful_set_ref),
+    ),
+    ImmutableField(
+        "spec.trainer.jobSetRef.name",
+        JOBSET_IMMUTABLE,
+        lambda sync: _name(sync.spec.trainer.job_set_ref),
+    ),
+    ImmutableField(
+        "spec.trainer.jobRef.name", JOB_IMMUTABLE, lambda sync: _name(sync.spec.trainer.job_ref)
     ),
 )
 
@@ -106,12 +124,14 @@ def parse_weightsync(obj: Mapping[str, Any]) -> WeightSync:
 def check_update(old: WeightSync, new: WeightSync) -> None:
     """Raise WeightSyncInvalidError if `new` changes a field that may not change.
 
-    The Python side of the CRD's transition rules (`self == oldSelf`).
+    The Python side of the CRD's transition rules (`self == oldSelf`), which the API
+    server evaluates only where the field exists in both (a reference that is set in
+    one only is the kind rule's to refuse).
     """
-    errors = [
-        FieldError(field.path, field.rule.message)
-        for field in IMMUTABLE_FIELDS
-        if field.value(new) != field.value(old)
-    ]
+    errors: list[FieldError] = []
+    for field in IMMUTABLE_FIELDS:
+        before, after = field.value(old), field.value(new)
+        if before is not None and after is not None and before != after:
+            errors.append(FieldError(field.path, field.rule.message))
     if errors:
         raise WeightSyncInvalidError(errors)

@@ -41,6 +41,10 @@ from weightsync.controller.cluster import pods as pod_actions
 from weightsync.controller.cluster.cache import (
     BODIES_INDEX,
     DEPLOYMENTS_INDEX,
+    JOBS_BY_OWNER_INDEX,
+    JOBS_INDEX,
+    JOBSETS_INDEX,
+    LEADERWORKERSETS_INDEX,
     REPLICASET_OWNERS_INDEX,
     REPLICASETS_INDEX,
     STATEFULSETS_INDEX,
@@ -292,6 +296,35 @@ def _register_workload_indexes(registry: kopf.OperatorRegistry) -> None:
         namespace: str | None, name: str, body: kopf.Body, **_: Any
     ) -> dict[tuple[str, str], dict[str, Any]]:
         return {(_namespaced(namespace), name): replicaset_owner(body)}
+
+    # Other projects' workloads (`owners`). A kind whose CRD is not installed is not
+    # watched (kopf watches what the cluster serves, and picks up a CRD added later); its
+    # index stays unbound and a pass that names one reads it from the API server.
+    by_name = (
+        ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", LEADERWORKERSETS_INDEX),
+        ("jobset.x-k8s.io", "v1alpha2", "jobsets", JOBSETS_INDEX),
+        ("batch", "v1", "jobs", JOBS_INDEX),
+    )
+    for group, version, plural, index in by_name:
+
+        @kopf.index(
+            group, version, plural,
+            registry=registry, id=index, timeout=TIMEOUT, backoff=BACKOFF,
+        )  # fmt: skip
+        async def workloads_by_name(
+            namespace: str | None, name: str, body: kopf.Body, **_: Any
+        ) -> dict[tuple[str, str], dict[str, Any]]:
+            return {(_namespaced(namespace), name): slim_workload(body)}
+
+    @kopf.index(
+        "batch", "v1", "jobs",
+        registry=registry, id=JOBS_BY_OWNER_INDEX, timeout=TIMEOUT, backoff=BACKOFF,
+    )  # fmt: skip
+    async def jobs_by_owner(
+        namespace: str | None, body: kopf.Body, **_: Any
+    ) -> dict[tuple[str, str], dict[str, Any]] | None:
+        key = pod_key(_namespaced(namespace), body)  # (namespace, controller uid)
+        return {key: slim_workload(body)} if key is not None else None
 
 
 def _register_admission(registry: kopf.OperatorRegistry, shared: Shared) -> None:

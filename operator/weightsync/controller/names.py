@@ -54,6 +54,10 @@ NODE_DIR: Final = "/var/run/weightsync-node"
 NODE_HOST_ROOT: Final = "/var/run/weightsync/colocated"
 
 STATEFULSET_POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
+# What the Job controller (batch/v1, completionMode Indexed) and the JobSet controller
+# (jobset.x-k8s.io, v0.10) put on the pods they create: trainer ranks come from these.
+JOB_COMPLETION_INDEX_LABEL: Final = "batch.kubernetes.io/job-completion-index"
+JOBSET_GLOBAL_INDEX_LABEL: Final = "jobset.sigs.k8s.io/job-global-index"
 
 _MAX_NAME = 253
 

@@ -25,7 +25,13 @@ from weightsync.api.v1alpha1.spec import (
     SGLANG_CANNOT_WAIT,
     SOURCE_RANKS_FORM,
     STAGING_LIMIT,
+)
+from weightsync.api.v1alpha1.workloads import (
+    ENGINE_ONE_WORKLOAD,
+    JOBSET_IMMUTABLE,
     TRAINER_IMMUTABLE,
+    TRAINER_KIND_IMMUTABLE,
+    TRAINER_ONE_WORKLOAD,
 )
 
 GIB = 1 << 30
@@ -159,8 +165,50 @@ CREATE_CASES = [
     Invalid(
         "missing-trainer-reference",
         weightsync().delete("spec.trainer.statefulSetRef").build(),
-        "spec.trainer.statefulSetRef",
-        "Required value",
+        "spec.trainer",
+        TRAINER_ONE_WORKLOAD.message,
+        rule=TRAINER_ONE_WORKLOAD,
+    ),
+    Invalid(
+        "two-trainer-references",
+        weightsync().set("spec.trainer.jobSetRef", {"name": "train"}).build(),
+        "spec.trainer",
+        TRAINER_ONE_WORKLOAD.message,
+        rule=TRAINER_ONE_WORKLOAD,
+    ),
+    Invalid(
+        "missing-engine-reference",
+        weightsync().delete("spec.inference.0.deploymentRef").build(),
+        "spec.inference[0]",
+        ENGINE_ONE_WORKLOAD.message,
+        rule=ENGINE_ONE_WORKLOAD,
+    ),
+    Invalid(
+        "two-engine-references",
+        weightsync().set("spec.inference.0.leaderWorkerSetRef", {"name": "lws"}).build(),
+        "spec.inference[0]",
+        ENGINE_ONE_WORKLOAD.message,
+        rule=ENGINE_ONE_WORKLOAD,
+    ),
+    Invalid(
+        "leaderworkerset-name-not-dns",
+        weightsync()
+        .delete("spec.inference.0.deploymentRef")
+        .set("spec.inference.0.leaderWorkerSetRef", {"name": "Engine_A"})
+        .build(),
+        "spec.inference[0].leaderWorkerSetRef.name",
+        "should match",
+    ),
+    Invalid(
+        "deployment-and-leaderworkerset-of-one-name",
+        weightsync()
+        .inference("engine-b")
+        .delete("spec.inference.1.deploymentRef")
+        .set("spec.inference.1.leaderWorkerSetRef", {"name": "engine-a"})
+        .build(),
+        "spec.inference",
+        INFERENCE_UNIQUE.message,
+        rule=INFERENCE_UNIQUE,
     ),
     Invalid(
         "missing-deployment-name",
@@ -382,6 +430,29 @@ UPDATE_CASES = [
         weightsync().set("spec.trainer.statefulSetRef.name", "other-trainer").build(),
         "spec.trainer.statefulSetRef.name",
         TRAINER_IMMUTABLE,
+    ),
+    InvalidUpdate(
+        "jobset-trainer-changed",
+        weightsync()
+        .delete("spec.trainer.statefulSetRef")
+        .set("spec.trainer.jobSetRef", {"name": "a"})
+        .build(),
+        weightsync()
+        .delete("spec.trainer.statefulSetRef")
+        .set("spec.trainer.jobSetRef", {"name": "b"})
+        .build(),
+        "spec.trainer.jobSetRef.name",
+        JOBSET_IMMUTABLE,
+    ),
+    InvalidUpdate(
+        "trainer-kind-changed",
+        weightsync().build(),
+        weightsync()
+        .delete("spec.trainer.statefulSetRef")
+        .set("spec.trainer.jobSetRef", {"name": "trainer"})
+        .build(),
+        "spec.trainer",
+        TRAINER_KIND_IMMUTABLE,
     ),
 ]
 

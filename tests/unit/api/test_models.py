@@ -15,12 +15,14 @@ from weightsync.api import API_VERSION, GROUP, VERSION, parse_weightsync
 from weightsync.api.crd import openapi_schema
 from weightsync.api.v1alpha1 import (
     Engine,
+    EngineKind,
     Member,
     PauseMode,
     RecoveryProtocol,
     Role,
     RoundSummary,
     SyncMode,
+    TrainerKind,
     WeightSyncStatus,
 )
 
@@ -177,3 +179,39 @@ def test_integers_and_booleans_are_not_coerced(path: str, value: Any) -> None:
     # The API server rejects these types; so must the backstop.
     with pytest.raises(ValueError, match="valid"):
         parse_weightsync(weightsync().set(path, value).build())
+
+
+def test_a_weightsync_of_a_jobset_trainer_and_leaderworkerset_engines_parses() -> None:
+    sync = parse_weightsync(
+        weightsync()
+        .delete("spec.trainer.statefulSetRef")
+        .set("spec.trainer.jobSetRef", {"name": "train"})
+        .delete("spec.inference.0.deploymentRef")
+        .set("spec.inference.0.leaderWorkerSetRef", {"name": "vllm"})
+        .inference("small")
+        .build()
+    )
+    assert (sync.spec.trainer.kind, sync.spec.trainer.name) == (TrainerKind.JOB_SET, "train")
+    assert [(e.kind, e.name) for e in sync.spec.inference] == [
+        (EngineKind.LEADER_WORKER_SET, "vllm"),
+        (EngineKind.DEPLOYMENT, "small"),
+    ]
+
+
+def test_a_weightsync_written_before_the_other_kinds_binds_what_it_always_did() -> None:
+    sync = parse_weightsync(weightsync().build())
+    assert (sync.spec.trainer.kind, sync.spec.trainer.name) == (TrainerKind.STATEFUL_SET, "trainer")
+    assert (sync.spec.inference[0].kind, sync.spec.inference[0].name) == (
+        EngineKind.DEPLOYMENT,
+        "engine-a",
+    )
+
+
+def test_an_indexed_job_trainer_parses() -> None:
+    sync = parse_weightsync(
+        weightsync()
+        .delete("spec.trainer.statefulSetRef")
+        .set("spec.trainer.jobRef", {"name": "train"})
+        .build()
+    )
+    assert (sync.spec.trainer.kind, sync.spec.trainer.name) == (TrainerKind.JOB, "train")

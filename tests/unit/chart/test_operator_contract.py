@@ -244,7 +244,7 @@ _VERBS = {"get": "get", "read": "get", "list": "list", "create": "create", "patc
           "replace": "update", "delete": "delete"}  # fmt: skip
 _GROUPS = {
     "pods": "", "secrets": "", "events": "", "configmaps": "", "namespaces": "",
-    "statefulsets": "apps", "deployments": "apps", "replicasets": "apps",
+    "statefulsets": "apps", "deployments": "apps", "replicasets": "apps", "jobs": "batch",
     "weightsyncs": "weightsync.io",
     "mutatingwebhookconfigurations": "admissionregistration.k8s.io",
     "validatingwebhookconfigurations": "admissionregistration.k8s.io",

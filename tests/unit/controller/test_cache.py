@@ -17,9 +17,12 @@ from weightsync.controller import names
 from weightsync.controller.cluster.cache import Indexes, newest, pod_key, slim_pod
 from weightsync.controller.cluster.kube import Kube, NotCachedError
 from weightsync.controller.cluster.podwatch import PodStore
+from weightsync.controller.membership.owners import WorkloadRef
 from weightsync.controller.membership.workloads import pod_view
 from weightsync.controller.passes.memory import Memory
 from weightsync.controller.passes.observe import cached_status, without_status
+
+TRAINER, ENGINE = WorkloadRef("StatefulSet", "trainer"), WorkloadRef("Deployment", "engine")
 
 
 def test_a_slim_pod_reads_as_the_whole_pod() -> None:
@@ -64,20 +67,20 @@ def test_observe_from_the_caches_alone_calls_no_api() -> None:
     store = PodStore()
     indexes = Indexes(store)
     with pytest.raises(NotCachedError):  # nothing bound yet
-        kube.observe("ns", "trainer", ["engine"], indexes, cached_only=True)
+        kube.observe("ns", TRAINER, [ENGINE], indexes, cached_only=True)
     indexes.bind({
         "statefulsets_by_name": {},
         "deployments_by_name": {("ns", "engine"): [deployment]},
         "replicasets_by_owner": {("ns", "d-1"): [replicaset]},
     })  # fmt: skip
     with pytest.raises(NotCachedError, match="pods of ns/engine-abc"):  # no pod list yet
-        kube.observe("ns", "trainer", ["engine"], indexes, cached_only=True)
+        kube.observe("ns", TRAINER, [ENGINE], indexes, cached_only=True)
     engine = pod("engine-abc-1").owned_by("ReplicaSet", "engine-abc").running("10.0.1.1").build()
     engine["metadata"]["namespace"] = "ns"
     store.relist("ns", [engine])
-    world = kube.observe("ns", "trainer", ["engine"], indexes, cached_only=True)
-    assert world.statefulset is None
-    assert world.deployments == {"engine": deployment}
+    world = kube.observe("ns", TRAINER, [ENGINE], indexes, cached_only=True)
+    assert world.trainer is None
+    assert world.engines == {"engine": deployment}
     assert [p["metadata"]["name"] for p in world.pods] == ["engine-abc-1"]
 
 

@@ -95,9 +95,9 @@ def _world(ports: Mapping[str, int]) -> World:
                   "ownerReferences": [{"kind": "Deployment", "name": "engine-a", "uid": "dep",
                                        "controller": True}]}}  # fmt: skip
     return World(
-        statefulset={"kind": "StatefulSet", "metadata": {"name": "trainer", "uid": "sts"}},
-        deployments={"engine-a": deployment},
-        replicasets=[replicaset],
+        trainer={"kind": "StatefulSet", "metadata": {"name": "trainer", "uid": "sts"}},
+        engines={"engine-a": deployment},
+        controllers=[replicaset],
         pods=[
             agent_on(trainer.running("127.0.0.1").injected().build(), "trainer-0"),
             *(

@@ -223,7 +223,7 @@ def test_transition_times_move_only_on_flips_and_events_follow_changes() -> None
 
 def test_a_problem_sets_ready_false_keeps_the_rest_and_warns() -> None:
     first = observed_status(WeightSyncStatus(), observe(warm_group(4, 4), current=4), NOW)
-    message = reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name="engine-b")
+    message = reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(kind="Deployment", name="engine-b")
     broken = problem_status(first, 4, reasons.DEPLOYMENT_NOT_FOUND, message, NOW)
     assert conditions(broken)["Ready"] == ("False", reasons.DEPLOYMENT_NOT_FOUND)
     assert conditions(broken)["Prewarmed"] == conditions(first)["Prewarmed"]

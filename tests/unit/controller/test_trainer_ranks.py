@@ -13,6 +13,7 @@ from weightsync.api import agent_env
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller import names
 from weightsync.controller.admission.injection import injection_patch
+from weightsync.controller.membership.owners import WorkloadRef, select_target
 from weightsync.controller.membership.plan import desired_members
 from weightsync.controller.membership.trainer_ranks import (
     ServedRanks,
@@ -21,11 +22,9 @@ from weightsync.controller.membership.trainer_ranks import (
     source_ranks,
 )
 from weightsync.controller.membership.workloads import (
-    WorkloadRef,
     World,
     planned_sources,
     pods_to_recreate,
-    select_target,
     sync_pods,
 )
 
@@ -123,7 +122,7 @@ def test_a_one_rank_pod_is_injected_as_before() -> None:
 
 def _world(*pods: dict[str, Any], replicas: int = 2) -> World:
     statefulset = {"metadata": {"uid": "sts-uid"}, "spec": {"replicas": replicas}}
-    return World(statefulset=statefulset, deployments={}, replicasets=[], pods=list(pods))
+    return World(trainer=statefulset, engines={}, controllers=[], pods=list(pods))
 
 
 def _running(raw: dict[str, Any], ip: str) -> dict[str, Any]:

@@ -11,15 +11,17 @@ from tests.unit.controller.builders import pod, sink_view, sync
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller.admission.review import claim_errors, older_than, workload_of
 from weightsync.controller.cluster.kube import selector_string
-from weightsync.controller.membership.workloads import (
-    PodView,
+from weightsync.controller.membership.owners import (
     WorkloadRef,
-    World,
     claim_conflicts,
-    parse_time,
-    pods_to_recreate,
     select_target,
     statefulset_ordinal,
+)
+from weightsync.controller.membership.workloads import (
+    PodView,
+    World,
+    parse_time,
+    pods_to_recreate,
     sync_pods,
 )
 
@@ -37,9 +39,9 @@ def owned(
 
 def test_pods_are_matched_by_controller_uid_not_by_name_or_labels() -> None:
     world = World(
-        statefulset=owned("StatefulSet", "trainer", "sts-new"),
-        deployments={"engine-a": owned("Deployment", "engine-a", "dep-a")},
-        replicasets=[
+        trainer=owned("StatefulSet", "trainer", "sts-new"),
+        engines={"engine-a": owned("Deployment", "engine-a", "dep-a")},
+        controllers=[
             owned("ReplicaSet", "engine-a-1", "rs-1", ("Deployment", "engine-a", "dep-a")),
             owned("ReplicaSet", "engine-a-0", "rs-0", ("Deployment", "engine-a", "dep-old")),
         ],
@@ -82,21 +84,38 @@ def test_webhook_targets_source_ranks_and_inference_pods_only() -> None:
     assert select_target(WorkloadRef("Deployment", "other"), pod("x").build(), syncs) is None
 
 
+class Lookups:
+    """`OwnerLookups` over a few objects, recording what was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.statefulsets: dict[str, dict[str, Any]] = {}
+
+    def replicaset_owner(self, name: str) -> str | None:
+        self.asked.append(name)
+        return "engine-a" if name == "engine-a-7d9" else None
+
+    def statefulset_owner(self, name: str) -> dict[str, Any] | None:
+        self.asked.append(name)
+        return self.statefulsets.get(name)
+
+    def job(self, name: str) -> dict[str, Any] | None:
+        self.asked.append(name)
+        return self.jobs.get(name)
+
+
 def test_a_deployment_pod_is_traced_through_its_replicaset() -> None:
-    lookups: list[str] = []
-
-    def owner(rs: str) -> str | None:
-        lookups.append(rs)
-        return "engine-a" if rs == "engine-a-7d9" else None
-
+    owner = Lookups()
     rs_pod = pod("").owned_by("ReplicaSet", "engine-a-7d9").build()
-    assert workload_of(rs_pod, owner) == WorkloadRef("Deployment", "engine-a")
+    assert workload_of(rs_pod, owner) == (WorkloadRef("Deployment", "engine-a"), None)
     assert workload_of(pod("").owned_by("ReplicaSet", "bare-rs").build(), owner) is None
-    assert workload_of(pod("t-0").owned_by("StatefulSet", "t").build(), owner) == WorkloadRef(
-        "StatefulSet", "t"
+    assert workload_of(pod("t-0").owned_by("StatefulSet", "t").build(), owner) == (
+        WorkloadRef("StatefulSet", "t"),
+        None,
     )
     assert workload_of(pod("naked").build(), owner) is None
-    assert lookups == ["engine-a-7d9", "bare-rs"]
+    assert owner.asked == ["engine-a-7d9", "bare-rs", "t"]
 
 
 def test_claims_conflict_on_shared_workloads_and_the_older_wins() -> None:
@@ -214,9 +233,9 @@ def test_the_inference_replicas_are_what_the_found_deployments_ask_for() -> None
     wanted = {**owned("Deployment", "engine-a", "dep-a"), "spec": {"replicas": 3}}
     scaled_to_zero = {**owned("Deployment", "engine-b", "dep-b"), "spec": {"replicas": 0}}
     world = World(
-        statefulset=None,
-        deployments={"engine-a": wanted, "engine-b": scaled_to_zero, "engine-c": None},
-        replicasets=[],
+        trainer=None,
+        engines={"engine-a": wanted, "engine-b": scaled_to_zero, "engine-c": None},
+        controllers=[],
         pods=[],
     )
     assert world.inference_replicas == 3

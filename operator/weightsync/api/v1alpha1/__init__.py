@@ -5,7 +5,6 @@ from weightsync.api.v1alpha1.colocated import ColocatedSpec, MemoryRelease, Sync
 from weightsync.api.v1alpha1.front import FrontSpec
 from weightsync.api.v1alpha1.resource import API_VERSION, VERSION, ObjectMeta, WeightSync
 from weightsync.api.v1alpha1.spec import (
-    DeploymentRef,
     Engine,
     InferenceSpec,
     PauseMode,
@@ -13,7 +12,6 @@ from weightsync.api.v1alpha1.spec import (
     ReadinessGateSpec,
     RecoveryProtocol,
     RecoverySpec,
-    StatefulSetRef,
     TrainerSpec,
     TransferSpec,
     WeightSyncSpec,
@@ -25,6 +23,15 @@ from weightsync.api.v1alpha1.status import (
     RoundSummary,
     WeightSyncStatus,
 )
+from weightsync.api.v1alpha1.workloads import (
+    DeploymentRef,
+    EngineKind,
+    JobRef,
+    JobSetRef,
+    LeaderWorkerSetRef,
+    StatefulSetRef,
+    TrainerKind,
+)
 
 __all__ = [
     "API_VERSION",
@@ -34,9 +41,13 @@ __all__ = [
     "ColocatedSpec",
     "DeploymentRef",
     "Engine",
+    "EngineKind",
     "EnvVar",
     "FrontSpec",
     "InferenceSpec",
+    "JobRef",
+    "JobSetRef",
+    "LeaderWorkerSetRef",
     "Member",
     "MemoryRelease",
     "ObjectMeta",
@@ -50,6 +61,7 @@ __all__ = [
     "RoundSummary",
     "StatefulSetRef",
     "SyncMode",
+    "TrainerKind",
     "TrainerSpec",
     "TransferSpec",
     "VolumeMount",

@@ -15,8 +15,8 @@ from pydantic import (
     model_validator,
 )
 
-from weightsync.api.base import INT64_MAX, ApiModel, ObjectName
-from weightsync.api.cel import CelRule, RuleReason, located_error, validations
+from weightsync.api.base import INT64_MAX, ApiModel
+from weightsync.api.cel import CelRule, located_error, validations
 from weightsync.api.v1alpha1.agent import AgentSpec
 from weightsync.api.v1alpha1.colocated import (
     COLOCATED_ONE_INFERENCE,
@@ -27,6 +27,20 @@ from weightsync.api.v1alpha1.colocated import (
     SyncMode,
 )
 from weightsync.api.v1alpha1.front import COLOCATED_NO_FRONT, FRONT_NOT_ENGINE_PORT, FrontSpec
+from weightsync.api.v1alpha1.workloads import (
+    ENGINE_ONE_WORKLOAD,
+    ENGINE_REFS,
+    TRAINER_KIND_IMMUTABLE,
+    TRAINER_ONE_WORKLOAD,
+    TRAINER_REFS,
+    DeploymentRef,
+    EngineKind,
+    JobRef,
+    JobSetRef,
+    LeaderWorkerSetRef,
+    StatefulSetRef,
+    TrainerKind,
+)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -63,17 +77,19 @@ class RecoveryProtocol(StrEnum):
     TCP = "TCP"
 
 
-TRAINER_IMMUTABLE = CelRule(
-    rule="self == oldSelf",
-    message=(
-        "trainer.statefulSetRef.name is immutable: weight versions are the trainer's steps,"
-        " so a new trainer needs a new WeightSync"
-    ),
-    reason=RuleReason.FORBIDDEN,
+# An entry names one workload (ENGINE_ONE_WORKLOAD); the name is whichever ref is set,
+# so a Deployment and a LeaderWorkerSet of one name are refused too (the operator keys
+# its engines by name). An entry with no ref compares as "" and fails its own rule.
+_ENGINE_NAME = (
+    "(has({0}.deploymentRef) ? {0}.deploymentRef.name"
+    " : has({0}.leaderWorkerSetRef) ? {0}.leaderWorkerSetRef.name : '')"
 )
 INFERENCE_UNIQUE = CelRule(
-    rule="self.all(a, self.exists_one(b, b.deploymentRef.name == a.deploymentRef.name))",
-    message="inference entries must name distinct Deployments in deploymentRef.name",
+    rule=(
+        f"self.all(a, self.exists_one(b, {_ENGINE_NAME.format('b')} == {_ENGINE_NAME.format('a')}))"
+    ),
+    message="inference entries must name distinct workloads (deploymentRef.name,"
+    " leaderWorkerSetRef.name)",
 )
 # Each item is an int-or-string: a rank, or "all" alone. The schema cannot bound an
 # int-or-string, so the rule does.
@@ -104,20 +120,6 @@ STAGING_LIMIT = CelRule(
 )
 
 
-class StatefulSetRef(ApiModel):
-    """A StatefulSet in the WeightSync's namespace."""
-
-    name: ObjectName = Field(json_schema_extra=validations(TRAINER_IMMUTABLE))
-    """name is the name of the trainer StatefulSet; it cannot change after creation."""
-
-
-class DeploymentRef(ApiModel):
-    """A Deployment in the WeightSync's namespace."""
-
-    name: ObjectName
-    """name is the name of the inference Deployment."""
-
-
 def _int_or_string(value: object) -> int | str:
     # Strict, as the API server: true is no integer. The list's rule checks the values.
     if type(value) is int or type(value) is str:
@@ -134,10 +136,18 @@ SourceRank = Annotated[
 
 
 class TrainerSpec(ApiModel):
-    """The trainer that publishes weights."""
+    """The trainer that publishes weights: one of statefulSetRef, jobSetRef, jobRef."""
 
-    stateful_set_ref: StatefulSetRef
-    """statefulSetRef names the trainer StatefulSet whose pods run the Publisher."""
+    stateful_set_ref: StatefulSetRef | None = None
+    """statefulSetRef names the trainer StatefulSet whose pods run the Publisher; pod
+    ordinal i is trainer pod i."""
+
+    job_set_ref: JobSetRef | None = None
+    """jobSetRef names the trainer JobSet (jobset.x-k8s.io) whose pods run the Publisher."""
+
+    job_ref: JobRef | None = None
+    """jobRef names the trainer Job (an Indexed Job) whose pods run the Publisher; the pod
+    of completion index i is trainer pod i."""
 
     source_ranks: list[SourceRank] = Field(
         default_factory=lambda: list[int | str]([0]),
@@ -176,6 +186,27 @@ class TrainerSpec(ApiModel):
                 raise SOURCE_RANKS_FORM.violation()
         return ranks
 
+    @model_validator(mode="after")
+    def _one_workload(self) -> Self:
+        if sum(getattr(self, attr) is not None for _, _, attr in TRAINER_REFS) != 1:
+            raise TRAINER_ONE_WORKLOAD.violation()
+        return self
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(TRAINER_ONE_WORKLOAD, TRAINER_KIND_IMMUTABLE)
+    )
+
+    @property
+    def kind(self) -> TrainerKind:
+        """The kind of the trainer workload (the one reference set)."""
+        return next(kind for kind, _, attr in TRAINER_REFS if getattr(self, attr) is not None)
+
+    @property
+    def name(self) -> str:
+        """The name of the trainer workload."""
+        ref = next(getattr(self, attr) for _, _, attr in TRAINER_REFS if getattr(self, attr))
+        return str(ref.name)
+
     @property
     def all_ranks(self) -> bool:
         """Whether every trainer rank publishes (`sourceRanks: [all]`)."""
@@ -190,10 +221,15 @@ class TrainerSpec(ApiModel):
 
 
 class InferenceSpec(ApiModel):
-    """One inference Deployment that receives the trainer's weights."""
+    """One inference workload that receives the trainer's weights: one of deploymentRef,
+    leaderWorkerSetRef."""
 
-    deployment_ref: DeploymentRef
-    """deploymentRef names the inference Deployment; every pod it runs becomes a sink."""
+    deployment_ref: DeploymentRef | None = None
+    """deploymentRef names an inference Deployment; every pod it runs becomes a sink."""
+
+    leader_worker_set_ref: LeaderWorkerSetRef | None = None
+    """leaderWorkerSetRef names an inference LeaderWorkerSet; every group's leader pod
+    becomes a sink (one engine per group)."""
 
     engine: Engine
     """engine is the inference server the Deployment runs: SGLang, VLLM, or Reference
@@ -222,6 +258,23 @@ class InferenceSpec(ApiModel):
     Not supported in Colocated mode."""
 
     @model_validator(mode="after")
+    def _one_workload(self) -> Self:
+        if sum(getattr(self, attr) is not None for _, _, attr in ENGINE_REFS) != 1:
+            raise ENGINE_ONE_WORKLOAD.violation()
+        return self
+
+    @property
+    def kind(self) -> EngineKind:
+        """The kind of the inference workload (the one reference set)."""
+        return next(kind for kind, _, attr in ENGINE_REFS if getattr(self, attr) is not None)
+
+    @property
+    def name(self) -> str:
+        """The name of the inference workload."""
+        ref = next(getattr(self, attr) for _, _, attr in ENGINE_REFS if getattr(self, attr))
+        return str(ref.name)
+
+    @model_validator(mode="after")
     def _engine_supports_pause_mode(self) -> Self:
         if self.engine == Engine.SGLANG and self.pause_mode == PauseMode.WAIT:
             raise SGLANG_CANNOT_WAIT.violation()
@@ -234,7 +287,9 @@ class InferenceSpec(ApiModel):
         return self
 
     model_config = ConfigDict(
-        json_schema_extra=validations(SGLANG_CANNOT_WAIT, FRONT_NOT_ENGINE_PORT)
+        json_schema_extra=validations(
+            ENGINE_ONE_WORKLOAD, SGLANG_CANNOT_WAIT, FRONT_NOT_ENGINE_PORT
+        )
     )
 
 
@@ -317,15 +372,16 @@ class WeightSyncSpec(ApiModel):
     """The desired state of a WeightSync."""
 
     trainer: TrainerSpec
-    """trainer is the StatefulSet that trains and publishes weights."""
+    """trainer is the workload (StatefulSet, JobSet or Indexed Job) that trains and
+    publishes weights."""
 
     inference: list[InferenceSpec] = Field(
         min_length=1,
         max_length=MAX_INFERENCE_ENTRIES,
         json_schema_extra=validations(INFERENCE_UNIQUE, **{"x-kubernetes-list-type": "atomic"}),
     )
-    """inference lists the Deployments that receive the weights, 1 to 16 entries, each
-    naming a distinct Deployment."""
+    """inference lists the workloads (Deployments, LeaderWorkerSets) that receive the
+    weights, 1 to 16 entries, each naming a distinct workload."""
 
     mode: SyncMode = Field(
         default=SyncMode.DISAGGREGATED, json_schema_extra=validations(MODE_IMMUTABLE)
@@ -360,7 +416,7 @@ class WeightSyncSpec(ApiModel):
     @field_validator("inference")
     @classmethod
     def _distinct_deployments(cls, entries: list[InferenceSpec]) -> list[InferenceSpec]:
-        names = [entry.deployment_ref.name for entry in entries]
+        names = [entry.name for entry in entries]
         if len(set(names)) != len(names):
             raise INFERENCE_UNIQUE.violation()
         return entries

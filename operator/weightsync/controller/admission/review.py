@@ -10,8 +10,9 @@ Design (why a webhook outage never blocks unrelated pods):
   ones; and `Ignore` admits even labelled pods unmodified. Such a pod is not lost: the
   reconcile sees a selected pod without the sidecar and reports `Degraded=True`
   (`SidecarMissing`), naming the pods to delete. Inside the webhook a labelled pod is
-  matched to a WeightSync by its controller owner chain (StatefulSet, or ReplicaSet ->
-  Deployment, one GET), never by labels alone; a labelled pod that no WeightSync
+  matched to a WeightSync by its controller owner chain (`owners`: StatefulSet,
+  ReplicaSet -> Deployment, StatefulSet -> LeaderWorkerSet, Job, Job -> JobSet; each
+  link read from a watch, else one GET), never by labels alone; a labelled pod that no WeightSync
   selects is admitted unchanged. The handler raises only to refuse a pod on purpose (an
   error *denies* the pod, which `Ignore` does not cover): one whose GPUs come from a
   device plugin, which its sidecar cannot share (`gpu_access`); the ReplicaSet's or
@@ -33,7 +34,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import jsonpatch
 import kopf
@@ -48,7 +50,7 @@ from weightsync.controller.admission.patches import JsonPatch
 from weightsync.controller.admission.sidecar import AgentTemplate, sink_agent_ports
 from weightsync.controller.cluster.cache import Indexes
 from weightsync.controller.cluster.kube import Kube
-from weightsync.controller.membership.workloads import (
+from weightsync.controller.membership.owners import (
     WorkloadRef,
     claim_conflicts,
     claims,
@@ -84,18 +86,65 @@ def older_than(
     return [other for other in others if key(other) < mine]
 
 
+class OwnerLookups(Protocol):
+    """What the webhook asks about the controllers between a pod and its workload."""
+
+    def replicaset_owner(self, name: str) -> str | None:
+        """The Deployment controlling ReplicaSet `name`, if any."""
+
+    def statefulset_owner(self, name: str) -> Mapping[str, Any] | None:
+        """The controller reference of StatefulSet `name`, if any."""
+
+    def job(self, name: str) -> Mapping[str, Any] | None:
+        """Job `name`, if it exists."""
+
+
+@dataclass(frozen=True)
+class KubeLookups:
+    """`OwnerLookups` from the watches (`indexes`), else one GET each."""
+
+    kube: Kube
+    namespace: str
+    indexes: Indexes | None
+
+    def replicaset_owner(self, name: str) -> str | None:
+        return self.kube.replicaset_owner(self.namespace, name, self.indexes)
+
+    def statefulset_owner(self, name: str) -> Mapping[str, Any] | None:
+        return self.kube.statefulset_owner(self.namespace, name, self.indexes)
+
+    def job(self, name: str) -> Mapping[str, Any] | None:
+        return self.kube.job(self.namespace, name, self.indexes)
+
+
 def workload_of(
-    pod: Mapping[str, Any], replicaset_owner: Callable[[str], str | None]
-) -> WorkloadRef | None:
+    pod: Mapping[str, Any], lookups: OwnerLookups
+) -> tuple[WorkloadRef, Mapping[str, Any] | None] | None:
+    """The workload a pod belongs to (`owners` gives the chains), and for a JobSet's pod
+    its Job (whose completions number the pod). A LeaderWorkerSet's worker pods and any
+    pod of a chain not listed there belong to none."""
     owner = controller_ref(pod)
     if owner is None:
         return None
-    if owner.get("kind") == "StatefulSet":
-        return WorkloadRef("StatefulSet", str(owner["name"]))
-    if owner.get("kind") == "ReplicaSet":
-        deployment = replicaset_owner(str(owner["name"]))
-        return WorkloadRef("Deployment", deployment) if deployment else None
+    kind, name = owner.get("kind"), str(owner.get("name"))
+    if kind == "ReplicaSet":
+        deployment = lookups.replicaset_owner(name)
+        return (WorkloadRef("Deployment", deployment), None) if deployment else None
+    if kind == "StatefulSet":
+        above = lookups.statefulset_owner(name)
+        return _unless_above(WorkloadRef(kind, name), above, "LeaderWorkerSet"), None
+    if kind == "Job":
+        job = lookups.job(name)
+        above = controller_ref(job) if job is not None else None
+        return _unless_above(WorkloadRef(kind, name), above, "JobSet"), job
     return None
+
+
+def _unless_above(ref: WorkloadRef, above: Mapping[str, Any] | None, kind: str) -> WorkloadRef:
+    """`ref`, or the workload of `kind` controlling it (`above`: its controller reference)."""
+    if above is not None and above.get("kind") == kind:
+        return WorkloadRef(kind, str(above["name"]))
+    return ref
 
 
 def pod_patch(
@@ -106,12 +155,13 @@ def pod_patch(
     indexes: Indexes | None = None,
 ) -> JsonPatch:
     """The injection patch for a labelled pod being created (empty: leave it alone).
-    WeightSyncs and ReplicaSet owners come from the watches (`indexes`), read from the
-    API server only before they are bound (or for a ReplicaSet newer than its watch)."""
-    workload = workload_of(pod, lambda rs: kube.replicaset_owner(namespace, rs, indexes))
-    if workload is None:
+    WeightSyncs and the controllers above the pod come from the watches (`indexes`), read
+    from the API server only before they are bound (or for one newer than its watch)."""
+    found = workload_of(pod, KubeLookups(kube, namespace, indexes))
+    if found is None:
         return []
-    target = select_target(workload, pod, parse_all(kube.weightsyncs(namespace, indexes)))
+    workload, job = found
+    target = select_target(workload, pod, parse_all(kube.weightsyncs(namespace, indexes)), job)
     if target is None:
         return []
     return injection_patch(

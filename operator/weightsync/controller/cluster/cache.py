@@ -13,8 +13,10 @@ before they are filled (index pre-population), so a pass never sees half a names
   first list is in, it lists them itself;
 * WeightSyncs by namespace, spec and identity only (a status with 1,000 members is
   large and no claim check reads it);
-* the trainer StatefulSets and inference Deployments by name, their ReplicaSets by
-  owning Deployment: a pass reads no workload from the API server either; and each
+* the trainer StatefulSets, JobSets and Jobs and the inference Deployments and
+  LeaderWorkerSets by name, the ReplicaSets and Jobs by owning Deployment and JobSet (a
+  LeaderWorkerSet's leader StatefulSet has its name): a pass reads no workload from the
+  API server either; and each
   ReplicaSet's controlling Deployment by the ReplicaSet's name, for the pod webhook
   (a GET per admitted pod cost the API server and the webhook's latency at scale-up);
 * each WeightSync whole, by name: a pass reads its own from here while the watch holds
@@ -32,20 +34,33 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from weightsync.controller import names
-from weightsync.controller.membership.workloads import controller_ref
+from weightsync.controller.membership.owners import controller_ref
 
 WEIGHTSYNCS_INDEX = "weightsyncs_by_namespace"
 STATEFULSETS_INDEX = "statefulsets_by_name"
 DEPLOYMENTS_INDEX = "deployments_by_name"
 REPLICASETS_INDEX = "replicasets_by_owner"
 REPLICASET_OWNERS_INDEX = "replicaset_owners"
+LEADERWORKERSETS_INDEX = "leaderworkersets_by_name"
+JOBSETS_INDEX = "jobsets_by_name"
+JOBS_INDEX = "jobs_by_name"
+JOBS_BY_OWNER_INDEX = "jobs_by_owner"
 BODIES_INDEX = "weightsync_bodies"
 _INDEXES = (
     WEIGHTSYNCS_INDEX, STATEFULSETS_INDEX, DEPLOYMENTS_INDEX, REPLICASETS_INDEX,
-    REPLICASET_OWNERS_INDEX, BODIES_INDEX,
+    REPLICASET_OWNERS_INDEX, LEADERWORKERSETS_INDEX, JOBSETS_INDEX, JOBS_INDEX,
+    JOBS_BY_OWNER_INDEX, BODIES_INDEX,
 )  # fmt: skip
+# The workloads by name, by kind (`Indexes.workload`).
+_BY_NAME = {
+    "StatefulSet": STATEFULSETS_INDEX, "Deployment": DEPLOYMENTS_INDEX,
+    "LeaderWorkerSet": LEADERWORKERSETS_INDEX, "JobSet": JOBSETS_INDEX, "Job": JOBS_INDEX,
+}  # fmt: skip
 
-_POD_LABELS = (names.INJECT_LABEL, names.SYNC_LABEL, names.STATEFULSET_POD_INDEX_LABEL)
+_POD_LABELS = (
+    names.INJECT_LABEL, names.SYNC_LABEL, names.STATEFULSET_POD_INDEX_LABEL,
+    names.JOB_COMPLETION_INDEX_LABEL, names.JOBSET_GLOBAL_INDEX_LABEL,
+)  # fmt: skip
 _POD_ANNOTATIONS = (
     names.AGENT_PORT_ANNOTATION,
     names.AGENT_DEVICE_ANNOTATION,
@@ -126,7 +141,8 @@ def slim_weightsync(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def slim_workload(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """A StatefulSet, Deployment or ReplicaSet: what `workloads` and `kube.observe` read."""
+    """A workload or a controller in between (StatefulSet, Deployment, ReplicaSet,
+    LeaderWorkerSet, JobSet, Job): what `workloads`, `owners` and `kube.observe` read."""
     meta, spec = obj["metadata"], obj.get("spec") or {}
     owner = controller_ref(obj)
     labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
@@ -141,6 +157,17 @@ def slim_workload(obj: Mapping[str, Any]) -> dict[str, Any]:
             "selector": spec.get("selector"),
             "replicas": spec.get("replicas"),
             "template": {"metadata": {"labels": _pick(labels, (names.INJECT_LABEL,))}},
+            # A Job's pods, a JobSet's Jobs (`owners.trainer_pods`).
+            "completions": spec.get("completions"),
+            "replicatedJobs": [
+                {
+                    "replicas": job.get("replicas"),
+                    "template": {
+                        "spec": _pick((job.get("template") or {}).get("spec"), ("completions",))
+                    },
+                }
+                for job in spec.get("replicatedJobs") or []
+            ],
         },
         "status": {"replicas": (obj.get("status") or {}).get("replicas")},
     }
@@ -184,9 +211,9 @@ class Indexes:
     def workload(
         self, kind: str, namespace: str, name: str
     ) -> tuple[Mapping[str, Any] | None] | None:
-        """(the StatefulSet or Deployment, or None if there is none); None: unbound."""
-        index = STATEFULSETS_INDEX if kind == "StatefulSet" else DEPLOYMENTS_INDEX
-        found = self._get(index, (namespace, name))
+        """(the workload of that kind, or None if there is none); None: unbound (for a
+        LeaderWorkerSet or JobSet, also: its CRD is not installed, so not watched)."""
+        found = self._get(_BY_NAME[kind], (namespace, name))
         return None if found is None else (found[0] if found else None,)
 
     def weightsync(self, namespace: str, name: str) -> tuple[Mapping[str, Any] | None] | None:
@@ -206,6 +233,10 @@ class Indexes:
     ) -> Sequence[Mapping[str, Any]] | None:
         """The ReplicaSets a Deployment controls; None: unbound."""
         return self._get(REPLICASETS_INDEX, (namespace, deployment_uid))
+
+    def jobs_of(self, namespace: str, jobset_uid: str) -> Sequence[Mapping[str, Any]] | None:
+        """The Jobs a JobSet controls; None: unbound."""
+        return self._get(JOBS_BY_OWNER_INDEX, (namespace, jobset_uid))
 
 
 def newest(

@@ -25,15 +25,26 @@ from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import metrics, names
 from weightsync.controller.cluster.apiwriter import ApiWriter, api_path
 from weightsync.controller.cluster.cache import Indexes, deployment_of
+from weightsync.controller.membership.owners import WorkloadRef, controller_ref
 from weightsync.controller.membership.workloads import World, template_labelled
 
 NOT_FOUND = 404
 CONFLICT = 409
-# The writes below, sent through `writer`, for the chart's RBAC check (tests/unit/chart).
+# For the chart's RBAC check (tests/unit/chart): the writes below, sent through `writer`,
+# and the reads of other projects' workloads as custom objects (`_CUSTOM`).
 API_CALLS = (
     ("", "events", "create"), ("", "secrets", "create"), ("", "secrets", "update"),
     ("", "pods", "delete"),
+    ("leaderworkerset.x-k8s.io", "leaderworkersets", "get"), ("jobset.x-k8s.io", "jobsets", "get"),
 )  # fmt: skip
+# The workloads of other projects, read as custom objects: LeaderWorkerSet (v0.7) and
+# JobSet (v0.10). Their reads are in `API_CALLS` for the chart's RBAC check.
+_CUSTOM = {
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
+    "JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+}
+# The label the JobSet controller puts on its Jobs, naming the JobSet.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 # Connections the official client keeps to the API server (its default: 5 per CPU).
 CONNECTIONS = 16
 # (connect, read) seconds for every request. The official client waits forever by
@@ -99,6 +110,7 @@ class Kube:
         self.writer = ApiWriter(api)  # every write, on the event loop (`apiwriter`)
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
+        self.batch = client.BatchV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
     def _call(
@@ -160,13 +172,14 @@ class Kube:
     def observe(
         self,
         namespace: str,
-        trainer: str,
-        deployments: list[str],
+        trainer: WorkloadRef,
+        engines: list[WorkloadRef],
         indexes: Indexes,
         *,
         cached_only: bool = False,
     ) -> World:
-        """The trainer StatefulSet, the Deployments, their ReplicaSets and their pods.
+        """The trainer and inference workloads, the controllers between them and their
+        pods (`owners`: ReplicaSets, leader StatefulSets, Jobs), and those pods.
 
         Pods come from the watch (`indexes`) for every controller whose pod template
         carries the inject label; the others' pods (no sidecar, reported) are listed.
@@ -174,20 +187,22 @@ class Kube:
         loop may call it: it then blocks on nothing).
         """
         read = (namespace, indexes, cached_only)
-        statefulset = self._workload(read, "StatefulSet", trainer)
-        found = {name: self._workload(read, "Deployment", name) for name in deployments}
-        replicasets: dict[str, Mapping[str, Any]] = {}
-        for deployment in found.values():
-            if deployment is None:
-                continue
-            for rs in self._replicasets(read, deployment):
-                replicasets[rs["metadata"]["uid"]] = rs
-        owners = [*replicasets.values(), *([statefulset] if statefulset else [])]
+        trainer_obj = self._workload(read, trainer.kind, trainer.name)
+        found = {ref.name: self._workload(read, ref.kind, ref.name) for ref in engines}
+        between: dict[str, Mapping[str, Any]] = {}
+        for ref in [trainer, *engines]:
+            obj = trainer_obj if ref is trainer else found[ref.name]
+            if obj is not None:
+                for controller in self._controllers(read, ref.kind, obj):
+                    between[controller["metadata"]["uid"]] = controller
+        owners = [*between.values()]
+        if trainer_obj is not None and trainer.kind in ("StatefulSet", "Job"):
+            owners.append(trainer_obj)
         pods: dict[str, Mapping[str, Any]] = {}
         for owner in owners:
             for pod in self._owned_pods(read, owner):
                 pods[pod["metadata"]["uid"]] = pod
-        return World(statefulset, found, list(replicasets.values()), list(pods.values()))
+        return World(trainer_obj, found, list(between.values()), list(pods.values()))
 
     def _workload(self, read: _Read, kind: str, name: str) -> Mapping[str, Any] | None:
         namespace, indexes, cached_only = read
@@ -196,11 +211,35 @@ class Kube:
             return watched[0]
         if cached_only:
             raise NotCachedError(f"{kind} {namespace}/{name}")
+        if kind in _CUSTOM:
+            group, version, plural = _CUSTOM[kind]
+            return self._get(
+                plural, self.custom.get_namespaced_custom_object,
+                group, version, namespace, plural, name,
+            )  # fmt: skip
+        if kind == "Job":
+            return self._get("jobs", self.batch.read_namespaced_job, name, namespace)
         if kind == "StatefulSet":
             return self._get(
                 "statefulsets", self.apps.read_namespaced_stateful_set, name, namespace
             )
         return self._get("deployments", self.apps.read_namespaced_deployment, name, namespace)
+
+    def _controllers(
+        self, read: _Read, kind: str, workload: Mapping[str, Any]
+    ) -> Sequence[Mapping[str, Any]]:
+        """The controllers between a workload and its pods (none: it owns them itself)."""
+        if kind == "Deployment":
+            return self._replicasets(read, workload)
+        if kind == "LeaderWorkerSet":
+            # The leader StatefulSet has the LeaderWorkerSet's name and is controlled by it.
+            leaders = self._workload(read, "StatefulSet", workload["metadata"]["name"])
+            owner = controller_ref(leaders) if leaders is not None else None
+            mine = owner is not None and owner.get("uid") == workload["metadata"]["uid"]
+            return [leaders] if leaders is not None and mine else []
+        if kind == "JobSet":
+            return self._jobs(read, workload)
+        return []
 
     def _replicasets(
         self, read: _Read, deployment: Mapping[str, Any]
@@ -217,11 +256,23 @@ class Kube:
             label_selector=selector,
         )  # fmt: skip
 
+    def _jobs(self, read: _Read, jobset: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
+        namespace, indexes, cached_only = read
+        watched = indexes.jobs_of(namespace, jobset["metadata"]["uid"])
+        if watched is not None:
+            return watched
+        if cached_only:
+            raise NotCachedError(f"the Jobs of {namespace}/{jobset['metadata']['name']}")
+        return self._list(
+            "jobs", self.batch.list_namespaced_job, namespace,
+            label_selector=f"{JOBSET_NAME_LABEL}={jobset['metadata']['name']}",
+        )  # fmt: skip
+
     def _owned_pods(self, read: _Read, owner: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
         namespace, indexes, cached_only = read
         spec, status = owner.get("spec") or {}, owner.get("status") or {}
-        if not spec.get("replicas") and not status.get("replicas"):
-            return []  # a ReplicaSet of an old revision, scaled to nothing
+        if not spec.get("completions") and not spec.get("replicas") and not status.get("replicas"):
+            return []  # a ReplicaSet of an old revision, scaled to nothing (a Job has none)
         if template_labelled(owner):
             watched = indexes.pods_of(namespace, owner["metadata"]["uid"])
             if watched is not None:
@@ -230,6 +281,27 @@ class Kube:
             raise NotCachedError(f"the pods of {namespace}/{owner['metadata']['name']}")
         selector = selector_string(owner["spec"].get("selector"))
         return self._list("pods", self.core.list_namespaced_pod, namespace, label_selector=selector)
+
+    def statefulset_owner(
+        self, namespace: str, name: str, indexes: Indexes | None = None
+    ) -> Mapping[str, Any] | None:
+        """The controller reference of StatefulSet `name` (a LeaderWorkerSet's, for a
+        leader StatefulSet), if any (for the webhook): from the watch, else one GET."""
+        watched = indexes.workload("StatefulSet", namespace, name) if indexes else None
+        sts = watched[0] if watched is not None else None
+        if sts is None:
+            sts = self._get("statefulsets", self.apps.read_namespaced_stateful_set, name, namespace)
+        return controller_ref(sts) if sts else None
+
+    def job(
+        self, namespace: str, name: str, indexes: Indexes | None = None
+    ) -> Mapping[str, Any] | None:
+        """Job `name` (for the webhook: its JobSet and completions), from the watch, else
+        one GET."""
+        watched = indexes.workload("Job", namespace, name) if indexes else None
+        if watched is not None and watched[0] is not None:
+            return watched[0]
+        return self._get("jobs", self.batch.read_namespaced_job, name, namespace)
 
     def replicaset_owner(
         self, namespace: str, name: str, indexes: Indexes | None = None

@@ -19,6 +19,7 @@ from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import names
 from weightsync.controller.cluster.cache import Indexes
 from weightsync.controller.cluster.kube import Kube, pod_condition
+from weightsync.controller.membership.owners import workload_refs
 from weightsync.controller.membership.workloads import (
     PodView,
     parse_time,
@@ -54,10 +55,12 @@ async def recreate(
     kube: Kube, post_event: EventPoster, raw: Mapping[str, Any], pods: Sequence[PodView]
 ) -> None:
     """Delete `pods` (`uninjected`); their controller recreates them."""
+    spec = parse_weightsync(raw).spec  # the pass that chose `pods` parsed it already
     for pod in pods:
         namespace = raw["metadata"]["namespace"]
         await kube.delete_pod(namespace, pod.pod_name, pod.uid)
-        kind = "StatefulSet" if pod.role is Role.SOURCE else "Deployment"
+        entry = spec.inference[pod.inference_index or 0]
+        kind = spec.trainer.kind if pod.role is Role.SOURCE else entry.kind
         message = reasons.POD_RECREATED_MESSAGE.format(pod=pod.pod_name, kind=kind)
         post_event(raw, EventSpec("Normal", reasons.POD_RECREATED, message))
 
@@ -136,14 +139,7 @@ async def release(kube: Kube, namespace: str, raw: Mapping[str, Any], indexes: I
         sync = parse_weightsync(raw)
     except WeightSyncInvalidError:
         return  # an invalid WeightSync never gated a pod
-    spec = sync.spec
-    world = await asyncio.to_thread(
-        kube.observe,
-        namespace,
-        spec.trainer.stateful_set_ref.name,
-        [entry.deployment_ref.name for entry in spec.inference],
-        indexes,
-    )
+    world = await asyncio.to_thread(kube.observe, namespace, *workload_refs(sync), indexes)
     message = reasons.WEIGHTSYNC_DELETED_MESSAGE.format(name=raw["metadata"]["name"])
     pods = sync_pods(sync, world)
     opened = [

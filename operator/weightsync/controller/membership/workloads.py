@@ -1,28 +1,24 @@
-"""Which pods belong to a WeightSync, and what the operator needs to know about each.
+"""The pods of a WeightSync's workloads, and what the operator needs to know about each.
 
-A pod belongs to a WeightSync through its *controller owner chain*, not through
-labels: a trainer pod is controlled by the named StatefulSet; an inference pod by a
-ReplicaSet that is controlled by the named Deployment. Label selectors overlap
-(two Deployments may both select `app: engine`), and a pod's labels can be edited
-by anyone; controller references are set by the workload controllers themselves and
-cannot point at two owners. The reconcile matches by owner UID; the webhook, which
-sees a pod before it has a name, matches by owner name (`admission`).
-
+Which workload a pod belongs to, and a trainer pod's number, are `owners`' to say.
 Everything here is pure: dicts in (as the API server sends them), dataclasses out.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weightsync.api.v1alpha1 import Role, WeightSync
 from weightsync.controller import names
+from weightsync.controller.membership.owners import (
+    controller_ref,
+    trainer_ordinal,
+    trainer_pods,
+)
 from weightsync.controller.membership.trainer_ranks import (
-    ServedRanks,
     local_device,
     member_name,
     recorded_ranks,
@@ -34,14 +30,6 @@ Obj = Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
-class WorkloadRef:
-    """The workload that controls a pod: a StatefulSet or (through a ReplicaSet) a Deployment."""
-
-    kind: str  # "StatefulSet" | "Deployment"
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
 class PodView:
     """What the reconcile reads from one pod of a WeightSync: one member of the group. A
     trainer pod whose sidecar serves several ranks is one view per rank (`trainer_ranks`):
@@ -50,9 +38,9 @@ class PodView:
     name: str
     uid: str
     role: Role
-    workload: str  # the StatefulSet or Deployment name
+    workload: str  # the name of the trainer or inference workload
     inference_index: int | None  # index into spec.inference for sinks
-    ordinal: int | None  # StatefulSet ordinal for trainer pods
+    ordinal: int | None  # trainer pods: the pod's number (`owners.trainer_ordinal`)
     ip: str | None
     node: str | None
     running: bool
@@ -92,82 +80,6 @@ class PodView:
             and self.containers_ready
             and self.has_agent
         )
-
-
-def controller_ref(obj: Obj) -> Obj | None:
-    """The ownerReference with `controller: true`, if any."""
-    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("controller"):
-            return ref  # type: ignore[no-any-return]
-    return None
-
-
-def statefulset_ordinal(pod: Obj, statefulset: str) -> int | None:
-    """A StatefulSet pod's ordinal: its `apps.kubernetes.io/pod-index` label, else its name."""
-    meta = pod.get("metadata") or {}
-    label = (meta.get("labels") or {}).get(names.STATEFULSET_POD_INDEX_LABEL)
-    if label is not None and str(label).isdigit():
-        return int(label)
-    found = re.fullmatch(rf"{re.escape(statefulset)}-(\d+)", str(meta.get("name") or ""))
-    return int(found.group(1)) if found else None
-
-
-def claims(sync: WeightSync) -> set[WorkloadRef]:
-    """The workloads a WeightSync names."""
-    refs = {WorkloadRef("StatefulSet", sync.spec.trainer.stateful_set_ref.name)}
-    refs.update(
-        WorkloadRef("Deployment", entry.deployment_ref.name) for entry in sync.spec.inference
-    )
-    return refs
-
-
-def claim_conflicts(candidate: WeightSync, others: Iterable[WeightSync]) -> list[str]:
-    """Messages for every workload `candidate` names that another WeightSync already names."""
-    mine = claims(candidate)
-    conflicts: list[str] = []
-    for other in sorted(others, key=lambda s: s.metadata.name or ""):
-        if other.metadata.name == candidate.metadata.name:
-            continue
-        shared = sorted(mine & claims(other), key=lambda r: (r.kind, r.name))
-        conflicts.extend(
-            f"{ref.kind} {ref.name} is already synced by WeightSync {other.metadata.name}"
-            for ref in shared
-        )
-    return conflicts
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Why a pod gets a sidecar: which WeightSync selects it, and as what."""
-
-    sync: WeightSync
-    role: Role
-    inference_index: int | None
-    ordinal: int | None
-    served: ServedRanks | None = None  # trainer pods: the ranks its sidecar serves
-
-
-def select_target(workload: WorkloadRef, pod: Obj, syncs: Sequence[WeightSync]) -> Target | None:
-    """The WeightSync (first by name if several claim it) that selects this pod, or None.
-
-    Trainer pods are selected only if one of their ranks is a source rank: the other
-    trainer ranks never talk to an agent, so a pod of only those gets no sidecar.
-    """
-    for sync in sorted(syncs, key=lambda s: s.metadata.name or ""):
-        if (
-            workload.kind == "StatefulSet"
-            and workload.name == sync.spec.trainer.stateful_set_ref.name
-        ):
-            ordinal = statefulset_ordinal(pod, workload.name)
-            if ordinal is None:
-                return None
-            served = served_ranks(sync, ordinal)
-            return Target(sync, Role.SOURCE, None, ordinal, served) if served.local else None
-        if workload.kind == "Deployment":
-            for index, entry in enumerate(sync.spec.inference):
-                if entry.deployment_ref.name == workload.name:
-                    return Target(sync, Role.SINK, index, None)
-    return None
 
 
 def _condition(pod: Obj, kind: str) -> Obj | None:
@@ -342,52 +254,65 @@ def trainer_views(sync: WeightSync, pod: Obj, workload: str, ordinal: int) -> li
 class World:
     """The API server's view of one WeightSync's workloads, read in one pass."""
 
-    statefulset: Obj | None
-    deployments: Mapping[str, Obj | None]  # by name; None: not found
-    replicasets: Sequence[Obj]
+    trainer: Obj | None  # the StatefulSet, JobSet or Job; None: not found
+    engines: Mapping[str, Obj | None]  # Deployments and LeaderWorkerSets by name; None: not found
+    # Between a workload and its pods: the Deployments' ReplicaSets, the LeaderWorkerSets'
+    # leader StatefulSets, the JobSet's Jobs.
+    controllers: Sequence[Obj]
     pods: Sequence[Obj]
 
     @property
     def inference_replicas(self) -> int:
-        """The inference pods the Deployments ask for (`spec.replicas`: the API server
-        defaults it, so it is always set on a stored Deployment)."""
+        """The inference pods (engines) the workloads ask for: a Deployment's replicas, a
+        LeaderWorkerSet's groups (`spec.replicas` of both; the API servers default it)."""
         return sum(
             int((obj.get("spec") or {}).get("replicas") or 0)
-            for obj in self.deployments.values()
+            for obj in self.engines.values()
             if obj is not None
         )
 
 
+def _uid(obj: Obj | None) -> str | None:
+    return (obj or {}).get("metadata", {}).get("uid") or None
+
+
 def sync_pods(sync: WeightSync, world: World) -> list[PodView]:
     """Every live pod of the WeightSync's trainer source ranks (one view per rank) and
-    inference Deployments.
+    inference workloads (a LeaderWorkerSet's leaders only: `owners`).
 
-    Matching is by controller UID: pods of an older StatefulSet or Deployment of the
-    same name (deleted and recreated) never count.
+    Matching is by controller UID: pods of an older workload of the same name (deleted
+    and recreated) never count.
     """
     views: list[PodView] = []
-    trainer = sync.spec.trainer.stateful_set_ref.name
-    sts_uid = (world.statefulset or {}).get("metadata", {}).get("uid")
-    deployment_by_uid = {
-        obj["metadata"]["uid"]: name for name, obj in world.deployments.items() if obj is not None
-    }
-    inference_index = {entry.deployment_ref.name: i for i, entry in enumerate(sync.spec.inference)}
-    rs_to_deployment: dict[str, str] = {}
-    for rs in world.replicasets:
-        owner = controller_ref(rs)
-        if owner and owner.get("kind") == "Deployment" and owner.get("uid") in deployment_by_uid:
-            rs_to_deployment[rs["metadata"]["uid"]] = deployment_by_uid[owner["uid"]]
+    trainer = sync.spec.trainer
+    trainer_uid = _uid(world.trainer)
+    engine_by_uid = {_uid(obj): name for name, obj in world.engines.items() if obj is not None}
+    inference_index = {entry.name: i for i, entry in enumerate(sync.spec.inference)}
+    # The controllers in between, by UID: (what their pods are, the workload's name, it).
+    between: dict[str, tuple[Role, str, Obj]] = {}
+    for obj in world.controllers:
+        above = controller_ref(obj) or {}
+        if trainer_uid and above.get("uid") == trainer_uid:
+            between[obj["metadata"]["uid"]] = (Role.SOURCE, trainer.name, obj)
+        elif above.get("uid") in engine_by_uid:
+            between[obj["metadata"]["uid"]] = (Role.SINK, engine_by_uid[above["uid"]], obj)
     for pod in world.pods:
         owner = controller_ref(pod)
         if owner is None:
             continue
-        if owner.get("kind") == "StatefulSet" and sts_uid and owner.get("uid") == sts_uid:
-            ordinal = statefulset_ordinal(pod, trainer)
+        uid = owner.get("uid")
+        if trainer_uid and uid == trainer_uid:
+            ordinal = trainer_ordinal(trainer.kind, pod, trainer.name)
             if ordinal is not None:
-                views.extend(trainer_views(sync, pod, trainer, ordinal))
-        elif owner.get("kind") == "ReplicaSet" and owner.get("uid") in rs_to_deployment:
-            deployment = rs_to_deployment[owner["uid"]]
-            views.append(pod_view(pod, Role.SINK, deployment, inference_index[deployment], None))
+                views.extend(trainer_views(sync, pod, trainer.name, ordinal))
+        elif uid in between:
+            role, name, job = between[uid]
+            if role is Role.SOURCE:
+                ordinal = trainer_ordinal(trainer.kind, pod, name, job)
+                if ordinal is not None:
+                    views.extend(trainer_views(sync, pod, name, ordinal))
+            else:
+                views.append(pod_view(pod, Role.SINK, name, inference_index[name], None))
     return sorted(
         views, key=lambda v: (v.role != Role.SOURCE, v.rank or 0, v.inference_index or 0, v.name)
     )
@@ -395,6 +320,6 @@ def sync_pods(sync: WeightSync, world: World) -> list[PodView]:
 
 def planned_sources(sync: WeightSync, world: World, pods: Sequence[PodView]) -> list[int]:
     """The trainer ranks the group waits for (`trainer_ranks.source_ranks`)."""
-    replicas = ((world.statefulset or {}).get("spec") or {}).get("replicas")
+    count = None if world.trainer is None else trainer_pods(sync.spec.trainer.kind, world.trainer)
     per_pod = [p.ranks_per_pod for p in pods if p.role is Role.SOURCE]
-    return source_ranks(sync, replicas if isinstance(replicas, int) else None, per_pod)
+    return source_ranks(sync, count, per_pod)

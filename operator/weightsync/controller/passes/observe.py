@@ -28,6 +28,7 @@ from weightsync.controller.cluster import tokens
 from weightsync.controller.cluster.cache import Indexes, newest
 from weightsync.controller.cluster.kube import Kube, NotCachedError
 from weightsync.controller.cluster.pods import WEBHOOK_SETTLE_SECONDS
+from weightsync.controller.membership.owners import WorkloadRef, workload_refs
 from weightsync.controller.membership.workloads import PodView, World, planned_sources, sync_pods
 from weightsync.controller.passes.actions import Outcome
 from weightsync.controller.passes.memory import Memory
@@ -144,12 +145,10 @@ class Observer:
         problem = claimed(raw, sync, listing)
         if problem is not None:
             return blocked(Outcome.INVALID, problem)
-        spec = sync.spec
-        deployments = [entry.deployment_ref.name for entry in spec.inference]
-        world = await self.world(namespace, spec.trainer.stateful_set_ref.name, deployments)
+        world = await self.world(namespace, *workload_refs(sync))
         laps("observe")
         token = tokens.derive(self.token_key, namespace, sync.metadata.name or "")
-        absent = unmet(sync, world.statefulset, world.deployments)
+        absent = unmet(sync, world.trainer, world.engines)
         if absent is not None:  # its pods may come with the workload: their token first
             return blocked(Outcome.WAITING, absent, token)
         pods = sync_pods(sync, world)
@@ -182,16 +181,16 @@ class Observer:
         memory.seen_version = found["metadata"].get("resourceVersion") if found else None
         return found
 
-    async def world(self, namespace: str, trainer: str, deployments: list[str]) -> World:
+    async def world(
+        self, namespace: str, trainer: WorkloadRef, engines: list[WorkloadRef]
+    ) -> World:
         """The workloads and their pods: from the watches, on the loop (a thread may
         queue behind others for seconds under load), else (not cached yet) listed."""
         try:
-            return self.kube.observe(
-                namespace, trainer, deployments, self.indexes, cached_only=True
-            )
+            return self.kube.observe(namespace, trainer, engines, self.indexes, cached_only=True)
         except NotCachedError:
             return await asyncio.to_thread(
-                self.kube.observe, namespace, trainer, deployments, self.indexes
+                self.kube.observe, namespace, trainer, engines, self.indexes
             )
 
     async def answers(self, key: Key, pods: list[PodView], token: str, memory: Memory) -> AgentView:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from weightsync.api import parse_weightsync, reasons
 from weightsync.api.v1alpha1 import WeightSync, WeightSyncStatus
 from weightsync.api.validation import WeightSyncInvalidError
-from weightsync.controller.membership.workloads import claim_conflicts
+from weightsync.controller.membership.owners import claim_conflicts, trainer_pods
 
 log = logging.getLogger(__name__)
 
@@ -55,38 +55,41 @@ def claimed(
 
 def unmet(
     sync: WeightSync,
-    statefulset: Mapping[str, Any] | None,
-    deployments: Mapping[str, Mapping[str, Any] | None],
+    trainer: Mapping[str, Any] | None,
+    engines: Mapping[str, Mapping[str, Any] | None],
 ) -> Problem | None:
     """The first named workload that does not exist, or listed source ranks the trainer
     never runs."""
-    trainer = sync.spec.trainer.stateful_set_ref.name
-    if statefulset is None:
-        return (reasons.TRAINER_NOT_FOUND, reasons.TRAINER_NOT_FOUND_MESSAGE.format(name=trainer))
-    for name, deployment in deployments.items():
-        if deployment is None:
-            return (
-                reasons.DEPLOYMENT_NOT_FOUND,
-                reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(name=name),
-            )
-    return ranks_beyond(sync, statefulset)
+    spec = sync.spec
+    if trainer is None:
+        message = reasons.TRAINER_NOT_FOUND_MESSAGE.format(
+            kind=spec.trainer.kind, name=spec.trainer.name
+        )
+        return (reasons.TRAINER_NOT_FOUND, message)
+    kinds = {entry.name: entry.kind for entry in spec.inference}
+    for name, engine in engines.items():
+        if engine is None:
+            message = reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(kind=kinds[name], name=name)
+            return (reasons.DEPLOYMENT_NOT_FOUND, message)
+    return ranks_beyond(sync, trainer)
 
 
-def ranks_beyond(sync: WeightSync, statefulset: Mapping[str, Any]) -> Problem | None:
-    """Listed source ranks the trainer StatefulSet never runs (its replicas x ranksPerPod):
-    the group would wait for them forever while every member it has looks healthy."""
+def ranks_beyond(sync: WeightSync, workload: Mapping[str, Any]) -> Problem | None:
+    """Listed source ranks the trainer never runs (its pods x ranksPerPod): the group
+    would wait for them forever while every member it has looks healthy."""
     trainer = sync.spec.trainer
     if trainer.all_ranks:
         return None
-    replicas = (statefulset.get("spec") or {}).get("replicas")
-    replicas = 1 if replicas is None else int(replicas)
+    pods = trainer_pods(trainer.kind, workload)
+    replicas = 1 if pods is None else pods
     per_pod = trainer.ranks_per_pod or 1
     beyond = [rank for rank in trainer.listed_ranks() if rank >= replicas * per_pod]
     if not beyond:
         return None
     message = reasons.RANKS_BEYOND_TRAINER_MESSAGE.format(
         ranks=", ".join(str(rank) for rank in beyond),
-        name=trainer.stateful_set_ref.name,
+        kind=trainer.kind,
+        name=trainer.name,
         last=replicas * per_pod - 1,
         replicas=replicas,
         per_pod=per_pod,

@@ -6,7 +6,7 @@ it. Every round must still deliver bit-identical weights and the trainer's greed
 while released, the engine's own resident bytes (its /health) are down by what was
 released and it refuses inference; after the round they are back. A gone engine fails
 the next round (with released weights, at their wake: `engine_wake_failed`, naming its
-pod).
+pod). An agent restarted while its engine sleeps learns it from the engine.
 """
 
 from __future__ import annotations
@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from tests.integration.contract import ContractConfig, expect_served, make_plan
-from tests.integration.stack import Engine, free_port, stack, wait_warm
+from tests.integration.stack import (
+    STARTUP_TIMEOUT,
+    AgentProc,
+    Engine,
+    free_port,
+    stack,
+    wait_warm,
+)
+from tests.support.eventually import eventually
 from weightsync.api.control import Backend
 from weightsync.api.engines import MemoryTag, released_tags
 from weightsync.api.reasons import FailureReason
@@ -127,3 +135,65 @@ def run_colocated_release(
         if MemoryTag.WEIGHTS in tags:  # woken first: the wake is what fails
             assert failed.reason == FailureReason.ENGINE_WAKE_FAILED, failed
             assert "engine-0" in failed.message
+
+
+def run_release_across_agent_restart(workdir: Path, device: str, release: MemoryRelease) -> None:
+    """The trainer's agent restarts while its engine sleeps: the new agent asks the engine
+    what it released, and the next publish wakes it in order (weights, round, KV cache),
+    bit-identical, the engine awake with all its memory back."""
+    config = ContractConfig(
+        backend=Backend.NCCL if device.startswith("cuda") else Backend.GLOO, devices=[device]
+    )
+    tags = released_tags(release)
+    with stack(workdir) as st:
+        engine = st.start_engine(
+            "engine-0", preset=config.preset, seed=0, device=device, kv_cache_bytes=KV_CACHE_BYTES
+        )
+        st.wait_ready([], [engine])
+
+        def start_source() -> AgentProc:
+            source = st.start_agent("source-0", role="source", device=device)
+            # Not `wait_ready`: it refuses a stack with a dead process (the first agent).
+            eventually(source.status, timeout=STARTUP_TIMEOUT, interval=0.2, message="agent up")
+            plan = make_plan(
+                config,
+                1,
+                0,
+                ["source-0"],
+                free_port(),
+                mode=SyncMode.COLOCATED,
+                local_engine=engine,
+            )
+            assert plan.local_engine is not None
+            local = plan.local_engine.model_copy(update={"memory_release": release})
+            source.put_plan(plan.model_copy(update={"local_engine": local}))
+            wait_warm([source], 1, timeout=30.0)
+            assert source.socket_path is not None
+            return source
+
+        source = start_source()
+        trainer = build_model(PRESETS[config.preset], seed=0, device=device)
+        assert source.socket_path is not None
+        with Publisher(source.socket_path, timeout=60.0) as publisher:
+            randomize(trainer, seed=4000)
+            assert publisher.publish(trainer.named_parameters(), version=1).ok
+            awake = engine.health()["resident_bytes"]
+            assert set(publisher.release()) == {str(tag) for tag in tags}
+        assert engine.health()["released"] == sorted(tags)
+        source.proc.kill()  # the sidecar restarts in place; the engine sleeps on
+
+        source = start_source()
+        assert engine.health()["released"] == sorted(tags)  # asking woke nothing
+        assert_refuses_inference(engine)
+        assert source.socket_path is not None
+        with Publisher(source.socket_path, timeout=60.0) as publisher:
+            randomize(trainer, seed=4002)  # "training"
+            result = publisher.publish(trainer.named_parameters(), version=2)
+            assert result.ok, result
+        expect_served(trainer, [engine], 2)
+        health = engine.health()
+        assert (health["detail"], health["released"], health["resident_bytes"]) == ("", [], awake)
+        wake_weights = ["wake weights"] if MemoryTag.WEIGHTS in tags else []
+        assert engine_events(engine) == ["commit 1", *wake_weights, "commit 2", "wake kv_cache"]
+        asleep_seen = f"is asleep: {', '.join(sorted(tags))} released"
+        assert asleep_seen in source.proc.log.read_text(errors="replace")

@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.colocated_release import run_colocated_release
+from tests.integration.colocated_release import (
+    run_colocated_release,
+    run_release_across_agent_restart,
+)
 from tests.integration.contract import ContractConfig, run_colocated, run_contract
 from tests.integration.tensor_parallel import TensorParallelConfig, run_tensor_parallel
 from weightsync.api.control import Backend
@@ -25,6 +28,13 @@ def test_colocated_handoff(tmp_path: Path) -> None:
 @pytest.mark.parametrize("release", [MemoryRelease.KV_CACHE, MemoryRelease.KV_CACHE_AND_WEIGHTS])
 def test_colocated_engine_released_between_rounds(tmp_path: Path, release: MemoryRelease) -> None:
     run_colocated_release(tmp_path, "cpu", release)
+
+
+@pytest.mark.parametrize("release", [MemoryRelease.KV_CACHE, MemoryRelease.KV_CACHE_AND_WEIGHTS])
+def test_an_agent_restarted_while_its_engine_sleeps_wakes_it_in_order(
+    tmp_path: Path, release: MemoryRelease
+) -> None:
+    run_release_across_agent_restart(tmp_path, "cpu", release)
 
 
 @pytest.mark.timeout(180)

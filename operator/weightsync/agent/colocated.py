@@ -7,6 +7,12 @@ never holds the engine's KV cache beside a model still arriving, nor two models.
 engine that cannot be released or woken fails the call or the round with its reason; it
 is never left serving what it held before without saying so (engines refuse inference
 while their weights are released, until a round commits new ones).
+
+What is released is the engine's state, not the agent's: an agent that attaches to an
+engine (at its start, or when the plan names a new engine pod) asks the engine what it
+has released (`EngineAdapter.released_memory`) and adopts that, so an agent restarted
+while its engine sleeps still wakes it, in order, in the next round. An engine that does
+not say (SGLang) or cannot be asked then counts as awake, as before.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ class ColocatedEngine:
         self.asleep: frozenset[MemoryTag] = frozenset()  # released, not woken yet
 
     async def adapter(self, planned: LocalEngine) -> EngineAdapter:
-        """The planned engine's adapter; a new planned engine (its pod was replaced)
-        attaches anew, and starts awake."""
+        """The planned engine's adapter; a new planned engine (the agent's first, or its pod
+        was replaced) attaches anew, asleep as far as the engine says."""
         if self._planned is not None:
             known, adapter = self._planned
             if known == planned:
@@ -45,14 +51,31 @@ class ColocatedEngine:
         adapter = adapter_for(planned.engine, planned.url, planned.options)
         self._planned = (planned, adapter)
         self.epoch = -1
+        await self._learn(adapter, planned.pod)
         return adapter
+
+    async def _learn(self, adapter: EngineAdapter, pod: str) -> None:
+        """Adopt what the engine says it has released (`asleep` stays as it was where the
+        engine does not say or cannot be asked: a round then fails on its own)."""
+        try:
+            said = await asyncio.wait_for(adapter.released_memory(), self._timeout)
+        except (EngineError, TimeoutError) as exc:
+            log.warning("could not ask the engine of %s what it released: %r", pod, exc)
+            return
+        if said is None:
+            return
+        if said:
+            log.info("colocated engine of %s is asleep: %s released", pod, ", ".join(sorted(said)))
+        self.asleep = said
 
     async def release(self, planned: LocalEngine | None) -> frozenset[MemoryTag]:
         """Free what `planned.memory_release` names; what the engine freed."""
         tags = released_tags(planned.memory_release) if planned is not None else frozenset()
-        if planned is None or not tags - self.asleep:
+        if planned is None or not tags:
             return self.asleep
         adapter = await self.adapter(planned)
+        if not tags - self.asleep:
+            return self.asleep
         try:
             freed = await asyncio.wait_for(adapter.release_memory(tags), self._timeout)
         except (EngineError, TimeoutError) as exc:

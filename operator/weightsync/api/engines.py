@@ -66,6 +66,10 @@ class EngineInjection:
     flags: tuple[EngineFlag, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     env_why: dict[str, str] = field(default_factory=dict)
+    # What `spec.colocated.memoryRelease` (not None) needs on the command line: the flag
+    # that lets the engine free its memory, and the spellings that turn it off again.
+    release_flag: EngineFlag | None = None
+    release_flag_off: tuple[str, ...] = ()
 
     @property
     def args(self) -> list[str]:
@@ -73,13 +77,20 @@ class EngineInjection:
 
     def merged_args(self, user_args: list[str]) -> list[str]:
         """`user_args` plus every injected flag the user did not set (`--x` or `--x=...`)."""
-        present = {arg.split("=", 1)[0] for arg in user_args if arg.startswith("--")}
+        present = {flag_name(arg) for arg in user_args if arg.startswith("--")}
         extra = [part for flag in self.flags if flag.name not in present for part in flag.argv()]
         return [*user_args, *extra]
 
     def merged_env(self, user_env: dict[str, str]) -> dict[str, str]:
         """The injected environment under the user's own values."""
         return {**self.env, **user_env}
+
+
+def flag_name(arg: str) -> str:
+    """A command-line flag's name as the engines' parsers read it: `--x=1` is `--x`, and
+    vLLM's parser reads `--enable_sleep_mode` as `--enable-sleep-mode` (SGLang's refuses
+    underscores, so the engine itself names that mistake)."""
+    return arg.split("=", 1)[0].replace("_", "-")
 
 
 SGLANG_INJECTION = EngineInjection(
@@ -91,6 +102,13 @@ SGLANG_INJECTION = EngineInjection(
             "weights skips reading a checkpoint, and the readiness gate keeps the pod out of "
             "Service endpoints until the first version is loaded",
         ),
+    ),
+    # SGLang 0.5.23 `server_args.py`: a store_true switch, no spelling that turns it off.
+    release_flag=EngineFlag(
+        "--enable-memory-saver",
+        None,
+        "spec.colocated.memoryRelease: /release_memory_occupation frees memory only in a "
+        "server started with torch_memory_saver",
     ),
 )
 
@@ -112,10 +130,19 @@ VLLM_INJECTION = EngineInjection(
     ),
     env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
     env_why={
-        "VLLM_SERVER_DEV_MODE": "mounts /pause, /resume and the weight-transfer routes",
+        "VLLM_SERVER_DEV_MODE": "mounts /pause, /resume, the weight-transfer routes and "
+        "/sleep, /wake_up, /is_sleeping",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "lets workers unpickle ipc_handles_pickled, "
         "the only way IPC handles travel over HTTP",
     },
+    # vLLM 0.32 `engine/arg_utils.py`: a BooleanOptionalAction, the last spelling wins.
+    release_flag=EngineFlag(
+        "--enable-sleep-mode",
+        None,
+        "spec.colocated.memoryRelease: /sleep and /wake_up need the CuMem allocator that "
+        "sleep mode installs at start",
+    ),
+    release_flag_off=("--no-enable-sleep-mode",),
 )
 
 

@@ -152,6 +152,10 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
     async def _wake(self, tag: MemoryTag) -> None:
         """Ask the engine to allocate `tag` again."""
 
+    async def _read_released(self) -> frozenset[MemoryTag] | None:
+        """What the engine says it has released; None where it does not say."""
+        return None
+
     def _check_slots(self, slots: list[LogicalSlot]) -> None:
         """Refuse slots this engine cannot read (raise ValueError)."""
 
@@ -303,6 +307,16 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
                 self._released -= {tag}
         if tags and not self._released:
             await self._awake()
+
+    async def released_memory(self) -> frozenset[MemoryTag] | None:
+        if self._round is not None:
+            raise EngineError(
+                EngineErrorReason.SEQUENCE, f"asked during the update to {self._round.version}"
+            )
+        released = await self._read_released()
+        if released is not None:
+            self._released = released
+        return released
 
     async def health(self) -> EngineHealth:
         if self._released:  # asleep as asked: its /health may not say so

@@ -16,6 +16,9 @@ the trainer trains and answers what it freed (vLLM's sleep at level 1 frees the 
 and moves the weights to host memory: both leave the GPU); `resume_memory(tags)` brings
 them back. The agent wakes weights before a round's loads and the KV cache after its
 commit. An engine whose weights were released refuses inference until a round commits.
+`released_memory()` reads what the engine has released (vLLM `GET /is_sleeping`, the
+reference engine's `/health`); SGLang 0.5.23 exposes no such state (its scheduler's
+`offload_tags` is in no route), so its adapter cannot say.
 
 Engine incarnations: an engine process can die and come back at the same address (a
 kubelet restarts a crashed container in place). Every adapter learns an identity of the
@@ -62,6 +65,8 @@ class EngineHealth:
     # Identity of the engine process; a new value means it restarted. None: unknown
     # (unreachable), never "unchanged".
     incarnation: str | None = None
+    # What it has released between Colocated rounds and not woken yet, as it says itself.
+    released: frozenset[MemoryTag] = frozenset()
 
 
 class EngineError(RuntimeError):
@@ -132,6 +137,13 @@ class EngineAdapter(abc.ABC):
         raise EngineError(
             EngineErrorReason.UNSUPPORTED, f"{type(self).__name__} cannot resume memory"
         )
+
+    async def released_memory(self) -> frozenset[MemoryTag] | None:
+        """What the engine has released and not woken, as the engine itself says, adopted
+        as this adapter's own view (an agent restarted while its engine sleeps learns it
+        here, so its next round wakes the engine in order). None: the engine does not say
+        (nothing is adopted). An engine that cannot release has released nothing."""
+        return frozenset()
 
     async def close(self) -> None:  # noqa: B027 - most adapters hold nothing to release
         """Release connections; the engine keeps running."""

@@ -345,7 +345,14 @@ class ReferenceEngineAdapter(EngineAdapter):
             torn=bool(body.get("torn", False)),
             detail=str(body.get("detail", "")),
             incarnation=incarnation if isinstance(incarnation, str) else None,
+            released=frozenset(MemoryTag(tag) for tag in body.get("released", ())),
         )
+
+    async def released_memory(self) -> frozenset[MemoryTag] | None:
+        health = await self.health()
+        if health.incarnation is None:  # unreachable, or no /health of its own
+            raise EngineError(EngineErrorReason.UNREACHABLE, f"reference engine: {health.detail}")
+        return health.released
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -213,6 +213,16 @@ class VLLMAdapter(RoundAdapter[VLLMSettings]):
     async def _wake(self, tag: MemoryTag) -> None:
         await self._call("/wake_up", self._control_timeout, params={"tags": tag.value})
 
+    async def _read_released(self) -> frozenset[MemoryTag] | None:
+        # A bool: true while any tag sleeps. Either level moved both off the GPU, and
+        # waking a tag that is already awake is a logged no-op in vLLM 0.32
+        # (`v1/executor/abstract.py` `wake_up`), so asleep reads as both.
+        reply = await self._call("/is_sleeping", self._health_timeout, method="GET")
+        asleep = reply.json_object().get("is_sleeping")
+        if not isinstance(asleep, bool):
+            raise EngineError(EngineErrorReason.BAD_REPLY, f"vLLM /is_sleeping answered {asleep!r}")
+        return frozenset(MemoryTag) if asleep else frozenset()
+
     async def _open_session(self) -> None:
         timeout = self._control_timeout
         await self._call("/init_weight_transfer_engine", timeout, {"init_info": {"packed": True}})

@@ -136,10 +136,9 @@ class ReferenceEngine:
             return greedy_generate(self.model, prompts, max_new_tokens), self.version
 
     def health(self) -> EngineHealth:
-        detail = "updating" if self._staging_version is not None else self._sleep.detail
-        return EngineHealth(
-            healthy=True, version=self.version, detail=detail, incarnation=self.incarnation
-        )
+        sleep = self._sleep
+        detail = "updating" if self._staging_version is not None else sleep.detail
+        return EngineHealth(True, self.version, False, detail, self.incarnation, sleep.released)
 
     @property
     def resident_bytes(self) -> int:

@@ -17,8 +17,8 @@ Routes:
 * `POST /v1/update/abort`   {"version", "reason"}
 * `POST /v1/memory/release` {"tags": ["kv_cache", "weights"]} -> {"ok", "released", ...}
 * `POST /v1/memory/resume`  {"tags": [...]}           (Colocated: between rounds; while
-                            anything is released, generate answers 503 and health's
-                            detail says "sleeping: ...")
+                            anything is released, generate answers 503, health's
+                            detail says "sleeping: ..." and its `released` lists it)
 
 Update errors answer 409 with {"reason", "message"}; the adapter turns them into
 `EngineError`. The server listens on localhost by default: the update API is for the
@@ -134,6 +134,7 @@ async def health(request: web.Request) -> web.Response:
             "torn": state.torn,
             "detail": state.detail,
             "incarnation": state.incarnation,
+            "released": sorted(state.released),  # memory released, not woken yet
             "staged_buckets": engine.staged_buckets,  # how far an open update got
             # What it holds in memory (one engine in this process): weights, arenas, KV.
             "resident_bytes": (

@@ -186,6 +186,7 @@ class TensorParallelEngine:
             torn=bool(self._torn),
             detail=detail,
             incarnation=self.incarnation,
+            released=self._sleep.released,
         )
 
     def generate(

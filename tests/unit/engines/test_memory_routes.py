@@ -187,3 +187,45 @@ def test_release_inside_a_round_is_refused_before_anything_is_sent() -> None:
 
     run(scenario())
     assert "/sleep" not in fake.controls.paths()
+
+
+@pytest.mark.parametrize("asleep", [True, False])
+def test_vllm_says_whether_it_sleeps_and_the_adapter_adopts_it(asleep: bool) -> None:
+    """An agent restarted while vLLM sleeps: `/is_sleeping` (a bool, vLLM 0.32
+    `serve/dev/sleep/api_router.py`) reads as both tags, which the next round wakes."""
+    seen = Seen()
+
+    async def scenario() -> frozenset[MemoryTag] | None:
+        answers = {**_vllm_answers(), "/is_sleeping": {"is_sleeping": asleep}}
+        async with serve(seen.app(answers)) as url:
+            adapter = VLLMAdapter(url)  # a fresh adapter: it never released anything
+            try:
+                released = await adapter.released_memory()
+                assert ("sleeping" in (await adapter.health()).detail) is asleep
+                await adapter.resume_memory(released or frozenset())
+                return released
+            finally:
+                await adapter.close()
+
+    assert run(scenario()) == (BOTH if asleep else frozenset())
+    calls = [(m, p, q) for m, p, q, _ in seen.requests if p not in {"/weight_info", "/health"}]
+    wakes = [
+        ("POST", "/wake_up", [("tags", "weights")]),
+        ("POST", "/wake_up", [("tags", "kv_cache")]),
+    ]
+    assert calls == [("GET", "/is_sleeping", []), *(wakes if asleep else [])]
+
+
+def test_sglang_does_not_say_so_nothing_is_asked_or_adopted() -> None:
+    seen = Seen()
+
+    async def scenario() -> frozenset[MemoryTag] | None:
+        async with serve(seen.app({})) as url:
+            adapter = SGLangAdapter(url)
+            try:
+                return await adapter.released_memory()
+            finally:
+                await adapter.close()
+
+    assert run(scenario()) is None  # its offload_tags are in no route of SGLang 0.5.23
+    assert seen.requests == []

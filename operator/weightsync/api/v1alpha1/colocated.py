@@ -79,4 +79,6 @@ class ColocatedSpec(ApiModel):
     to host memory), or KVCacheAndWeights (the weights too: vLLM level 2, SGLang's
     weights tag). The next publish() wakes the engine in order: its weights, the sync,
     then its KV cache, so the GPU never holds a second copy of the model. vLLM needs
-    --enable-sleep-mode, SGLang --enable-memory-saver."""
+    --enable-sleep-mode, SGLang --enable-memory-saver: the admission webhook adds the flag
+    to the engine container's args, or refuses an engine pod whose command line cannot
+    take it (no command or args, a shell script without the flag)."""

@@ -33,7 +33,11 @@ What a selected pod gets:
   or `--x=...`), an env var only if the container does not set it. Flags are added only
   to a container that sets `command` or `args`: `args` alone would replace the image's
   CMD. The sink agent gets the entry's `pauseMode` and `flushCache` as JSON in
-  `WEIGHTSYNC_ENGINE_OPTIONS`;
+  `WEIGHTSYNC_ENGINE_OPTIONS`. With `spec.colocated.memoryRelease` other than None, the
+  flag that lets the engine free memory (vLLM `--enable-sleep-mode`, SGLang
+  `--enable-memory-saver`) goes in the same way, and a pod whose engine command line
+  cannot take it (no command or args, a shell script without it, the flag turned off)
+  is refused, naming the field (`engine_sleep`);
 * labels `weightsync.io/sync` and `weightsync.io/role`, and annotations recording
   what was injected (`weightsync.io/injected`, `agent-port`, `agent-device`,
   `injected-into`, and on trainer pods `ranks-per-pod`, `agent-local-ranks`).
@@ -63,7 +67,9 @@ from typing import Any
 from weightsync.api import agent_env
 from weightsync.api.engines import INJECTIONS
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
+from weightsync.api.v1alpha1.colocated import MemoryRelease
 from weightsync.controller import names
+from weightsync.controller.admission.engine_sleep import release_args
 from weightsync.controller.admission.gpu_access import gpu_access
 from weightsync.controller.admission.patches import JsonPatch, add_to_map, append_to
 from weightsync.controller.admission.sidecar import AgentTemplate, agent_container
@@ -155,18 +161,25 @@ def _container_ops(
 
 
 def engine_defaults_ops(
-    ops: JsonPatch, container: Mapping[str, Any], engine: str, index: int = 0
+    ops: JsonPatch,
+    container: Mapping[str, Any],
+    engine: str,
+    index: int = 0,
+    release: MemoryRelease = MemoryRelease.NONE,
 ) -> None:
-    """Append the engine's default flags and env the user has not set to `container`."""
+    """Append the engine's default flags and env the user has not set to `container`, and
+    the flag that lets it free memory as `release` asks (`engine_sleep`: raises
+    `EngineCannotSleepError` where it cannot be added)."""
     injection = INJECTIONS.get(engine)
     if injection is None:
         return
     base = f"/spec/containers/{index}"
+    sleep = release_args(container, injection, release, engine=engine, index=index)
     command = [str(a) for a in container.get("command") or []]
     args = [str(a) for a in container.get("args") or []]
     if command or args:
         merged = injection.merged_args([*command, *args])
-        append_to(ops, container, f"{base}/args", merged[len(command) + len(args) :])
+        append_to(ops, container, f"{base}/args", [*merged[len(command) + len(args) :], *sleep])
     present = {e.get("name") for e in container.get("env") or []}
     env = [
         {"name": name, "value": value}
@@ -227,7 +240,8 @@ def injection_patch(
 ) -> JsonPatch:
     """The JSON patch that injects the agent into `pod`; empty if it already has one.
     `served`: a trainer pod's ranks (`trainer_ranks.served_ranks`). Raises
-    `GpusNotShareableError` for a pod whose GPUs its sidecar cannot be given."""
+    `GpusNotShareableError` for a pod whose GPUs its sidecar cannot be given, and
+    `EngineCannotSleepError` for an engine that could not free memory as asked."""
     if has_agent(pod):
         return []
     sync_name = sync.metadata.name or ""
@@ -276,7 +290,9 @@ def injection_patch(
         _container_ops(ops, index, container, role, colocated=colocated, shm=shm, socket=socket)
     if role is Role.SINK and inference_index is not None and containers:
         engine = sync.spec.inference[inference_index].engine.value
-        engine_defaults_ops(ops, containers[0], engine)
+        colocated_spec = sync.spec.colocated
+        release = colocated_spec.memory_release if colocated_spec else MemoryRelease.NONE
+        engine_defaults_ops(ops, containers[0], engine, release=release)
     if role is Role.SINK and sync.spec.readiness_gate.enabled:
         gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
         if names.WEIGHTS_CURRENT not in gates:

@@ -15,8 +15,10 @@ Design (why a webhook outage never blocks unrelated pods):
   link read from a watch, else one GET), never by labels alone; a labelled pod that no WeightSync
   selects is admitted unchanged. The handler raises only to refuse a pod on purpose (an
   error *denies* the pod, which `Ignore` does not cover): one whose GPUs come from a
-  device plugin, which its sidecar cannot share (`gpu_access`); the ReplicaSet's or
-  StatefulSet's FailedCreate Event carries the reason.
+  device plugin, which its sidecar cannot share (`gpu_access`), and an engine that
+  `spec.colocated.memoryRelease` asks to free memory whose command line cannot be given
+  the flag for it (`engine_sleep`); the ReplicaSet's or StatefulSet's FailedCreate Event
+  carries the reason.
 * **WeightSyncs** - validating, CREATE and UPDATE, `failurePolicy: Fail`: only our own
   resource is affected by an outage. It checks what the CRD cannot: that no older
   WeightSync in the namespace already syncs one of the named workloads. It does not
@@ -44,6 +46,7 @@ from weightsync.api import parse_weightsync
 from weightsync.api.v1alpha1 import WeightSync
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import metrics
+from weightsync.controller.admission.engine_sleep import EngineCannotSleepError
 from weightsync.controller.admission.gpu_access import GpusNotShareableError
 from weightsync.controller.admission.injection import injection_patch
 from weightsync.controller.admission.patches import JsonPatch
@@ -202,12 +205,13 @@ def inject(
     indexes: Indexes | None = None,
 ) -> None:
     """The mutating handler's body. Raises only to refuse a pod whose GPUs cannot reach
-    its sidecar; any other error admits the pod unchanged (the reconcile reports it)."""
+    its sidecar or whose engine cannot sleep as asked; any other error admits the pod
+    unchanged (the reconcile reports it)."""
     meta = body.get("metadata") or {}
     namespace = str(meta.get("namespace") or "")
     try:
         ops = pod_patch(kube, body, namespace, template, indexes)
-    except GpusNotShareableError as exc:
+    except (GpusNotShareableError, EngineCannotSleepError) as exc:
         metrics.ADMISSIONS.labels("inject-agent", metrics.AdmissionResult.DENIED).inc()
         log.warning("refusing a pod in %s: %s", namespace, exc)
         raise kopf.AdmissionError(f"weightsync: {exc}", code=403) from exc

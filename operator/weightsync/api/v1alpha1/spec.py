@@ -232,7 +232,7 @@ class InferenceSpec(ApiModel):
     becomes a sink (one engine per group)."""
 
     engine: Engine
-    """engine is the inference server the Deployment runs: SGLang, VLLM, or Reference
+    """engine is the inference server the workload runs: SGLang, VLLM, or Reference
     (weightsync's own small engine for tests and demos)."""
 
     port: int = Field(strict=True, ge=1, le=65535)

@@ -77,10 +77,6 @@ class EngineInjection:
         extra = [part for flag in self.flags if flag.name not in present for part in flag.argv()]
         return [*user_args, *extra]
 
-    def merged_env(self, user_env: dict[str, str]) -> dict[str, str]:
-        """The injected environment under the user's own values."""
-        return {**self.env, **user_env}
-
 
 SGLANG_INJECTION = EngineInjection(
     flags=(

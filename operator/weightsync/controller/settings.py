@@ -163,13 +163,6 @@ class OperatorSettings(BaseModel):
             return host
         return f"{self.webhook_service_name}.{self.service_namespace}.svc"
 
-    @property
-    def webhook_port(self) -> int:
-        """The port the API server calls (URL mode: the URL's, default the listen port)."""
-        if self.webhook_url is not None:
-            return urlsplit(self.webhook_url).port or self.webhook_listen_port
-        return self.webhook_service_port
-
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
         """Read the settings; raise SettingsError naming every bad variable."""

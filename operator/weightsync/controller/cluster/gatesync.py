@@ -31,13 +31,13 @@ import time
 from collections.abc import Sequence
 
 from weightsync.api.base import format_timestamp, utc_now
+from weightsync.api.reasons import listing
 from weightsync.controller import names
 from weightsync.controller.cluster.apiwriter import ApiWriter
 from weightsync.controller.cluster.kube import pod_condition
 from weightsync.controller.membership.workloads import PodView
 from weightsync.controller.readiness.gates import GateDecision
 from weightsync.controller.runtime.tasks import Tasks
-from weightsync.controller.status.observed import listing
 
 log = logging.getLogger(__name__)
 

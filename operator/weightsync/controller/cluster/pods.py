@@ -26,7 +26,7 @@ from weightsync.controller.membership.workloads import (
     sync_pods,
 )
 from weightsync.controller.readiness.gates import GateDecision
-from weightsync.controller.status.observed import EventSpec, listing
+from weightsync.controller.status.observed import EventSpec
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ async def set_gates(
     log.info(
         "gates of %s: %d opened, %d closed (%s)%s",
         namespace, opened, len(changes) - opened,
-        listing([f"{d.pod}: {d.status_text} ({d.reason})" for d in changes], shown=3),
+        reasons.listing([f"{d.pod}: {d.status_text} ({d.reason})" for d in changes], shown=3),
         f"; {len(failed)} writes failed" if failed else "",
     )  # fmt: skip
     if failed:

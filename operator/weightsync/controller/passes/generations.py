@@ -28,7 +28,7 @@ from weightsync.controller.membership.plan import (
 from weightsync.controller.membership.workloads import PodView
 from weightsync.controller.passes.memory import Memory, SoftState, Unsaved
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.status.observed import EventSpec, listing
+from weightsync.controller.status.observed import EventSpec
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class Planner:
                 reasons.GENERATION_PLANNED_MESSAGE.format(
                     generation=generation,
                     count=len(members),
-                    pods=listing([p.name for p in members]),
+                    pods=reasons.listing([p.name for p in members]),
                 ),
             ),
         )

@@ -38,10 +38,11 @@ from weightsync.controller.cluster.kube import pod_condition
 from weightsync.controller.membership.workloads import PodView
 from weightsync.controller.readiness.gates import GateDecision
 from weightsync.controller.runtime.tasks import Tasks
+from weightsync.controller.settings import DEFAULT_RESYNC_SECONDS
 
 log = logging.getLogger(__name__)
 
-REASON_SETTLE_SECONDS = 5.0  # the drift timer's default period: a pass comes by then
+REASON_SETTLE_SECONDS = DEFAULT_RESYNC_SECONDS  # the drift timer's period: a pass comes by
 
 
 class GateSync:

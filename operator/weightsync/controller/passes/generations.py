@@ -14,7 +14,7 @@ from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
 from weightsync.controller import metrics
 from weightsync.controller.agents.client import AgentAddress, AgentClient
-from weightsync.controller.cluster.pods import EventPoster
+from weightsync.controller.cluster.events import PostEvent
 from weightsync.controller.membership.plan import (
     Desired,
     Slot,
@@ -60,7 +60,7 @@ class Planner:
     their plans."""
 
     def __init__(
-        self, agents: AgentClient, settings: OperatorSettings, post_event: EventPoster
+        self, agents: AgentClient, settings: OperatorSettings, post_event: PostEvent
     ) -> None:
         self.agents = agents
         self.settings = settings

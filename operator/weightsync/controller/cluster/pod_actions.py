@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,6 +18,7 @@ from weightsync.api.v1alpha1 import Role
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import names
 from weightsync.controller.cluster.cache import Indexes
+from weightsync.controller.cluster.events import PostEvent
 from weightsync.controller.cluster.kube import Kube, pod_condition
 from weightsync.controller.membership.workloads import (
     PodView,
@@ -36,8 +37,6 @@ APPLIED_TOGETHER_SECONDS = 300
 # its webhook (it learns webhook configurations through a watch, a moment later).
 WEBHOOK_SETTLE_SECONDS = 15
 
-EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
-
 
 def uninjected(
     raw: Mapping[str, Any],
@@ -51,7 +50,7 @@ def uninjected(
 
 
 async def recreate(
-    kube: Kube, post_event: EventPoster, raw: Mapping[str, Any], pods: Sequence[PodView]
+    kube: Kube, post_event: PostEvent, raw: Mapping[str, Any], pods: Sequence[PodView]
 ) -> None:
     """Delete `pods` (`uninjected`); their controller recreates them."""
     for pod in pods:

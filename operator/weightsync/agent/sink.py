@@ -18,7 +18,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from functools import partial
 
 import torch.distributed as dist
@@ -42,9 +41,6 @@ from weightsync.transfer.layout import Bucket, BucketLayout
 from weightsync.transfer.shards import ShardPlan, single_source, staging_bound
 
 log = logging.getLogger(__name__)
-
-_DOORBELL_SLICE = timedelta(seconds=10)
-_HEALTH_SECONDS = 1.0  # the pre-round check of which engine process answers
 
 
 class SinkRound(RankRound):

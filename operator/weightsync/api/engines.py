@@ -81,10 +81,6 @@ class EngineInjection:
         extra = [part for flag in self.flags if flag.name not in present for part in flag.argv()]
         return [*user_args, *extra]
 
-    def merged_env(self, user_env: dict[str, str]) -> dict[str, str]:
-        """The injected environment under the user's own values."""
-        return {**self.env, **user_env}
-
 
 def flag_name(arg: str) -> str:
     """A command-line flag's name as the engines' parsers read it: `--x=1` is `--x`, and

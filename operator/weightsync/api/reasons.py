@@ -5,13 +5,25 @@ engine adapter call failed) and `ErrorCode` (the control API's and the front's r
 
 Condition and Event reasons are CamelCase words that programs match on; messages are for
 people and are `str.format` templates whose fields are named in each constant. Keeping the
-pairs here means every writer says the same thing for the same state.
+pairs here means every writer says the same thing for the same state; a message that
+names pods or ranks names a few (`listing`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Final
+
+
+def listing(items: Sequence[str], shown: int = 5) -> str:
+    """`items` for a message, bounded: the first `shown`, then how many more there are
+    (a condition or Event naming a thousand pods helps nobody and may not fit). The bound
+    is this default, not a constant: every upper-case name here is a reason with a message."""
+    head = ", ".join(items[:shown])
+    more = len(items) - shown
+    return f"{head} and {more} more" if more > 0 else head
+
 
 # Ready=False: the spec itself is wrong (the reconcile-time backstop caught it).
 INVALID_SPEC: Final = "InvalidSpec"

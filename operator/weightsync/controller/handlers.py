@@ -37,7 +37,7 @@ from weightsync.controller.admission import review
 from weightsync.controller.admission.sidecar import AgentTemplate
 from weightsync.controller.admission.webhook_config import INJECT_AGENT, VALIDATE_CLAIMS
 from weightsync.controller.agents.client import AgentClient
-from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster import pod_actions
 from weightsync.controller.cluster.cache import (
     BODIES_INDEX,
     DEPLOYMENTS_INDEX,

@@ -29,7 +29,7 @@ from weightsync.controller.cluster.events import EventPoster
 from weightsync.controller.cluster.kube import Kube, load_config
 from weightsync.controller.cluster.podwatch import PodStore, PodWatch
 from weightsync.controller.passes.reconcile import Reconciler
-from weightsync.controller.runtime import taskdump
+from weightsync.controller.runtime import taskdump, timing
 from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
 from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
@@ -98,13 +98,14 @@ def configure_kopf(
     # One replica with a Recreate strategy: no peering objects to coordinate replicas.
     kopf_settings.peering.standalone = True
     # A watch is ended by the server after 5 min and re-listed; the client gives it 30 s
-    # more before it calls the connection dead; connecting takes 10 s at most.
-    kopf_settings.watching.server_timeout = 300
-    kopf_settings.watching.client_timeout = 330
-    kopf_settings.watching.connect_timeout = 10
+    # more before it calls the connection dead; connecting takes 10 s at most. The same
+    # values as the operator's own pod watch and writer (`runtime.timing`).
+    kopf_settings.watching.server_timeout = timing.WATCH_SERVER_TIMEOUT_SECONDS
+    kopf_settings.watching.client_timeout = timing.WATCH_CLIENT_TIMEOUT_SECONDS
+    kopf_settings.watching.connect_timeout = timing.API_CONNECT_TIMEOUT_SECONDS
     # Plain API requests (patches, Events) fail after 30 s and are retried with backoff.
-    kopf_settings.networking.request_timeout = 30
-    kopf_settings.networking.connect_timeout = 10
+    kopf_settings.networking.request_timeout = timing.API_REQUEST_TIMEOUT_SECONDS
+    kopf_settings.networking.connect_timeout = timing.API_CONNECT_TIMEOUT_SECONDS
     # Retries are kopf's, set on each handler at registration (`runtime.timing`): one that
     # raised is called again after HANDLER_BACKOFF_SECONDS until HANDLER_TIMEOUT_SECONDS
     # from its first call. kopf cancels no handler that hangs: a pass's own deadline

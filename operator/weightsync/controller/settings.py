@@ -68,7 +68,7 @@ import os
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Self
+from typing import Final, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -92,6 +92,9 @@ class PullPolicy(StrEnum):
     ALWAYS = "Always"
     IF_NOT_PRESENT = "IfNotPresent"
     NEVER = "Never"
+
+
+DEFAULT_RESYNC_SECONDS: Final = 5.0  # the drift timer's period (`gatesync` settles on it)
 
 
 class OperatorSettings(BaseModel):
@@ -130,7 +133,7 @@ class OperatorSettings(BaseModel):
 
     token_key_secret: str = "weightsync-token-key"  # noqa: S105 - a Secret's name
     agent_timeout_seconds: float = Field(default=5.0, gt=0, le=60)
-    resync_seconds: float = Field(default=5.0, gt=0, le=3600)
+    resync_seconds: float = Field(default=DEFAULT_RESYNC_SECONDS, gt=0, le=3600)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -162,13 +165,6 @@ class OperatorSettings(BaseModel):
                 raise SettingsError("WEBHOOK_URL has no host")
             return host
         return f"{self.webhook_service_name}.{self.service_namespace}.svc"
-
-    @property
-    def webhook_port(self) -> int:
-        """The port the API server calls (URL mode: the URL's, default the listen port)."""
-        if self.webhook_url is not None:
-            return urlsplit(self.webhook_url).port or self.webhook_listen_port
-        return self.webhook_service_port
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:

@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import names
-from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster import pod_actions
 from weightsync.controller.cluster.apiwriter import MERGE_PATCH, STRATEGIC_MERGE_PATCH, api_path
 from weightsync.controller.cluster.cache import Indexes
 from weightsync.controller.cluster.kube import Kube, load_config

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tests.unit.controller.builders import agent
+from weightsync.api.reasons import listing
 from weightsync.api.v1alpha1 import Role
 from weightsync.controller.agents.view import AgentView, silent
-from weightsync.controller.status.observed import listing
 
 
 def test_each_pod_keeps_its_latest_poll_answer_or_error() -> None:

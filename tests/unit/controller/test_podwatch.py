@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.unit.controller.builders import pod
-from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster import pod_actions
 from weightsync.controller.cluster.cache import Indexes, slim_pod
 from weightsync.controller.cluster.podwatch import ADDED, DELETED, MODIFIED, PodStore
 

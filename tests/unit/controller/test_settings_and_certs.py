@@ -20,7 +20,6 @@ URL_MODE = {"WEIGHTSYNC_OPERATOR_WEBHOOK_URL": "https://127.0.0.1:9443"}
 def test_url_mode_defaults() -> None:
     settings = OperatorSettings.from_env({**URL_MODE, "PATH": "/bin"})
     assert settings.webhook_host == "127.0.0.1"
-    assert settings.webhook_port == 9443
     assert settings.webhook_certs is CertMode.MANAGED
     assert client_config(settings) == {"url": "https://127.0.0.1:9443"}
     assert serving_hosts(settings) == ["127.0.0.1"]

@@ -30,10 +30,6 @@ class MemoryRelease(StrEnum):
     KV_CACHE = "KVCache"
     KV_CACHE_AND_WEIGHTS = "KVCacheAndWeights"
 
-    @property
-    def releases_weights(self) -> bool:
-        return self is MemoryRelease.KV_CACHE_AND_WEIGHTS
-
 
 MODE_IMMUTABLE = CelRule(
     rule="self == oldSelf",

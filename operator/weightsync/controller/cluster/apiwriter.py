@@ -21,8 +21,8 @@ start before kopf runs, the uninstall hook) writes through `run_blocking`.
 
 Errors are the official client's: `ApiException` with the HTTP status for a refused
 request (callers' 404 and 409 handling is unchanged), `ConnectionError` when the API
-server could not be reached or did not answer in `TIMEOUT_SECONDS` (`kube.api_unavailable`
-reads both as "away"). Gate writes are the exception, see `set_condition`.
+server could not be reached or did not answer in `API_REQUEST_TIMEOUT_SECONDS`
+(`kube.api_unavailable` reads both as "away"). Gate writes are the exception, see `set_condition`.
 
 While a pass writes a WeightSync's status, gate writes not yet sent wait (`held`): the
 status goes first, so `kubectl get wsync` never lags the gates, and a thousand gate
@@ -45,13 +45,13 @@ from kubernetes.client.exceptions import ApiException
 from weightsync.api import GROUP, PLURAL, VERSION
 from weightsync.controller import metrics
 from weightsync.controller.cluster.apihttp import auth_headers, ssl_context
+from weightsync.controller.runtime.timing import API_REQUEST_TIMEOUT_SECONDS
 
 # The requests this module sends itself, for the chart's RBAC check (tests/unit/chart:
 # every API call the controller makes is granted; literals, read from the source). A
 # module that calls `create`, `replace`, `patch` or `delete` lists its own.
 API_CALLS = (("", "pods/status", "patch"), ("weightsync.io", "weightsyncs/status", "patch"))
 WRITERS = 32  # gate patches in flight at once
-TIMEOUT_SECONDS = 30.0  # one request, as kopf's own API requests (`main.configure_kopf`)
 NOT_FOUND, CONFLICT = 404, 409
 # Content types: a body as it is (create, replace, delete options), and the three patches.
 JSON = "application/json"
@@ -128,7 +128,7 @@ class ApiWriter:
         """The session and the gate writes' bound, made in the loop that uses them."""
         if self._state is None or self._state[0].closed:
             connector = aiohttp.TCPConnector(limit=WRITERS, ssl=ssl_context(self._configuration))
-            timeout = aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)
+            timeout = aiohttp.ClientTimeout(total=API_REQUEST_TIMEOUT_SECONDS)
             session = aiohttp.ClientSession(connector=connector, timeout=timeout)
             self._state = (session, asyncio.Semaphore(WRITERS))
         return self._state

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +28,9 @@ COMPONENT = "weightsync-operator"
 NAME_PREFIX = "weightsync-"
 MAX_MESSAGE = 1024  # the API server refuses longer Event messages
 DRAIN_SECONDS = 5.0  # what a stopping operator gives the Events still being posted
+
+# What a pass posts an Event through: an `EventPoster`, or a test's list.
+PostEvent = Callable[[Mapping[str, Any], EventSpec], None]
 
 
 def event_body(obj: Mapping[str, Any], event: EventSpec, now: datetime) -> dict[str, Any]:

@@ -31,17 +31,18 @@ import time
 from collections.abc import Sequence
 
 from weightsync.api.base import format_timestamp, utc_now
+from weightsync.api.reasons import listing
 from weightsync.controller import names
 from weightsync.controller.cluster.apiwriter import ApiWriter
 from weightsync.controller.cluster.kube import pod_condition
 from weightsync.controller.membership.workloads import PodView
 from weightsync.controller.readiness.gates import GateDecision
 from weightsync.controller.runtime.tasks import Tasks
-from weightsync.controller.status.observed import listing
+from weightsync.controller.settings import DEFAULT_RESYNC_SECONDS
 
 log = logging.getLogger(__name__)
 
-REASON_SETTLE_SECONDS = 5.0  # the drift timer's default period: a pass comes by then
+REASON_SETTLE_SECONDS = DEFAULT_RESYNC_SECONDS  # the drift timer's period: a pass comes by
 
 
 class GateSync:

@@ -28,6 +28,11 @@ from kubernetes import client
 from weightsync.controller import metrics
 from weightsync.controller.cluster.apihttp import auth_headers, ssl_context
 from weightsync.controller.cluster.cache import pod_key, slim_pod
+from weightsync.controller.runtime.timing import (
+    API_CONNECT_TIMEOUT_SECONDS,
+    WATCH_CLIENT_TIMEOUT_SECONDS,
+    WATCH_SERVER_TIMEOUT_SECONDS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +40,6 @@ log = logging.getLogger(__name__)
 API_CALLS = (("", "pods", "list"), ("", "pods", "watch"))
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 PAGE = 500  # pods per list request
-SERVER_TIMEOUT_SECONDS = 300  # the server ends each watch after this; it resumes
-READ_TIMEOUT_SECONDS = SERVER_TIMEOUT_SECONDS + 30  # then the connection is dead
-CONNECT_TIMEOUT_SECONDS = 10
 MAX_BACKOFF_SECONDS = 30
 MIN_WATCH_SECONDS = 1.0  # between the starts of two watches that ended normally
 GONE = 410
@@ -148,7 +150,9 @@ class PodWatch:
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=CONNECT_TIMEOUT_SECONDS, sock_read=READ_TIMEOUT_SECONDS
+            total=None,
+            sock_connect=API_CONNECT_TIMEOUT_SECONDS,
+            sock_read=WATCH_CLIENT_TIMEOUT_SECONDS,
         )
         connector = aiohttp.TCPConnector(ssl=ssl_context(self._configuration))
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -213,7 +217,7 @@ class PodWatch:
             "labelSelector": self._selector,
             "resourceVersion": version,
             "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(SERVER_TIMEOUT_SECONDS),
+            "timeoutSeconds": str(WATCH_SERVER_TIMEOUT_SECONDS),  # then it resumes
         }
         async with session.get(
             self._url(scope), params=params, headers=auth_headers(self._configuration)

@@ -31,10 +31,10 @@ from weightsync.api.control import RecoverRequest, RecoveryState, RecoveryStatus
 from weightsync.api.v1alpha1 import WeightSyncStatus
 from weightsync.controller import metrics
 from weightsync.controller.agents.client import AgentAddress, AgentClient
-from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster import pod_actions
+from weightsync.controller.cluster.events import PostEvent
 from weightsync.controller.cluster.gatesync import GateSync
 from weightsync.controller.cluster.kube import Kube
-from weightsync.controller.cluster.pods import EventPoster
 from weightsync.controller.membership.plan import slots
 from weightsync.controller.passes.actions import Actions, Outcome, StatusWrite, status_write
 from weightsync.controller.passes.generations import Planner
@@ -65,7 +65,7 @@ class Applier:
         kube: Kube,
         agents: AgentClient,
         planner: Planner,
-        post_event: EventPoster,
+        post_event: PostEvent,
         request: Callable[[str, str], None],
         *,
         tasks: Tasks | None = None,
@@ -208,7 +208,7 @@ async def carry_out(
     raw: Mapping[str, Any],
     agents: AgentClient,
     token: str,
-    post_event: EventPoster,
+    post_event: PostEvent,
     now: float,
     default_port: int,
 ) -> None:
@@ -231,7 +231,7 @@ async def carry_out(
     await asyncio.gather(*(start(job) for job in recoveries.starts))
 
 
-def _report(decision: Decision, post_event: EventPoster, raw: Mapping[str, Any]) -> None:
+def _report(decision: Decision, post_event: PostEvent, raw: Mapping[str, Any]) -> None:
     finished = decision.finished
     if finished is None:
         return
@@ -251,7 +251,7 @@ def _started(
     answer: RecoveryStatus | str,
     *,
     tracker: Tracker,
-    post_event: EventPoster,
+    post_event: PostEvent,
     raw: Mapping[str, Any],
     now: float,
 ) -> None:

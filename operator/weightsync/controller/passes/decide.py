@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from weightsync.api.protocol import out_of_skew
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
 from weightsync.controller.agents.view import AgentView
-from weightsync.controller.cluster.pods import uninjected
+from weightsync.controller.cluster.pod_actions import uninjected
 from weightsync.controller.membership.plan import (
     Desired,
     Slot,

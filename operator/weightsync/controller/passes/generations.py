@@ -14,7 +14,7 @@ from weightsync.api.control import AgentStatus
 from weightsync.api.v1alpha1 import Role, WeightSync, WeightSyncStatus
 from weightsync.controller import metrics
 from weightsync.controller.agents.client import AgentAddress, AgentClient
-from weightsync.controller.cluster.pods import EventPoster
+from weightsync.controller.cluster.events import PostEvent
 from weightsync.controller.membership.plan import (
     Desired,
     Slot,
@@ -28,7 +28,7 @@ from weightsync.controller.membership.plan import (
 from weightsync.controller.membership.workloads import PodView
 from weightsync.controller.passes.memory import Memory, SoftState, Unsaved
 from weightsync.controller.settings import OperatorSettings
-from weightsync.controller.status.observed import EventSpec, listing
+from weightsync.controller.status.observed import EventSpec
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Planner:
     their plans."""
 
     def __init__(
-        self, agents: AgentClient, settings: OperatorSettings, post_event: EventPoster
+        self, agents: AgentClient, settings: OperatorSettings, post_event: PostEvent
     ) -> None:
         self.agents = agents
         self.settings = settings
@@ -173,7 +173,7 @@ class Planner:
                 reasons.GENERATION_PLANNED_MESSAGE.format(
                     generation=generation,
                     count=len(members),
-                    pods=listing([p.name for p in members]),
+                    pods=reasons.listing([p.name for p in members]),
                 ),
             ),
         )

@@ -133,8 +133,8 @@ class Memory(SoftState):
     saying who writes it. Losing it (a restart) costs at most a slower timeout and one
     poll of every agent."""
 
-    # The apply step: the last pass left a recovery in flight, and the pods a follow-up
-    # pass polls (those recoveries).
+    # The apply step (the `Reconciler` clears `poll_soon` as a pass starts): the last pass
+    # left a recovery in flight, and the pods a follow-up pass polls (those recoveries).
     poll_soon: bool = False
     watched: frozenset[str] = frozenset()
     poll: asyncio.Task[None] | None = None  # the pending follow-up pass (`Reconciler`)
@@ -146,15 +146,17 @@ class Memory(SoftState):
     addresses: list[AgentAddress] = field(default_factory=list)
     token: str = ""
     sources: frozenset[str] = frozenset()
-    sweeping: asyncio.Lock = field(default_factory=asyncio.Lock)  # one sweep at a time
+    # Held by the drift timer's sweep (`Reconciler`): one sweep at a time.
+    sweeping: asyncio.Lock = field(default_factory=asyncio.Lock)
     gates: GateSync | None = None  # the apply step's gate writes, in the background
     # The observe step's read cache: the WeightSync's newest version a pass used, and the
     # apply step's last status write: (the version it was made on, the object it
     # returned). See `observe.Observer.read`.
     seen_version: str | None = None
     written: tuple[str, dict[str, Any]] | None = None
-    stored: tuple[str, WeightSyncStatus] | None = None  # the status parsed, by version
-    laps: Laps = field(default_factory=Laps)  # the pass running now, or the last one
+    stored: tuple[str, WeightSyncStatus] | None = None  # the observe step: status parsed
+    # The pass running now, or the last one: a new one at each pass's start (`Reconciler`).
+    laps: Laps = field(default_factory=Laps)
     # New agents being asked for their first answer, and those polls (the observe step).
     asking: set[str] = field(default_factory=set)
     asks: set[asyncio.Task[None]] = field(default_factory=set)

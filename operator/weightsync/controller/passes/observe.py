@@ -27,7 +27,7 @@ from weightsync.controller.agents.view import AgentView
 from weightsync.controller.cluster import tokens
 from weightsync.controller.cluster.cache import Indexes, newest
 from weightsync.controller.cluster.kube import Kube, NotCachedError
-from weightsync.controller.cluster.pods import WEBHOOK_SETTLE_SECONDS
+from weightsync.controller.cluster.pod_actions import WEBHOOK_SETTLE_SECONDS
 from weightsync.controller.membership.owners import WorkloadRef, workload_refs
 from weightsync.controller.membership.workloads import PodView, World, planned_sources, sync_pods
 from weightsync.controller.passes.actions import Outcome

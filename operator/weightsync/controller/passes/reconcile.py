@@ -24,10 +24,10 @@ from typing import Any
 from weightsync.api.control import AgentStatus
 from weightsync.controller import metrics
 from weightsync.controller.agents.client import AgentClient
-from weightsync.controller.cluster import pods as pod_actions
+from weightsync.controller.cluster import pod_actions
 from weightsync.controller.cluster.cache import Indexes
+from weightsync.controller.cluster.events import PostEvent
 from weightsync.controller.cluster.kube import Kube
-from weightsync.controller.cluster.pods import EventPoster
 from weightsync.controller.passes.actions import Outcome, Result
 from weightsync.controller.passes.apply import Applier
 from weightsync.controller.passes.decide import decide
@@ -62,7 +62,7 @@ class Reconciler:
         kube: Kube,
         agents: AgentClient,
         settings: OperatorSettings,
-        post_event: EventPoster,
+        post_event: PostEvent,
         token_key: bytes,
         *,
         indexes: Indexes | None = None,

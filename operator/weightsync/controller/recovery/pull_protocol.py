@@ -26,7 +26,6 @@ from weightsync.api.control import AgentStatus, RecoveryTransport
 from weightsync.api.v1alpha1 import RecoveryProtocol, SyncMode, WeightSyncSpec
 
 RDMA, TCP = RecoveryProtocol.RDMA, RecoveryProtocol.TCP
-LISTED = 5  # pods a message names before "and N more"
 
 
 def member_transport(status: AgentStatus, requested: RecoveryProtocol) -> RecoveryTransport:
@@ -58,12 +57,6 @@ def pull_over(
     return (TCP, tcp) if tcp else None
 
 
-def _listing(pods: Sequence[str]) -> str:
-    more = len(pods) - LISTED
-    head = ", ".join(pods[:LISTED])
-    return f"{head} and {more} more" if more > 0 else head
-
-
 def protocol_condition(
     spec: WeightSyncSpec, statuses: Mapping[str, AgentStatus]
 ) -> ConditionUpdate:
@@ -92,14 +85,14 @@ def protocol_condition(
     broken = [pod for pod, transport in used.items() if not transport.usable]
     if broken:
         message = reasons.PROTOCOL_UNAVAILABLE_MESSAGE.format(
-            pods=_listing(broken), pod=broken[0], detail=used[broken[0]].detail
+            pods=reasons.listing(broken), pod=broken[0], detail=used[broken[0]].detail
         )
         return ConditionUpdate(kind, false, reasons.PROTOCOL_UNAVAILABLE, message)
     rdma = [pod for pod, transport in used.items() if transport.protocol is RDMA]
     tcp = [pod for pod, transport in used.items() if transport.protocol is TCP]
     if rdma and tcp:
         message = reasons.PROTOCOLS_DIFFER_MESSAGE.format(
-            requested=requested.value, rdma=_listing(rdma), tcp=_listing(tcp)
+            requested=requested.value, rdma=reasons.listing(rdma), tcp=reasons.listing(tcp)
         )
         return ConditionUpdate(kind, false, reasons.PROTOCOLS_DIFFER, message)
     first = next(iter(used))

@@ -1,5 +1,7 @@
-"""How long kopf retries a handler, how long it waits between tries, and how long a pass
-may run: each value once, for `handlers` and `main` to register and `scheduling` to use.
+"""How long kopf retries a handler, how long it waits between tries, how long a pass may
+run, and how long a watch or a request of the API server may take: each value once, for
+`handlers` and `main` to register, `scheduling` to use, and kopf (`main`) and the operator's
+own watch and writer (`cluster.podwatch`, `cluster.apiwriter`) to share.
 
 kopf owns retries (crate-operator's way: `timeout=` and `backoff=` at registration, no
 retry loop of ours). A handler that raises anything but a `PermanentError` is called
@@ -29,3 +31,12 @@ HANDLER_TIMEOUT_SECONDS: Final = 600.0
 # A WeightSync deleted while one of its timers runs keeps its finalizer until that call
 # returns; kopf looks again only this often (its default, 60 s, held a delete that long).
 TIMER_EXIT_POLL_SECONDS: Final = 1.0
+
+# The API server ends a watch after WATCH_SERVER_TIMEOUT_SECONDS and the watcher resumes it;
+# a watch silent 30 s longer is a dead connection. Connecting takes
+# API_CONNECT_TIMEOUT_SECONDS at most; a plain request (a patch, an Event) fails after
+# API_REQUEST_TIMEOUT_SECONDS. kopf's watches and requests and the operator's own alike.
+WATCH_SERVER_TIMEOUT_SECONDS: Final = 300
+WATCH_CLIENT_TIMEOUT_SECONDS: Final = WATCH_SERVER_TIMEOUT_SECONDS + 30
+API_CONNECT_TIMEOUT_SECONDS: Final = 10
+API_REQUEST_TIMEOUT_SECONDS: Final = 30.0

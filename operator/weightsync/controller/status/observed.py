@@ -56,17 +56,6 @@ USER_ERRORS = frozenset(
 )
 
 
-LISTED = 5  # names a message lists before "and N more"
-
-
-def listing(items: Sequence[str], shown: int = LISTED) -> str:
-    """`items` for a message, bounded: the first few, then how many more there are
-    (a condition or Event naming a thousand pods helps nobody and may not fit)."""
-    head = ", ".join(items[:shown])
-    more = len(items) - shown
-    return f"{head} and {more} more" if more > 0 else head
-
-
 @dataclass(frozen=True, slots=True)
 class EventSpec:
     """An Event to post on the WeightSync."""
@@ -244,7 +233,7 @@ def _prewarmed(obs: Observation, group: Sequence[Member]) -> ConditionUpdate:
             kind, F, reasons.PREWARM_TIMED_OUT,
             reasons.PREWARM_TIMED_OUT_MESSAGE.format(
                 generation=generation, seconds=obs.spec.prewarm.timeout_seconds,
-                ranks=listing([str(rank) for rank in cold]),
+                ranks=reasons.listing([str(rank) for rank in cold]),
             ),
         )  # fmt: skip
     return ConditionUpdate(
@@ -270,21 +259,21 @@ def _degraded(obs: Observation, source: AgentStatus | None) -> ConditionUpdate:
     if bare:
         return ConditionUpdate(
             kind, T, reasons.SIDECAR_MISSING,
-            reasons.SIDECAR_MISSING_MESSAGE.format(pods=listing(bare)),
+            reasons.SIDECAR_MISSING_MESSAGE.format(pods=reasons.listing(bare)),
         )  # fmt: skip
     refused = sorted(pod for pod, error in obs.agent_errors.items() if error.startswith("HTTP 401"))
     if refused:  # its token is not the operator's: it cannot be planned, gated or recovered
         return ConditionUpdate(
             kind, T, reasons.AGENT_REFUSES_OPERATOR,
-            reasons.AGENT_REFUSES_OPERATOR_MESSAGE.format(pods=listing(refused)),
+            reasons.AGENT_REFUSES_OPERATOR_MESSAGE.format(pods=reasons.listing(refused)),
         )  # fmt: skip
     if obs.skewed:  # they are not planned (`decide`); only their pods' recreation helps
         pods = sorted(obs.skewed)
         return ConditionUpdate(
             kind, T, reasons.AGENT_PROTOCOL_SKEW,
             reasons.AGENT_PROTOCOL_SKEW_MESSAGE.format(
-                pods=listing(pods),
-                versions=listing(sorted({str(obs.skewed[p]) for p in pods})),
+                pods=reasons.listing(pods),
+                versions=reasons.listing(sorted({str(obs.skewed[p]) for p in pods})),
                 version=PROTOCOL_VERSION, low=PROTOCOL_VERSION - SKEW,
                 high=PROTOCOL_VERSION + SKEW,
             ),

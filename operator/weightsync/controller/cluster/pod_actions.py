@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,6 +18,7 @@ from weightsync.api.v1alpha1 import Role
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import names
 from weightsync.controller.cluster.cache import Indexes
+from weightsync.controller.cluster.events import PostEvent
 from weightsync.controller.cluster.kube import Kube, pod_condition
 from weightsync.controller.membership.owners import workload_refs
 from weightsync.controller.membership.workloads import (
@@ -27,7 +28,7 @@ from weightsync.controller.membership.workloads import (
     sync_pods,
 )
 from weightsync.controller.readiness.gates import GateDecision
-from weightsync.controller.status.observed import EventSpec, listing
+from weightsync.controller.status.observed import EventSpec
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ APPLIED_TOGETHER_SECONDS = 300
 # How long after the operator starts the API server may still admit pods without calling
 # its webhook (it learns webhook configurations through a watch, a moment later).
 WEBHOOK_SETTLE_SECONDS = 15
-
-EventPoster = Callable[[Mapping[str, Any], EventSpec], None]
 
 
 def uninjected(
@@ -52,7 +51,7 @@ def uninjected(
 
 
 async def recreate(
-    kube: Kube, post_event: EventPoster, raw: Mapping[str, Any], pods: Sequence[PodView]
+    kube: Kube, post_event: PostEvent, raw: Mapping[str, Any], pods: Sequence[PodView]
 ) -> None:
     """Delete `pods` (`uninjected`); their controller recreates them."""
     spec = parse_weightsync(raw).spec  # the pass that chose `pods` parsed it already
@@ -99,7 +98,7 @@ async def set_gates(
     log.info(
         "gates of %s: %d opened, %d closed (%s)%s",
         namespace, opened, len(changes) - opened,
-        listing([f"{d.pod}: {d.status_text} ({d.reason})" for d in changes], shown=3),
+        reasons.listing([f"{d.pod}: {d.status_text} ({d.reason})" for d in changes], shown=3),
         f"; {len(failed)} writes failed" if failed else "",
     )  # fmt: skip
     if failed:

@@ -48,7 +48,7 @@ from weightsync.api.control import (
     RecoveryStatus,
     TransferOptions,
 )
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.reference.model import PRESETS, build_model, randomize
 from weightsync.transfer.buffers import torch_dtype

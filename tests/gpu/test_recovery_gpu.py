@@ -18,7 +18,7 @@ from tests.integration.contract import ContractConfig, expect_served, make_plan
 from tests.integration.stack import AgentProc, Stack, free_port, http_json, stack, wait_warm
 from tests.support.eventually import eventually
 from weightsync.api.control import Backend, Holding, RecoverRequest, RecoveryState, RecoveryStatus
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.reference.model import PRESETS, build_model, randomize
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.p2p import TransferEngineEndpoint
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.integration.p2p_holder import pattern
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.broadcast import bucket_checksum
 from weightsync.transfer.p2p import (
     Chunk,

@@ -42,7 +42,7 @@ from weightsync.api.control import (
     RecoveryState,
     RecoveryStatus,
 )
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.client import Publisher
 from weightsync.reference.model import PRESETS, build_model, randomize
 from weightsync.transfer.held import held_offsets

@@ -53,7 +53,7 @@ from weightsync.agent.host_copies import SideStream, checksum_after, copy_groups
 from weightsync.agent.host_memory import PinGate, PinnedBuffer, PinningError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.buffers import copy_tensors, slot_views
 from weightsync.transfer.held import held_checksum, held_offsets
 from weightsync.transfer.layout import Bucket, BucketLayout

@@ -40,7 +40,7 @@ from weightsync.api.control import (
 from weightsync.api.protocol import PROTOCOL_VERSION
 from weightsync.api.reasons import RecoveryFailureReason
 from weightsync.api.v1alpha1 import Role
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.engines.base import EngineAdapter
 from weightsync.transfer.p2p import Endpoints, mooncake_available
 from weightsync.transfer.p2p_protocol import Resolution, probe_rdma, resolve_protocol

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from weightsync.api import agent_env
 from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Engine, Role
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 
 # A wildcard bind address is no address for peers.
 WILDCARDS = ("0.0.0.0", "::", "")  # noqa: S104

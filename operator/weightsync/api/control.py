@@ -29,12 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1.colocated import MemoryRelease, SyncMode
-from weightsync.api.v1alpha1.spec import (
-    Engine,
-    PrewarmSpec,
-    RecoveryProtocol,
-    TransferSpec,
-)
+from weightsync.api.v1alpha1.dataplane import PrewarmSpec, RecoveryProtocol, TransferSpec
+from weightsync.api.v1alpha1.spec import Engine
 from weightsync.api.v1alpha1.status import Role
 
 

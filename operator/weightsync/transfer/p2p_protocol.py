@@ -25,7 +25,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 
 # A finite memlock limit below this cannot register one bucket (the default bucket is
 # 1 GiB): RDMA would fail at the first registration, so it is not "available".

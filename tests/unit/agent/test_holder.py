@@ -14,7 +14,7 @@ from weightsync.agent.holder import Holder
 from weightsync.agent.host_copies import copy_groups, within_slices
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.held import held_checksum, held_offsets
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
 from weightsync.transfer.p2p import Endpoints

@@ -7,7 +7,7 @@ import pytest
 
 from weightsync.agent.recovery import RecoveryFailed, choose_holders
 from weightsync.api.control import Holding, RecoverRequest
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout
 
 TCP, RDMA = RecoveryProtocol.TCP, RecoveryProtocol.RDMA

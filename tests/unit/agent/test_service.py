@@ -16,7 +16,7 @@ from weightsync.agent.recovery import RecoveryFailed
 from weightsync.agent.service import Agent
 from weightsync.agent.settings import AgentSettings
 from weightsync.api.control import AgentStatus, GenerationState, MembershipPlan, RecoverRequest
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.p2p_protocol import Resolution
 
 TOKEN = "s3cret"

@@ -19,13 +19,9 @@ from weightsync.api.v1alpha1.colocated import (
     COLOCATED_ONLY,
     MODE_IMMUTABLE,
 )
+from weightsync.api.v1alpha1.dataplane import STAGING_LIMIT
 from weightsync.api.v1alpha1.front import COLOCATED_NO_FRONT, FRONT_NOT_ENGINE_PORT
-from weightsync.api.v1alpha1.spec import (
-    INFERENCE_UNIQUE,
-    SGLANG_CANNOT_WAIT,
-    SOURCE_RANKS_FORM,
-    STAGING_LIMIT,
-)
+from weightsync.api.v1alpha1.spec import INFERENCE_UNIQUE, SGLANG_CANNOT_WAIT, SOURCE_RANKS_FORM
 from weightsync.api.v1alpha1.workloads import (
     ENGINE_ONE_WORKLOAD,
     JOBSET_IMMUTABLE,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.api.v1alpha1.spec import RecoveryProtocol
+from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.p2p_protocol import (
     MIN_MEMLOCK_BYTES,
     RdmaProbe,

@@ -2,18 +2,20 @@
 
 from weightsync.api.v1alpha1.agent import AgentResources, AgentSpec, EnvVar, VolumeMount
 from weightsync.api.v1alpha1.colocated import ColocatedSpec, MemoryRelease, SyncMode
+from weightsync.api.v1alpha1.dataplane import (
+    PrewarmSpec,
+    ReadinessGateSpec,
+    RecoveryProtocol,
+    RecoverySpec,
+    TransferSpec,
+)
 from weightsync.api.v1alpha1.front import FrontSpec
 from weightsync.api.v1alpha1.resource import API_VERSION, VERSION, ObjectMeta, WeightSync
 from weightsync.api.v1alpha1.spec import (
     Engine,
     InferenceSpec,
     PauseMode,
-    PrewarmSpec,
-    ReadinessGateSpec,
-    RecoveryProtocol,
-    RecoverySpec,
     TrainerSpec,
-    TransferSpec,
     WeightSyncSpec,
 )
 from weightsync.api.v1alpha1.status import (

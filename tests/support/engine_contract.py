@@ -158,6 +158,8 @@ class MemoryContract:
         freed = engine.run(engine.adapter.release_memory(frozenset({MemoryTag.KV_CACHE})))
         assert MemoryTag.KV_CACHE in freed
         assert engine.resident_bytes() < awake
+        # What a restarted agent asks before it trusts its own idea of the engine's state.
+        assert engine.run(engine.adapter.released_memory()) == freed
         engine.assert_refuses_inference()
         assert "sleeping" in engine.run(engine.adapter.health()).detail
         engine.run(engine.adapter.resume_memory(freed & {MemoryTag.WEIGHTS}))
@@ -238,6 +240,13 @@ class EngineContract:
         engine.assert_serves(first, 1)
         engine.run(engine.sync(second, 2))
         engine.assert_serves(second, 2)
+
+    def test_an_awake_engine_says_it_released_nothing(self, engine: EngineUnderTest) -> None:
+        """What an agent asks at attach (`released_memory`), so that one restarted while its
+        engine sleeps wakes it in order: an engine that released nothing says so, or that
+        it cannot tell (None), and never names a tag it still holds."""
+        engine.run(engine.sync(engine.weights(1), 1))
+        assert engine.run(engine.adapter.released_memory()) in (frozenset(), None)
 
     def test_calls_out_of_order_are_refused_and_change_nothing(
         self, engine: EngineUnderTest

@@ -136,6 +136,9 @@ class FakeVLLM:
         app.router.add_get("/health", self._health)
         app.router.add_get("/weight_info", self._weight_info)
         app.router.add_get("/is_paused", self._is_paused)
+        # Development mode's sleep routes: this fake never sleeps (no /sleep), so it
+        # answers as an awake vLLM does (`entrypoints/serve/dev/sleep/api_router.py`).
+        app.router.add_get("/is_sleeping", self._is_sleeping)
         app.router.add_post("/pause", self._pause)
         app.router.add_post("/resume", self._resume)
         app.router.add_post("/init_weight_transfer_engine", self._init)
@@ -197,6 +200,9 @@ class FakeVLLM:
 
     async def _is_paused(self, _: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.paused})
+
+    async def _is_sleeping(self, _: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": False})
 
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")

@@ -23,6 +23,7 @@ from tests.integration.stack import (
     STARTUP_TIMEOUT,
     AgentProc,
     Engine,
+    Stack,
     free_port,
     stack,
     wait_warm,
@@ -53,6 +54,24 @@ def assert_refuses_inference(engine: Engine) -> None:
     assert refused.value.code == 503
 
 
+def start_colocated_source(
+    st: Stack, config: ContractConfig, engine: Engine, release: MemoryRelease
+) -> AgentProc:
+    """The trainer's agent, planned as `engine`'s Colocated source releasing `release`."""
+    source = st.start_agent("source-0", role="source", device=config.devices[0])
+    # Not `wait_ready`: it refuses a stack with a dead process (an agent killed before).
+    eventually(source.status, timeout=STARTUP_TIMEOUT, interval=0.2, message="agent up")
+    plan = make_plan(
+        config, 1, 0, ["source-0"], free_port(), mode=SyncMode.COLOCATED, local_engine=engine
+    )
+    assert plan.local_engine is not None
+    local = plan.local_engine.model_copy(update={"memory_release": release})
+    source.put_plan(plan.model_copy(update={"local_engine": local}))
+    wait_warm([source], 1, timeout=30.0)
+    assert source.socket_path is not None
+    return source
+
+
 def device_free(device: str) -> int | None:
     """Free bytes on `device` as the driver counts them (every process's), None on CPU."""
     if not device.startswith("cuda"):
@@ -79,15 +98,8 @@ def run_colocated_release(
         engine = st.start_engine(
             "engine-0", preset=config.preset, seed=0, device=device, kv_cache_bytes=kv_cache_bytes
         )
-        source = st.start_agent("source-0", role="source", device=device)
-        st.wait_ready([source], [engine])
-        plan = make_plan(
-            config, 1, 0, ["source-0"], free_port(), mode=SyncMode.COLOCATED, local_engine=engine
-        )
-        assert plan.local_engine is not None
-        local = plan.local_engine.model_copy(update={"memory_release": release})
-        source.put_plan(plan.model_copy(update={"local_engine": local}))
-        wait_warm([source], 1, timeout=30.0)
+        st.wait_ready([], [engine])
+        source = start_colocated_source(st, config, engine, release)
         trainer = build_model(PRESETS[config.preset], seed=0, device=device)
         model_bytes = sum(p.nbytes for p in trainer.parameters())
         assert source.socket_path is not None
@@ -151,27 +163,7 @@ def run_release_across_agent_restart(workdir: Path, device: str, release: Memory
         )
         st.wait_ready([], [engine])
 
-        def start_source() -> AgentProc:
-            source = st.start_agent("source-0", role="source", device=device)
-            # Not `wait_ready`: it refuses a stack with a dead process (the first agent).
-            eventually(source.status, timeout=STARTUP_TIMEOUT, interval=0.2, message="agent up")
-            plan = make_plan(
-                config,
-                1,
-                0,
-                ["source-0"],
-                free_port(),
-                mode=SyncMode.COLOCATED,
-                local_engine=engine,
-            )
-            assert plan.local_engine is not None
-            local = plan.local_engine.model_copy(update={"memory_release": release})
-            source.put_plan(plan.model_copy(update={"local_engine": local}))
-            wait_warm([source], 1, timeout=30.0)
-            assert source.socket_path is not None
-            return source
-
-        source = start_source()
+        source = start_colocated_source(st, config, engine, release)
         trainer = build_model(PRESETS[config.preset], seed=0, device=device)
         assert source.socket_path is not None
         with Publisher(source.socket_path, timeout=60.0) as publisher:
@@ -182,7 +174,7 @@ def run_release_across_agent_restart(workdir: Path, device: str, release: Memory
         assert engine.health()["released"] == sorted(tags)
         source.proc.kill()  # the sidecar restarts in place; the engine sleeps on
 
-        source = start_source()
+        source = start_colocated_source(st, config, engine, release)
         assert engine.health()["released"] == sorted(tags)  # asking woke nothing
         assert_refuses_inference(engine)
         assert source.socket_path is not None

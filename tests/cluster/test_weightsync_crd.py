@@ -153,16 +153,26 @@ def test_all_examples_apply_together(crd: LocalCluster, namespace: str) -> None:
     )
 
 
+WALKTHROUGHS = {
+    "vllm-tp": ["vllm-tp/gpus.yaml", "vllm-tp/trainer.yaml", "vllm-tp/engine.yaml",
+                "vllm-tp/weightsync.yaml"],
+    "colocated-shared-claim": ["colocated-shared-claim/gpu.yaml",
+                               "colocated-shared-claim/trainer.yaml",
+                               "colocated-shared-claim/engine.yaml", "weightsync-colocated.yaml"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("files", WALKTHROUGHS.values(), ids=WALKTHROUGHS.keys())
 def test_the_walkthrough_manifests_are_accepted_as_they_are(
-    crd: LocalCluster, namespace: str
+    crd: LocalCluster, namespace: str, files: list[str]
 ) -> None:
-    """docs/real-cluster.md's walkthrough: claims, trainer, vLLM engine and WeightSync,
-    each file as the page applies it (a server-side dry run: nothing is scheduled)."""
-    walkthrough = REPO_ROOT / "docs" / "examples" / "vllm-tp"
-    for name in ("gpus.yaml", "trainer.yaml", "engine.yaml", "weightsync.yaml"):
+    """docs/real-cluster.md's walkthrough (claims, trainer, vLLM engine, WeightSync) and
+    the Colocated example of one claim shared by two pods, each file as a user applies it
+    (a server-side dry run: nothing is scheduled)."""
+    for name in files:
         applied = crd.kubectl(
             "apply", "--dry-run=server", "--validate=strict", "-n", namespace,
-            "-f", str(walkthrough / name),
+            "-f", str(REPO_ROOT / "docs" / "examples" / name),
         )  # fmt: skip
         assert "(server dry run)" in applied.stdout, applied.stdout
 

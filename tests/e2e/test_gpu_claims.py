@@ -8,6 +8,9 @@ the agent sidecar, which the webhook gave the same claim. So each pod's two cont
 see the same device, and the two pods different ones. These GPUs have no CUDA behind
 them: the agent, told to use its first GPU (`cuda:0`), finds none and exits saying
 why, which is what it must do wherever its claim did not give it a usable GPU.
+
+Colocated: the trainer pod and the engine pod name one ResourceClaim, which DRA lets
+several pods use, so both pods' containers and the sidecar see the one same device.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ ONE_GPU = {
     ]}}},
 }  # fmt: skip
 
+SHARED_GPU = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceClaim",
+    "metadata": {"name": "shared-gpu"},
+    "spec": {"devices": {"requests": [
+        {"name": "gpu", "exactly": {"deviceClassName": GPU_DRIVER, "count": 1}}
+    ]}},
+}  # fmt: skip
+
 
 def _gpus(cluster: LocalCluster, container_id: str) -> list[str]:
     """The FAKE_GPU_* variables containerd gave a container (its OCI spec, which outlives
@@ -53,10 +65,10 @@ def _gpus(cluster: LocalCluster, container_id: str) -> list[str]:
 
 def _containers(cluster: LocalCluster, pod: dict[str, Any]) -> dict[str, str]:
     """The latest container id of each of `pod`'s containers, by name."""
-    name = pod["metadata"]["name"]
+    meta = pod["metadata"]
     found: dict[str, tuple[int, str]] = {}
-    for c in cluster.node.containers():
-        if c["pod"] == name:
+    for c in cluster.node.containers():  # names repeat across the tests' namespaces
+        if (c["namespace"], c["pod"]) == (meta["namespace"], meta["name"]):
             attempt = int(str(c["attempt"]))
             if attempt >= found.get(str(c["container"]), (-1, ""))[0]:
                 found[str(c["container"])] = (attempt, str(c["id"]))
@@ -101,3 +113,53 @@ def test_each_sidecar_sees_exactly_its_engines_claimed_gpu(
 
     message = eventually(refused_in_status, timeout=PODS_UP, message="the agent's reason")
     assert "cuda:0: not visible in this container, which sees 0 GPU(s)" in message
+
+
+def _name_claim(workload: dict[str, Any], claim: dict[str, str]) -> dict[str, Any]:
+    spec = workload["spec"]["template"]["spec"]
+    spec["resourceClaims"] = [{"name": "gpu", **claim}]
+    spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    return workload
+
+
+def test_a_colocated_trainer_and_engine_share_one_claims_gpu(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """docs/examples/colocated-shared-claim on the real node: one claim, both pods."""
+    shared = {"resourceClaimName": "shared-gpu"}
+    sync = weightsync()
+    sync["spec"]["mode"] = "Colocated"
+    sync["spec"]["trainer"]["sourceRanks"] = [0]
+    apply(
+        cluster, namespace, SHARED_GPU, sync,
+        _name_claim(trainer(), shared), _name_claim(engines(replicas=1), shared),
+    )  # fmt: skip
+
+    def started() -> dict[str, dict[str, str]] | None:
+        ids = {
+            role: _containers(cluster, p)
+            for role in ("trainer", "engine")
+            for p in pods(cluster, namespace, role)
+        }
+        want = {"trainer": {"trainer", names.AGENT_CONTAINER}, "engine": {"engine"}}
+        done = all(want[role] <= set(ids.get(role, {})) for role in want)
+        return ids if done else None
+
+    ids = eventually(started, timeout=PODS_UP, message="both pods' containers started")
+    seen = {
+        f"{role}/{container}": _gpus(cluster, id_)
+        for role, by_name in ids.items()
+        for container, id_ in by_name.items()
+    }
+    gpu = seen["trainer/trainer"]
+    assert len(gpu) == 1, seen  # the claim's one device, not the node's four
+    assert all(devices == gpu for devices in seen.values()), seen  # every container: that one
+    (trainer_pod,) = pods(cluster, namespace, "trainer")
+    agent = next(
+        c for c in trainer_pod["spec"]["initContainers"] if c["name"] == names.AGENT_CONTAINER
+    )
+    assert agent["resources"]["claims"] == [{"name": "gpu"}]  # shared by the webhook
+    claim = json.loads(cluster.kubectl("get", "resourceclaim", "shared-gpu", "-n", namespace,
+                                       "-o", "json").stdout)  # fmt: skip
+    users = sorted(r["name"] for r in claim["status"].get("reservedFor") or [])
+    assert len(users) == 2, users  # one allocation, reserved for both pods

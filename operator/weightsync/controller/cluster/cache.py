@@ -66,6 +66,7 @@ _POD_ANNOTATIONS = (
     names.AGENT_DEVICE_ANNOTATION,
     names.RANKS_PER_POD_ANNOTATION,
     names.AGENT_RANKS_ANNOTATION,
+    names.ENGINE_READINESS_ANNOTATION,
 )
 _POD_CONDITIONS = ("ContainersReady", names.WEIGHTS_CURRENT)
 
@@ -109,8 +110,24 @@ def slim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
                 for c in status.get("conditions") or []
                 if c.get("type") in _POD_CONDITIONS
             ],
+            # Which container is ready, and since when each runs: the gate's check that
+            # a load postdates the engine's start (`readiness.loaded_before_start`), and
+            # an engine container whose readiness its agent answers (`workloads`).
+            "containerStatuses": _slim_containers(status.get("containerStatuses")),
+            "initContainerStatuses": _slim_containers(status.get("initContainerStatuses")),
         },
     }
+
+
+def _slim_containers(statuses: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": c.get("name"),
+            "ready": c.get("ready"),
+            "state": {k: v for k, v in (c.get("state") or {}).items() if k == "running"},
+        }
+        for c in statuses or []
+    ]
 
 
 def pod_key(namespace: str, pod: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -178,7 +178,9 @@ def test_engine_containers_restarted_in_place_are_held_out_until_current(
         version: int = trainer_digest(trainer_ip)["version"]
         return version
 
-    with ReadyWatch(k8s, namespace, "app=engine", ENGINE_PORT, trainer_version) as watcher:
+    with ReadyWatch(
+        k8s, namespace, "app=engine", ENGINE_PORT, trainer_version, container="engine"
+    ) as watcher:
         for kill in range(RESTARTS):
             expected = trainer_digest(trainer_ip)
             victim = rng.choice(ready(cluster, namespace, "engine", 2))
@@ -205,6 +207,10 @@ def test_engine_containers_restarted_in_place_are_held_out_until_current(
     # quick False-True flip: it counts no transitions).
     answered = [(name, v, cur) for name, v, cur in watcher.seen if v is not None]
     assert [entry for entry in answered if entry[1] != entry[2]] == []
+    # The engine container itself (its probe answered by its agent) turned ready only
+    # on the current version: the kubelet cannot make the pod Ready on a cached gate.
+    assert len(watcher.container_seen) >= RESTARTS
+    assert [entry for entry in watcher.container_seen if entry[1] != entry[2]] == []
     assert ("Normal", "Recovered") in events(cluster, namespace)
     no_tracebacks(cluster, operator, namespace)
 

@@ -138,7 +138,9 @@ def agent_token(api: client.ApiClient, namespace: str, secret: str) -> str:
 class ReadyWatch:
     """Watches pods in the background and records every pod seen Ready=True, with the
     engine's version read at that moment and the version it should serve then, from
-    `current()` (no polling: a poll can miss a short Ready)."""
+    `current()` (no polling: a poll can miss a short Ready). `container`: the same for
+    that container's own readiness (`container_seen`, answered reads only), which the
+    kubelet can turn into the pod's Ready on a gate it cached."""
 
     def __init__(
         self,
@@ -147,12 +149,16 @@ class ReadyWatch:
         selector: str,
         port: int,
         current: Callable[[], int | None],
+        *,
+        container: str | None = None,
     ) -> None:
         self.api, self.namespace, self.selector, self.port = api, namespace, selector, port
-        self.current = current
+        self.current, self.container = current, container
         # (pod, engine version, current version) when first seen Ready; None: no answer
         self.seen: list[tuple[str, int | None, int | None]] = []
+        self.container_seen: list[tuple[str, int | None, int | None]] = []
         self._ready: set[str] = set()
+        self._container_ready: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ready-watch")
 
@@ -181,6 +187,8 @@ class ReadyWatch:
 
     def _see(self, pod: dict[str, Any]) -> None:
         name = pod.get("metadata", {}).get("name", "")
+        if self.container is not None:
+            self._see_container(name, pod)
         if condition(pod, "Ready") != "True":
             self._ready.discard(name)
             return
@@ -196,3 +204,19 @@ class ReadyWatch:
         except OSError:
             current = None
         self.seen.append((name, version, current))
+
+    def _see_container(self, name: str, pod: dict[str, Any]) -> None:
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        ready = any(c["name"] == self.container and c.get("ready") for c in statuses)
+        if not ready:
+            self._container_ready.discard(name)
+            return
+        if name in self._container_ready:
+            return
+        self._container_ready.add(name)
+        try:
+            version = engine_digest(pod, self.port)["version"]
+            current = self.current()
+        except OSError:
+            return  # going away, or the trainer busy: nothing to compare
+        self.container_seen.append((name, version, current))

@@ -6,6 +6,8 @@ Routes (messages in `weightsync.api.control`):
 * `GET /v1/status` -> `AgentStatus`; `?with=a,b` adds those of `STATUS_ADDITIONS`
 * `GET /v1/holding` -> `Holding` (the version held for P2P pulls), 404 when none
 * `POST /v1/recover` `RecoverRequest` -> 202 `RecoveryStatus`; pulls in the background
+* `GET /v1/engine/ready` -> 200 or 503 with the reason: the engine container's readiness
+  probe (`agent.engine_ready`), the one route without a token (the kubelet has none)
 Every request may carry the operator's protocol version (`api.protocol.HEADER`; none is
 the oldest): a newer operator's unknown request fields are ignored, and the status leaves
 out the fields the operator's version lacks (`api.protocol`'s skew policy).
@@ -26,6 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from weightsync.agent.engine_ready import engine_ready
 from weightsync.agent.generations import PlanRejectedError
 from weightsync.agent.handoff_server import serve_publisher
 from weightsync.agent.recovery import RecoveryFailed
@@ -36,6 +39,7 @@ from weightsync.api.control import (
     MembershipPlan,
     RecoverRequest,
 )
+from weightsync.api.engine_probe import ENGINE_READY_PATH
 from weightsync.api.protocol import HEADER, PROTOCOL_VERSION, for_peer, parse_from, sender_version
 from weightsync.api.reasons import ErrorCode
 
@@ -61,6 +65,8 @@ class _BadRequestError(Exception):
 async def _auth(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
+    if request.path == ENGINE_READY_PATH:  # the kubelet's probe: ready or not, and why
+        return await handler(request)
     expected = f"Bearer {request.app[AGENT_KEY].settings.bearer_token()}"
     given = request.headers.get("Authorization", "")
     if not hmac.compare_digest(given.encode(), expected.encode()):
@@ -153,6 +159,12 @@ async def post_recover(request: web.Request) -> web.Response:
     return web.Response(status=202, text=started.model_dump_json(), content_type="application/json")
 
 
+async def get_engine_ready(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    ready, why = await engine_ready(agent.watch, agent.settings.engine_probe)
+    return web.Response(status=200 if ready else 503, text=why + "\n")
+
+
 async def get_metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[AGENT_KEY].metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -166,6 +178,7 @@ def make_control_app(agent: Agent) -> web.Application:
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/v1/holding", get_holding)
     app.router.add_post("/v1/recover", post_recover)
+    app.router.add_get(ENGINE_READY_PATH, get_engine_ready)
     return app
 
 

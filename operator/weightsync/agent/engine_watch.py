@@ -12,6 +12,11 @@ An engine loaded by a peer (Colocated: the trainer's agent hands buckets to it) 
 vouched for by what this agent saw happen: a version the engine process reports after
 the one it started with was loaded through the update API, by that peer. The version it
 reports at start is never vouched for.
+
+The same record answers the kubelet's readiness probe of the engine container
+(`readiness`, through `agent.engine_ready`): once this agent has loaded the engine, a
+process it cannot vouch for is not ready, so a restarted engine stays out of its
+Service until a round or a recovery loads it, whatever the pod's gate last said.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 1.0  # how often the engine's health is read
 HEALTH_TIMEOUT_SECONDS = 2.0  # a poll that takes longer counts as unreachable
 STALE_SECONDS = 3.0  # a last poll older than this vouches for nothing
+# A last poll older than this makes the engine container not ready: longer than
+# `STALE_SECONDS`, so a busy agent's late poll does not flap the pod's readiness.
+READY_STALE_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +59,7 @@ class EngineWatch:
         self._restarts_seen: set[str] = set()
         self._loaded_by_peer = loaded_by_peer
         self._started_with: tuple[str | None, int | None] | None = None
+        self._ever_loaded = False  # a version was loaded: start-up weights no longer do
 
     def committed(self, lineage: str, version: int) -> None:
         """A round or a recovery made the attached engine process serve `version`.
@@ -60,6 +69,7 @@ class EngineWatch:
         """
         incarnation = self.adapter.attached_to
         self.loaded = Loaded(incarnation, lineage, version, time.time())
+        self._ever_loaded = True
         # An engine that names no incarnation is vouched for by the version it reports
         # (`vouched`): the commit read it back, so the last poll's older one must not
         # close the pod's gate until the next poll.
@@ -104,6 +114,7 @@ class EngineWatch:
             return
         if health.version is not None and health.version != started[1] and not health.torn:
             self.loaded = Loaded(health.incarnation, "", health.version, time.time())
+            self._ever_loaded = True
 
     async def run_forever(self) -> None:
         while True:
@@ -112,10 +123,13 @@ class EngineWatch:
 
     def vouched(self) -> Loaded | None:
         """The version the engine serves, if this agent can vouch for it now."""
+        if time.monotonic() - self.checked_at > STALE_SECONDS:
+            return None
+        return self._vouchable()
+
+    def _vouchable(self) -> Loaded | None:
         health, loaded = self.health, self.loaded
         if health is None or loaded is None:
-            return None
-        if time.monotonic() - self.checked_at > STALE_SECONDS:
             return None
         if not health.healthy or health.torn or health.incarnation != loaded.incarnation:
             return None
@@ -126,6 +140,25 @@ class EngineWatch:
         if health.version != loaded.version:
             return None
         return loaded
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the engine container is ready, and why: healthy at a recent poll and,
+        once this agent has loaded it, serving what was loaded into this very process.
+        Before the first load the engine is ready on its start-up weights (the pod's gate
+        keeps it out of traffic: it must be ready to be planned into its first round)."""
+        health = self.health
+        if health is None:
+            return False, "the engine has not answered its agent yet"
+        age = time.monotonic() - self.checked_at
+        if age > READY_STALE_SECONDS:
+            return False, f"the engine's last answer to its agent is {age:.0f} s old"
+        if not health.healthy:
+            return False, f"the engine is not healthy: {health.detail or 'no detail'}"
+        if health.torn:
+            return False, "an aborted update left the engine inconsistent"
+        if self._ever_loaded and self._vouchable() is None:
+            return False, "restarted or half-updated: behind until a round or a recovery loads it"
+        return True, "healthy, serving what its agent loaded (or its start-up weights)"
 
     def status(self) -> EngineStatus:
         health = self.health

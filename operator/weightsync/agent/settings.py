@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from weightsync.api import agent_env
+from weightsync.api.engine_probe import EngineProbe
 from weightsync.api.engines import EngineOptions
 from weightsync.api.v1alpha1 import Engine, Role
 from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
@@ -46,6 +47,9 @@ class AgentSettings(BaseModel):
     engine_options: EngineOptions | None = None  # JSON: the entry's pauseMode, flushCache
     # Colocated inference pods: the trainer's agent loads this engine, not this agent.
     engine_loaded_by_peer: bool = False
+    # JSON: the engine container's own readiness check, repeated when this agent answers
+    # the engine's probe (`agent.engine_ready`); unset: the engine's health alone.
+    engine_probe: EngineProbe | None = None
     # A sink's filtering front: the port it serves the engine's clients on; 0: none.
     front_port: int = Field(default=0, ge=0, le=65535)
     log_level: str = "INFO"
@@ -71,6 +75,11 @@ class AgentSettings(BaseModel):
     @classmethod
     def _parse_options(cls, value: object) -> object:
         return EngineOptions.model_validate_json(value) if isinstance(value, str) else value
+
+    @field_validator("engine_probe", mode="before")
+    @classmethod
+    def _parse_probe(cls, value: object) -> object:
+        return EngineProbe.model_validate_json(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> AgentSettings:

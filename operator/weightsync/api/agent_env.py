@@ -47,6 +47,9 @@ ENGINE_LOADED_BY_PEER: Final = env_name("engine_loaded_by_peer")
 # A sink's filtering front (`spec.inference[].front.port`): where the agent serves the
 # engine's clients; ENGINE_URL is then the engine on the pod's loopback.
 FRONT_PORT: Final = env_name("front_port")
+# JSON: the engine container's own readiness check (`api.engine_probe.EngineProbe`),
+# which the agent repeats when it answers the engine's probe in its place.
+ENGINE_PROBE: Final = env_name("engine_probe")
 # Trainer pods of several ranks: the local ranks the sidecar serves ("0,1"), one agent
 # process each (local rank i: device cuda:i, ports HTTP_PORT + i and METRICS_PORT + i).
 LOCAL_RANKS: Final = env_name("local_ranks")
@@ -77,5 +80,6 @@ SETTINGS: Final = (
     ENGINE_OPTIONS,
     ENGINE_LOADED_BY_PEER,
     FRONT_PORT,
+    ENGINE_PROBE,
     LOCAL_RANKS,
 )

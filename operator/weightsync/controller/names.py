@@ -31,6 +31,9 @@ INJECTED_CONTAINERS_ANNOTATION: Final = f"{GROUP}/injected-into"  # workload con
 # Trainer pods: the ranks the pod runs, and the local ranks its sidecar serves ("0,1").
 RANKS_PER_POD_ANNOTATION: Final = f"{GROUP}/ranks-per-pod"
 AGENT_RANKS_ANNOTATION: Final = f"{GROUP}/agent-local-ranks"
+# Inference pods: the engine container whose readiness probe its agent answers (engine
+# health and weights together: `agent.engine_ready`).
+ENGINE_READINESS_ANNOTATION: Final = f"{GROUP}/engine-readiness-by-agent"
 
 # The pod readiness gate on inference pods: True only while the pod serves the
 # WeightSync's current version.

@@ -1,4 +1,4 @@
-"""What an agent vouches its engine serves, for engines that name no incarnation."""
+"""What an agent vouches its engine serves, and the engine container's readiness it answers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from collections.abc import Sequence
 from typing import Self
 
 import torch
+from aiohttp import web
 
+from tests.integration.stack import free_port
+from weightsync.agent.engine_ready import engine_ready
 from weightsync.agent.engine_watch import EngineWatch
+from weightsync.api.engine_probe import EngineProbe
 from weightsync.api.engines import EngineOptions
 from weightsync.engines.base import EngineAdapter, EngineHealth
 from weightsync.transfer.layout import TensorSlice
@@ -91,3 +95,90 @@ def test_the_status_says_when_the_vouched_version_was_loaded() -> None:
     adapter.reply = EngineHealth(True, None)  # restarted: nothing vouched, no load time
     asyncio.run(watch.poll())
     assert watch.status().loaded_unix is None
+
+
+def test_the_engine_container_is_ready_on_start_up_weights_and_then_only_with_ours() -> None:
+    """The kubelet asks the agent (`engine_ready`): before the first load the engine is
+    ready when healthy (the gate keeps it out of traffic, and it must be ready to be
+    planned); once loaded, a restarted process is not ready until loaded again."""
+    adapter = Says()
+    watch = EngineWatch(adapter)
+    assert watch.readiness() == (False, "the engine has not answered its agent yet")
+    adapter.reply = EngineHealth(False, None, detail="connection refused")
+    asyncio.run(watch.poll())
+    assert watch.readiness() == (False, "the engine is not healthy: connection refused")
+    adapter.reply = EngineHealth(True, None)  # up, on its start-up weights
+    asyncio.run(watch.poll())
+    assert watch.readiness()[0]
+
+    watch.committed("lineage-a", 2)
+    adapter.reply = EngineHealth(True, 2)
+    asyncio.run(watch.poll())
+    assert watch.readiness()[0]
+    adapter.reply = EngineHealth(True, None)  # restarted in place: start-up weights again
+    asyncio.run(watch.poll())
+    ready, why = watch.readiness()
+    assert not ready
+    assert why.startswith("restarted or half-updated")
+    adapter.reply = EngineHealth(True, 2, torn=True)
+    asyncio.run(watch.poll())
+    assert watch.readiness() == (False, "an aborted update left the engine inconsistent")
+    watch.committed("lineage-a", 3)  # a recovery loaded it
+    assert watch.readiness()[0]
+    watch.checked_at -= 11.0  # an agent that stopped polling vouches for nothing
+    assert not watch.readiness()[0]
+
+
+def test_an_engine_with_an_incarnation_restarted_at_the_same_version_is_not_ready() -> None:
+    class Named(Says):
+        @property
+        def attached_to(self) -> str | None:
+            return "process-1"  # the reference engine names its process
+
+    adapter = Named()
+    watch = EngineWatch(adapter)
+    watch.committed("lineage-a", 5)
+    adapter.reply = EngineHealth(True, 5, incarnation="process-1")
+    asyncio.run(watch.poll())
+    assert watch.readiness()[0]
+    adapter.reply = EngineHealth(True, 5, incarnation="process-2")  # same label, new process
+    asyncio.run(watch.poll())
+    assert not watch.readiness()[0]
+
+
+def test_the_users_own_check_is_repeated_and_counts() -> None:
+    """`engine_ready` repeats the probe the webhook replaced: an engine its agent finds
+    healthy but whose own check fails is not ready, and the answer says why."""
+
+    async def run() -> None:
+        answer = {"status": 200}
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(status=answer["status"])
+
+        app = web.Application()
+        app.router.add_get("/ready", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            adapter = Says()
+            watch = EngineWatch(adapter)
+            await watch.poll()
+            http = EngineProbe(kind="http", port=port, path="/ready")
+            assert (await engine_ready(watch, http))[0]
+            answer["status"] = 503
+            assert await engine_ready(watch, http) == (
+                False, "the engine's own readiness check failed: GET /ready answered 503"
+            )  # fmt: skip
+            assert (await engine_ready(watch, EngineProbe(kind="tcp", port=port)))[0]
+            await runner.cleanup()
+            ready, why = await engine_ready(watch, EngineProbe(kind="tcp", port=port))
+            assert not ready
+            assert "ConnectionRefusedError" in why
+            assert await engine_ready(None, None) == (False, "this agent watches no engine")
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())

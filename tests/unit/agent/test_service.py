@@ -181,3 +181,15 @@ def test_a_sink_refuses_a_pull_over_a_protocol_it_cannot_use(
             await agent.close()
 
     asyncio.run(run())
+
+
+def test_the_engine_readiness_probe_needs_no_token_and_says_why(tmp_path: Path) -> None:
+    """The kubelet sends no token: the one open route answers only ready or not, and why."""
+
+    async def body(agent: Agent, client: TestClient) -> None:
+        response = await client.get("/v1/engine/ready")
+        assert response.status == 503  # a source watches no engine
+        assert await response.text() == "this agent watches no engine\n"
+        assert (await client.get("/v1/status")).status == 401
+
+    with_agent(tmp_path, body)

@@ -25,7 +25,9 @@ What a selected pod gets:
   and the engine maps them by name (one /dev/shm for the pod), and NCCL keeps its host
   buffers there; a container's own /dev/shm is 64 MiB;
 * on inference pods with `spec.readinessGate.enabled`, the readiness gate
-  `weightsync.io/weights-current`;
+  `weightsync.io/weights-current`, and the engine container's readiness probe answered
+  by its agent (`engine_probe`: ready only with what the agent loaded into it; annotation
+  `weightsync.io/engine-readiness-by-agent`);
 * on inference pods, the engine's default flags and environment
   (`weightsync.api.engines.INJECTIONS`) on the engine container, which is the pod's
   first container (the sidecar is an init container; put the engine first in a pod with
@@ -69,6 +71,7 @@ from weightsync.api.engines import INJECTIONS
 from weightsync.api.v1alpha1 import Role, SyncMode, WeightSync
 from weightsync.api.v1alpha1.colocated import MemoryRelease
 from weightsync.controller import names
+from weightsync.controller.admission.engine_probe import rewrite
 from weightsync.controller.admission.engine_sleep import release_args
 from weightsync.controller.admission.gpu_access import gpu_access
 from weightsync.controller.admission.patches import JsonPatch, add_to_map, append_to
@@ -250,6 +253,8 @@ def injection_patch(
     access = gpu_access(pod, sync.spec.agent.claims)  # raises GpusNotShareableError
     colocated = sync.spec.mode is SyncMode.COLOCATED
     containers = spec.get("containers") or []
+    gated = role is Role.SINK and sync.spec.readiness_gate.enabled
+    probe = rewrite(containers[0], template.http_port) if gated and containers else None
     ops: JsonPatch = []
     if "metadata" not in pod:
         ops.append({"op": "add", "path": "/metadata", "value": {}})
@@ -269,6 +274,7 @@ def injection_patch(
             names.AGENT_DEVICE_ANNOTATION: access.device,
             names.INJECTED_CONTAINERS_ANNOTATION: ",".join(c["name"] for c in containers),
             **(served.annotations() if served is not None else {}),
+            **({names.ENGINE_READINESS_ANNOTATION: containers[0]["name"]} if probe else {}),
         },
     )
     shm = not colocated and not spec.get("hostIPC") and not _mounts_shm(pod)
@@ -283,6 +289,10 @@ def injection_patch(
         served=served,
         claims=access.claims,
     )
+    if probe is not None and probe.repeated is not None:
+        agent["env"].append(
+            {"name": agent_env.ENGINE_PROBE, "value": probe.repeated.model_dump_json()}
+        )
     append_to(ops, spec, "/spec/initContainers", [agent])
     several = served is not None and served.per_pod > 1
     socket = agent_env.SOCKET_TEMPLATE if several else agent_env.SOCKET_PATH
@@ -293,7 +303,9 @@ def injection_patch(
         colocated_spec = sync.spec.colocated
         release = colocated_spec.memory_release if colocated_spec else MemoryRelease.NONE
         engine_defaults_ops(ops, containers[0], engine, release=release)
-    if role is Role.SINK and sync.spec.readiness_gate.enabled:
+    if probe is not None:  # the engine is ready only with what its agent loaded
+        ops.append({"op": "add", "path": "/spec/containers/0/readinessProbe", "value": probe.probe})
+    if gated:
         gates = [g.get("conditionType") for g in spec.get("readinessGates") or []]
         if names.WEIGHTS_CURRENT not in gates:
             append_to(ops, spec, "/spec/readinessGates", [{"conditionType": names.WEIGHTS_CURRENT}])

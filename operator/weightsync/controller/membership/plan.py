@@ -79,6 +79,18 @@ class Desired:
         return not self.waiting_for
 
 
+def answering(pods: Sequence[PodView], statuses: Mapping[str, AgentStatus]) -> frozenset[str]:
+    """The pods whose agents answered, less those whose engine container is not ready
+    for lack of health (`PodView.engine_unready` with an unhealthy engine): one only
+    behind takes part, since a round or a recovery is what brings it current."""
+    unready = {p.name for p in pods if p.engine_unready}
+    return frozenset(
+        name
+        for name, status in statuses.items()
+        if name not in unready or (status.engine is not None and status.engine.healthy)
+    )
+
+
 def desired_members(
     spec: WeightSyncSpec,
     pods: Sequence[PodView],

@@ -45,6 +45,9 @@ class PodView:
     node: str | None
     running: bool
     terminating: bool
+    # Every container ready, but for an engine container whose readiness its agent
+    # answers (`engine_unready`): that one running is enough to take part, since a round
+    # or a recovery is what makes it ready again.
     containers_ready: bool
     has_agent: bool
     agent_port: int | None
@@ -57,6 +60,9 @@ class PodView:
     labelled: bool  # carries weightsync.io/inject=true, i.e. opted in to injection
     finished: bool = False  # phase Failed or Succeeded: it will never take part again
     workload_started: datetime | None = None  # its containers' (not the agent's) last start
+    # Not ready only by its engine's probe, which the agent answers: behind or unhealthy,
+    # as the agent's status says (`admission.engine_probe`).
+    engine_unready: bool = False
     pod: str = ""  # the pod's name ("": the member's name is the pod's)
     rank: int | None = None  # trainer pods: the global trainer rank this member publishes
     ranks_per_pod: int = 1  # trainer pods: ranks the pod runs
@@ -187,6 +193,10 @@ def _pod_view(
     port = annotations.get(names.AGENT_PORT_ANNOTATION)
     gate = _condition(pod, names.WEIGHTS_CURRENT)
     ready = _condition(pod, "ContainersReady")
+    all_ready = ready is not None and ready.get("status") == "True"
+    engine_unready = not all_ready and _only_engine_unready(
+        annotations.get(names.ENGINE_READINESS_ANNOTATION), status
+    )
     return PodView(
         name=meta["name"],
         uid=meta["uid"],
@@ -198,7 +208,7 @@ def _pod_view(
         node=spec.get("nodeName") or None,
         running=status.get("phase") == "Running",
         terminating=bool(meta.get("deletionTimestamp")),
-        containers_ready=ready is not None and ready.get("status") == "True",
+        containers_ready=all_ready or engine_unready,
         has_agent=has_agent(pod),
         agent_port=int(port) if port and str(port).isdigit() else None,
         device=str(annotations.get(names.AGENT_DEVICE_ANNOTATION) or "cpu"),
@@ -213,6 +223,27 @@ def _pod_view(
         labelled=(meta.get("labels") or {}).get(names.INJECT_LABEL) == names.INJECT_VALUE,
         finished=status.get("phase") in ("Failed", "Succeeded"),
         workload_started=_workload_started(status),
+        engine_unready=engine_unready,
+    )
+
+
+def _only_engine_unready(engine: str | None, status: Obj) -> bool:
+    """Whether `engine` (the container whose probe the agent answers) is the one
+    container not ready, and it runs."""
+    if not engine:
+        return False
+    agent = [
+        c
+        for c in status.get("initContainerStatuses") or []
+        if c.get("name") == names.AGENT_CONTAINER
+    ]
+    containers = [*agent, *(status.get("containerStatuses") or [])]
+    unready = [c for c in containers if not c.get("ready")]
+    return (
+        len(agent) == 1
+        and len(unready) == 1
+        and unready[0].get("name") == engine
+        and "running" in (unready[0].get("state") or {})
     )
 
 

@@ -23,6 +23,7 @@ from weightsync.controller.cluster.pod_actions import uninjected
 from weightsync.controller.membership.plan import (
     Desired,
     Slot,
+    answering,
     desired_members,
     forming,
     intact,
@@ -139,7 +140,7 @@ def _group(seen: Observed, sync: WeightSync, soft: SoftState) -> Group:
     source_status = statuses.get(planned_source) if planned_source else None
     planned_engine = source_status.local_engine if source_status else None
     desired = desired_members(
-        spec, pods, statuses.keys(), previous, sources=seen.sources,
+        spec, pods, answering(pods, statuses), previous, sources=seen.sources,
         excluded=excluded, previous_engine=planned_engine, unknown=unknown,
     )  # fmt: skip
     # Newcomers, since when: they may wait a while for more pods (`newcomers_wait`).

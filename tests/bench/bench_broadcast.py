@@ -64,6 +64,9 @@ from weightsync.transfer.buffers import torch_dtype
 
 ENGINE_ARGS = ["--dtype", "bfloat16", "--no-init"]
 AGENT_ENV = {"WEIGHTSYNC_HOLDER": "false"}  # see the module doc
+# `--holder-ab`: the agents' switch, for measuring only, that lets the held copy queue
+# device-to-host copies while a round votes (`agent.host_copies.VoteGate`).
+THROUGH_VOTES = "WEIGHTSYNC_MEASURE_HOLDER_COPIES_THROUGH_VOTES"
 WARMUP_ROUNDS = 2  # per configuration: new slots, staging arenas, and their mappings
 PINNING_PROBE_ROUNDS = 5  # with a holder: rounds timed right after attach, while it pins
 PINNING_SECONDS = 300  # at most, for a holding source's buffers after attach
@@ -433,13 +436,25 @@ def holder_rows(
         return []
     held, _ = run_weightsync(args, setup, state, colocated=False, agent_env={})
     print_breakdowns("source holding", held)
+    if args.holder_ab:  # the same rounds with the held copy queueing through the votes
+        through, _ = run_weightsync(
+            args, setup, state, colocated=False, agent_env={THROUGH_VOTES: "true"}
+        )
+        for config in through:
+            config.label += ", measuring only: held copy through the votes"
+        print_breakdowns("source holding, held copy through the votes", through)
+        held += through
     rows = []
     for config in held:
         walls = [round(r.seconds, 4) for r in config.records]
         print(
             f"holding {config.label}: publish {walls}, engines serve {config.served},"
-            f" fence {[round(f, 4) for f in config.fences]}, first {config.first:.4f}"
+            f" fence {[round(f, 4) for f in config.fences]}, first {config.first:.4f},"
+            f" source votes ms {[source_votes_ms(r) for r in config.records]}"
         )
+        slowest = max(config.records, key=lambda r: r.seconds)
+        for line in breakdown(f"source holding, slowest round, {config.label}", slowest):
+            print(line)
         rows += [
             Row(f"source holding, publish() returns, {config.label}", config.median,
                 nbytes, floor),
@@ -456,6 +471,14 @@ def holder_rows(
                 config.median),
         ]  # fmt: skip
     return rows
+
+
+def source_votes_ms(record: RoundRecord) -> float | None:
+    """The source's two votes in one round (host time, ms): what the held copy's
+    device-to-host queue used to stretch (issue #40)."""
+    spans = (record.source or {}).get("spans", {})
+    votes = [spans[name][1] for name in ("vote_transfer", "vote_commit") if name in spans]
+    return round(sum(votes), 2) if votes else None
 
 
 def run_naive(args: argparse.Namespace) -> float:
@@ -552,6 +575,12 @@ def main() -> None:
         "--holder",
         action="store_true",
         help="also run with the source agent holding for P2P recovery (needs Mooncake)",
+    )
+    parser.add_argument(
+        "--holder-ab",
+        action="store_true",
+        help="with --holder: the holding rounds again, the held copy not paused for the"
+        " votes (measuring only)",
     )
     parser.add_argument("--preset", default="llama3-8b", choices=["llama3-8b", "qwen3-30b-a3b"])
     parser.add_argument("--layers", type=int, default=None, help="only the first N layers")

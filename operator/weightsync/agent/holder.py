@@ -49,7 +49,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.agent.host_copies import SideStream, checksum_after, copy_groups, within_slices
+from weightsync.agent.host_copies import (
+    CopyQueue,
+    SideStream,
+    VoteGate,
+    checksum_after,
+    copy_groups,
+    within_slices,
+)
 from weightsync.agent.host_memory import PinGate, PinnedBuffer, PinningError
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.control import Holding
@@ -94,6 +101,7 @@ class Holder:
         metrics: AgentMetrics,
         *,
         enabled: bool,
+        yield_to_votes: bool = True,
     ) -> None:
         self.device = device
         self.protocol = protocol
@@ -111,6 +119,7 @@ class Holder:
         self._pinned: dict[int, PinnedBuffer] = {}  # GPU agents' buffers, by address
         self._in_flight: deque[torch.cuda.Event] = deque()
         self._copies = SideStream()
+        self.votes = VoteGate(enabled=yield_to_votes)  # closed by a round while it votes
         self.pinning = PinGate()  # closed by the rounds (`RoundBook`): pinning waits for them
         self._checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holder-crc")
 
@@ -186,10 +195,9 @@ class Holder:
         (PCIe-bound, about 6x the NVLink broadcast of the same bytes) then run on a side
         stream beside the broadcast instead of holding each slot until its bucket is out,
         so the engines get the version at the broadcast's pace. At most
-        `_HOLD_QUEUE_BYTES` are queued at a time: the GPU's copy engine takes
-        device-to-host copies in order, and the round's own small reads (the votes'
-        flags) must not wait behind the whole model. The caller keeps the tensors
-        unwritten until this returns. Never raises, as `stage`.
+        `_HOLD_QUEUE_BYTES` are queued at a time, and none while the round votes
+        (`VoteGate`): the votes' flags are read device-to-host too. The caller keeps the
+        tensors unwritten until this returns. Never raises, as `stage`.
         """
         if not self._enabled:
             return
@@ -197,14 +205,14 @@ class Holder:
             staging = await self._begin(version, layout)
             if staging is None:
                 return
-            queued: deque[tuple[torch.cuda.Event, int]] = deque()
-            in_flight = 0  # bytes of `queued`
+            queue = CopyQueue(self._copies, self.votes, _HOLD_QUEUE_BYTES)
             for bucket in layout.buckets:
                 at = staging.offsets[bucket.index]
                 region = staging.buffer[at : at + bucket.nbytes]
                 targets = slot_views(region, bucket.tensors)
                 sources = [tensors[t.name] for t in bucket.tensors]
                 if not (sources and sources[0].is_cuda):
+                    await self.votes.passed()
                     await asyncio.to_thread(copy_tensors, targets, sources)
                     staging.checksums[bucket.index] = self._checksummer.submit(
                         held_checksum, region, bucket
@@ -214,20 +222,13 @@ class Holder:
                 pieces = self._within_slices(staging, zip(targets, sources, strict=True))
                 pairs = list(zip(*pieces, strict=True)) if pieces else [(), ()]
                 for group in copy_groups(pairs[0], pairs[1], _HOLD_QUEUE_BYTES // 2):
-                    done = await asyncio.to_thread(self._copies.queue, group)
-                    queued.append((done, sum(t.nbytes for t, _ in group)))
-                    in_flight += queued[-1][1]
-                    while in_flight > _HOLD_QUEUE_BYTES:
-                        event, nbytes = queued.popleft()
-                        await asyncio.to_thread(event.synchronize)
-                        in_flight -= nbytes
+                    done = await queue.put(group)
                 staging.checksums[bucket.index] = (
                     self._checksummer.submit(checksum_after, done, region, bucket)
                     if done is not None
                     else self._checksummer.submit(held_checksum, region, bucket)  # no bytes
                 )
-            if queued:
-                await asyncio.to_thread(queued[-1][0].synchronize)
+            await queue.drain()
         except (P2PError, RuntimeError, MemoryError, OSError, KeyError) as exc:
             log.warning("holder: staging version %d from its tensors failed: %s", version, exc)
             self._staging_failed = True

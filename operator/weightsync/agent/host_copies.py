@@ -4,12 +4,17 @@ Two shapes: a slot's bytes right after its bucket went out (`after_current`: ord
 after the current stream's work, and the current stream waits for the copy before it
 writes the slot again), and the Publisher's own tensors in bounded groups
 (`copy_groups` + `queue`: the copy engine takes device-to-host copies in order, so a
-round's small reads must not queue behind the whole model).
+round's small reads must not queue behind the whole model), paused while the round votes
+(`VoteGate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 
@@ -17,6 +22,88 @@ from weightsync.transfer.held import held_checksum
 from weightsync.transfer.layout import Bucket
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (host target, device source)
+
+
+class VoteGate:
+    """Closed by a round across its fail-together votes; the holder's copy of the
+    Publisher's tensors waits at it before queueing more (event-loop side only).
+
+    Why: each vote reads its agreed flag back with a small device-to-host copy, and the
+    held copy keeps the same direction of the copy engine busy for hundreds of ms, its
+    queue refilled as it drains. Read behind that queue, a vote took up to ~25 ms (issue
+    #40: 8B on H200s, bimodal rounds). Closed, the queue runs dry (at most
+    `_HOLD_QUEUE_BYTES` plus a group, ~2 ms of PCIe) while the sinks reach the vote, and
+    the flag is read on an idle engine; the copy resumes once the round's votes are over.
+    The held copy is only paused, never cut short: fences and checksums are unchanged.
+    """
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled  # off: for measuring only (the benchmark's A/B)
+        self._voting = 0  # rounds (nested holds) voting now
+        self._open = asyncio.Event()
+        self._open.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._voting > 0
+
+    @contextlib.contextmanager
+    def voting(self) -> Iterator[None]:
+        """Held by a round from just before its first vote to the end of its last."""
+        if not self.enabled:
+            yield
+            return
+        self._voting += 1
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._voting -= 1
+            if self._voting == 0:
+                self._open.set()
+
+    async def passed(self) -> None:
+        """Return once no round is voting (at once when none is)."""
+        while self._voting:
+            await self._open.wait()
+
+
+class CopyStream(Protocol):
+    def queue(self, group: Pairs) -> torch.cuda.Event: ...
+
+
+class CopyQueue:
+    """Groups of copies queued on `stream`, at most about `limit` bytes at a time, and
+    none while a round votes (`gate`): the queue stays short enough that a vote's flag
+    read waits for little, and runs dry while the round votes."""
+
+    def __init__(self, stream: CopyStream, gate: VoteGate, limit: int) -> None:
+        self._stream = stream
+        self._gate = gate
+        self._limit = limit
+        self._queued: deque[tuple[torch.cuda.Event, int]] = deque()
+        self._bytes = 0  # of `_queued`
+
+    async def put(self, group: Pairs) -> torch.cuda.Event:
+        """Queue `group` once no round votes; its done event. Returns once at most
+        `limit` bytes are queued."""
+        await self._gate.passed()
+        done = await asyncio.to_thread(self._stream.queue, group)
+        nbytes = sum(target.nbytes for target, _ in group)
+        self._queued.append((done, nbytes))
+        self._bytes += nbytes
+        while self._bytes > self._limit:
+            event, nbytes = self._queued.popleft()
+            await asyncio.to_thread(event.synchronize)
+            self._bytes -= nbytes
+        return done
+
+    async def drain(self) -> None:
+        """Return once every queued copy is done."""
+        if self._queued:
+            await asyncio.to_thread(self._queued[-1][0].synchronize)
+        self._queued.clear()
+        self._bytes = 0
 
 
 class SideStream:

@@ -98,6 +98,7 @@ class Agent:
             self.transport.protocol,
             self.metrics,
             enabled=self._holds(plan_asks=False),
+            yield_to_votes=not settings.measure_holder_copies_through_votes,
         )
         self.book = RoundBook(self.holder, self.metrics, self.watch)
         self.recovery: Recovery | None = None

@@ -56,6 +56,9 @@ class AgentSettings(BaseModel):
     # P2P recovery. `holder`: keep the latest committed version in host memory for pulls;
     # unset, the source holds and sinks hold only when their plan says so.
     holder: bool | None = None
+    # For measuring only (the benchmark's A/B of issue #40): the holder's copy of the
+    # Publisher's tensors keeps queueing while a round votes (`host_copies.VoteGate`).
+    measure_holder_copies_through_votes: bool = False
     p2p_host: str | None = None  # the Mooncake segment's host; defaults to `http_host`
     # What holders serve and pulls use: Auto is resolved at start (`transfer.p2p_protocol`).
     p2p_protocol: RecoveryProtocol = RecoveryProtocol.AUTO

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Protocol
 
@@ -196,6 +197,13 @@ class SourceRound(RankRound):
         self.trace.add(phase, started)
         self.trace.gpu_mark("sent")
 
+    def _votes_ahead(self) -> AbstractContextManager[None]:
+        """The holder's copy of the Publisher's tensors pauses while the round votes: the
+        votes' flag reads must not queue behind it on the copy engine (`VoteGate`)."""
+        if self.hold is None or self.holder is None:
+            return nullcontext()
+        return self.holder.votes.voting()
+
     async def _commit_local(self) -> None:
         engine, lane = self.local_engine, self.lane
         if engine is None or lane is None:
@@ -231,15 +239,16 @@ class SourceRound(RankRound):
             if self.checksum and self.me.rank == 0:
                 payload = json.dumps(checksums)
                 await self.group.run(lambda: self.group.ctl.set(checksum_key(self.seq), payload))
-            if await self._vote(int(self._round_error() is not None), "vote_transfer"):
-                raise self._round_error() or RoundFailed(
-                    FailureReason.PEER_ERROR, "a sink failed the round", Stage.TRANSFER
-                )
-            await self._commit_local()
-            if await self._vote(int(self._round_error() is not None), "vote_commit"):
-                raise self._round_error() or RoundFailed(
-                    FailureReason.COMMIT_FAILED, "a sink's engine did not commit", Stage.COMMIT
-                )
+            with self._votes_ahead():
+                if await self._vote(int(self._round_error() is not None), "vote_transfer"):
+                    raise self._round_error() or RoundFailed(
+                        FailureReason.PEER_ERROR, "a sink failed the round", Stage.TRANSFER
+                    )
+                await self._commit_local()
+                if await self._vote(int(self._round_error() is not None), "vote_commit"):
+                    raise self._round_error() or RoundFailed(
+                        FailureReason.COMMIT_FAILED, "a sink's engine did not commit", Stage.COMMIT
+                    )
         except (TransferError, dist.DistError) as exc:
             # This rank's own failure (its engine's), if it had one, is what it reports.
             failure = self._round_error() or self._transfer_failure(exc)

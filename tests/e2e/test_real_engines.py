@@ -166,7 +166,8 @@ def sglang_serves(address: str, expected: dict[str, Any], tokens: list[int]) -> 
         "input_ids": PROMPT,
         "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
     })  # fmt: skip
-    assert reply["output_ids"] == tokens
+    # Seen once (2026-11-28): 5 of 8 tokens; the meta shows how SGLang ended the request.
+    assert reply["output_ids"] == tokens, reply["meta_info"]
     assert reply["meta_info"]["weight_version"] == str(expected["version"])
 
 

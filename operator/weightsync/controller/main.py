@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -247,7 +248,11 @@ async def run_replicated(
         held.cancel()
         await elector.release()
         leading_task.result()  # a leading operator that failed fails the process
-    acquired.cancel()
+    else:  # stopped while standing by: a Lease taken at that moment goes back at once
+        acquired.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acquired
+        await elector.release()
     stop_task.cancel()
     serving_stop.set()
     await serving_task

@@ -5,6 +5,9 @@ leading one owns, and each operator's end must wait for its own tasks only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 from typing import Any, cast
 
 import kopf
@@ -106,3 +109,103 @@ def test_tasks_belong_to_the_operator_whose_context_created_them() -> None:
     assert found["leading"] == ("leading", "leading")
     assert found["serving ignores"] == (False, True)
     assert found["outside"] is None
+
+
+class FakeElector:
+    """Leads when `lead` is set, loses when `lose` is; records the order of events."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.lead, self.lose = asyncio.Event(), asyncio.Event()
+        self.leading = False
+        self.lost_because = "test"
+
+    async def acquire(self) -> None:
+        await self.lead.wait()
+        self.leading = True
+        self.log.append("acquired")
+
+    async def hold(self) -> None:
+        await self.lose.wait()
+        self.leading = False
+
+    async def release(self) -> None:
+        self.log.append(f"released (leading={self.leading})")
+        self.leading = False
+
+
+class ExitedError(Exception):
+    """What `_exit_lost` (os._exit in production) raises here."""
+
+
+def replicated(monkeypatch: Any, script: Any) -> list[str]:
+    """Run `main.run_replicated` with kopf operators that only record their start and
+    stop, and `script(elector, log)` driving it; the events in order."""
+    from weightsync.controller import main
+
+    log: list[str] = []
+
+    async def fake_operator(name: str, *, stop_flag: asyncio.Event, **_: Any) -> None:
+        log.append(f"{name} started")
+        await stop_flag.wait()
+        await asyncio.sleep(0.05)  # kopf's own stopping takes a moment
+        log.append(f"{name} stopped")
+
+    def exit_lost(elector: Any) -> None:
+        log.append("exit")
+        raise ExitedError
+
+    monkeypatch.setattr(main.operators, "run_operator", fake_operator)
+    monkeypatch.setattr(main.operators, "track_owners", lambda loop: None)
+    monkeypatch.setattr(main, "_exit_lost", exit_lost)
+
+    async def scenario() -> None:
+        elector = FakeElector(log)
+        run = asyncio.create_task(
+            main.run_replicated(elector, None, None, namespaces=["ns"], liveness=None)  # type: ignore[arg-type]
+        )
+        await script(elector, log, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        await run
+
+    with contextlib.suppress(ExitedError):
+        asyncio.run(scenario())
+    return log
+
+
+def test_sigterm_stops_the_leader_first_then_releases_then_stops_serving(
+    monkeypatch: Any,
+) -> None:
+    async def script(elector: FakeElector, log: list[str], sigterm: Any) -> None:
+        await asyncio.sleep(0.05)
+        assert log == ["serving started"]  # standing by: admission only
+        elector.lead.set()
+        await asyncio.sleep(0.05)
+        sigterm()
+
+    assert replicated(monkeypatch, script) == [
+        "serving started",
+        "acquired",
+        "leading started",
+        "leading stopped",
+        "released (leading=True)",
+        "serving stopped",
+    ]
+
+
+def test_a_lost_lease_ends_the_process_without_stopping_anything(monkeypatch: Any) -> None:
+    async def script(elector: FakeElector, log: list[str], sigterm: Any) -> None:
+        elector.lead.set()
+        await asyncio.sleep(0.05)
+        elector.lose.set()
+
+    log = replicated(monkeypatch, script)
+    assert log == ["serving started", "acquired", "leading started", "exit"]
+
+
+def test_a_standby_stopped_stops_serving_and_never_leads(monkeypatch: Any) -> None:
+    async def script(elector: FakeElector, log: list[str], sigterm: Any) -> None:
+        await asyncio.sleep(0.05)
+        sigterm()
+
+    log = replicated(monkeypatch, script)
+    assert log == ["serving started", "released (leading=False)", "serving stopped"]

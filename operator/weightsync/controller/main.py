@@ -210,14 +210,15 @@ async def run_replicated(
     *,
     namespaces: list[str],
     liveness: str | None,
+    stopping: asyncio.Event | None = None,
 ) -> None:
     """Serve admission until stopped; reconcile while the Lease is ours. On SIGTERM the
     leading operator stops first (renewing meanwhile), then the Lease is released, then
     the serving operator stops: admission is answered to the end, and a standby takes
-    over within a period."""
+    over within a period. `stopping`: set by SIGINT and SIGTERM (tests set it too)."""
     loop = asyncio.get_running_loop()
     operators.track_owners(loop)
-    stopping = asyncio.Event()
+    stopping = stopping or asyncio.Event()
 
     def restore_signals() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):

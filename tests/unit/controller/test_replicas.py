@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 from typing import Any, cast
 
 import kopf
@@ -161,10 +159,18 @@ def replicated(monkeypatch: Any, script: Any) -> list[str]:
 
     async def scenario() -> None:
         elector = FakeElector(log)
+        stopping = asyncio.Event()  # what SIGTERM sets
         run = asyncio.create_task(
-            main.run_replicated(elector, None, None, namespaces=["ns"], liveness=None)  # type: ignore[arg-type]
+            main.run_replicated(
+                elector,
+                None,
+                None,
+                namespaces=["ns"],
+                liveness=None,
+                stopping=stopping,  # type: ignore[arg-type]
+            )
         )
-        await script(elector, log, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        await script(elector, log, stopping.set)
         await run
 
     with contextlib.suppress(ExitedError):

@@ -107,6 +107,9 @@ class Elector:
                 return 0.0
             if not (isinstance(error, ApiException) and error.status == 409):
                 log.warning("could not read or write the leader Lease: %r", error)
+            if self.leading:  # try again by the give-up deadline: it is checked then
+                deadline = self._renewal_sent + timing.give_up_seconds
+                return min(timing.renew_seconds, max(0.0, deadline - self._clock()))
             return timing.renew_seconds
         return decision.wait_seconds
 

@@ -161,7 +161,9 @@ async def post_recover(request: web.Request) -> web.Response:
 
 async def get_engine_ready(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
-    ready, why = await engine_ready(agent.watch, agent.settings.engine_probe)
+    # The agent listens on the pod's IP (`http_host`): the kubelet's host for a probe.
+    settings = agent.settings
+    ready, why = await engine_ready(agent.watch, settings.engine_probe, settings.http_host)
     return web.Response(status=200 if ready else 503, text=why + "\n")
 
 

@@ -21,13 +21,14 @@ ENGINE_READY_PATH = "/v1/engine/ready"  # the agent's control port; no token (th
 
 class EngineProbe(BaseModel):
     """An HTTP GET (success: 200-399, TLS unverified, as the kubelet does) or a TCP
-    connect, on `host` (the pod's loopback unless the probe named one)."""
+    connect, on `host`; None: the pod's IP, as the kubelet would (an engine may listen
+    on it alone)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal["http", "tcp"]
     port: int = Field(ge=1, le=65535)
-    host: str = "127.0.0.1"
+    host: str | None = None
     path: str = "/"
     scheme: Literal["HTTP", "HTTPS"] = "HTTP"
     headers: dict[str, str] = Field(default_factory=dict)

@@ -167,17 +167,20 @@ def test_the_users_own_check_is_repeated_and_counts() -> None:
             watch = EngineWatch(adapter)
             await watch.poll()
             http = EngineProbe(kind="http", port=port, path="/ready")
-            assert (await engine_ready(watch, http))[0]
+            here = "127.0.0.1"  # the pod's IP, where the repeated check goes
+            assert (await engine_ready(watch, http, here))[0]
             answer["status"] = 503
-            assert await engine_ready(watch, http) == (
+            assert await engine_ready(watch, http, here) == (
                 False, "the engine's own readiness check failed: GET /ready answered 503"
             )  # fmt: skip
-            assert (await engine_ready(watch, EngineProbe(kind="tcp", port=port)))[0]
+            assert (await engine_ready(watch, EngineProbe(kind="tcp", port=port), here))[0]
+            named = EngineProbe(kind="tcp", port=port, host=here)  # the probe's own host
+            assert (await engine_ready(watch, named, "192.0.2.1"))[0]
             await runner.cleanup()
-            ready, why = await engine_ready(watch, EngineProbe(kind="tcp", port=port))
+            ready, why = await engine_ready(watch, EngineProbe(kind="tcp", port=port), here)
             assert not ready
             assert "ConnectionRefusedError" in why
-            assert await engine_ready(None, None) == (False, "this agent watches no engine")
+            assert await engine_ready(None, None, here) == (False, "this agent watches no engine")
         finally:
             await runner.cleanup()
 

@@ -21,7 +21,8 @@ RUNNING = {"running": {"startedAt": "2026-11-28T02:00:10Z"}}
 def engine_pod(
     *, engine_ready: bool, agent_ready: bool = True, running: bool = True, answered: bool = True
 ) -> dict[str, Any]:
-    built = pod("e").owned_by("ReplicaSet", "engine-a-abc").running("10.0.1.1", ready=False)
+    built = pod("e").owned_by("ReplicaSet", "engine-a-abc")
+    built = built.running("10.0.1.1", ready=engine_ready and agent_ready)
     built = built.injected(gate=True).gate("False", reasons.CONTAINERS_NOT_READY)
     raw = (
         built.set("status.initContainerStatuses", [
@@ -58,11 +59,17 @@ def test_any_other_reason_to_be_unready_still_holds_the_pod_out() -> None:
         assert not view.containers_ready
 
 
-def test_behind_is_planned_and_gated_closed_unhealthy_is_not_planned() -> None:
+def test_behind_is_planned_unhealthy_is_not_and_the_gate_waits_for_the_probe() -> None:
     view = pod_view(engine_pod(engine_ready=False), Role.SINK, "engine-a", 0, None)
     behind = agent("e")  # healthy, serves no version of ours
     down = agent("e", engine_healthy=False)
     assert answering([view], {"e": behind}) == {"e"}
     assert answering([view], {"e": down}) == frozenset()
-    decision = decide(view, behind, None, Current(5))
-    assert (decision.status, decision.reason) == (False, reasons.BEHIND_CURRENT_VERSION)
+    # The gate waits for the engine container: it opens once the agent's probe passes.
+    serving = agent("e", engine_version=5)
+    for status in (behind, serving):
+        decision = decide(view, status, None, Current(5))
+        assert (decision.status, decision.reason) == (False, reasons.CONTAINERS_NOT_READY)
+    ready = pod_view(engine_pod(engine_ready=True), Role.SINK, "engine-a", 0, None)
+    decision = decide(ready, serving, None, Current(5))
+    assert (decision.status, decision.reason) == (True, reasons.SERVES_CURRENT_VERSION)

@@ -232,7 +232,10 @@ def decide(  # noqa: PLR0911 - one return per reason, in the order they are chec
     vouched: frozenset[str] = frozenset(),
     source_unheard: bool = False,
 ) -> GateDecision:
-    if not pod.containers_ready:
+    # An engine container whose readiness its agent answers turns ready once the agent
+    # vouches for it; the gate opens after that, so it never flaps open and shut while
+    # the probe catches up (`pod_actions.restarting_behind_open_gate`).
+    if not pod.containers_ready or pod.engine_unready:
         return GateDecision(
             pod.name, False, reasons.CONTAINERS_NOT_READY, reasons.CONTAINERS_NOT_READY_MESSAGE
         )

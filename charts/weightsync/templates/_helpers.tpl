@@ -118,6 +118,14 @@ weightsync.io/sync
 {{- if and .Values.certManager.enabled .Values.webhook.url }}
 {{- fail "certManager.enabled needs Service mode: its certificate names the webhook Service, not webhook.url; unset one of them" }}
 {{- end }}
+{{- if and .Values.webhook.url (gt (int .Values.operator.replicas) 1) }}
+{{- fail "webhook.url names one pod: with operator.replicas above 1 use Service mode (unset webhook.url) or set operator.replicas=1" }}
+{{- end }}
+{{- end }}
+
+{{/* The Lease the operator's replicas elect their leader with (release namespace). */}}
+{{- define "weightsync.leaderLeaseName" -}}
+{{- include "weightsync.suffixed" (list . "leader") }}
 {{- end }}
 
 {{/* The Secret with the key the agents' tokens are derived from (created by the operator). */}}

@@ -16,6 +16,9 @@
 * delete -> open the readiness gates the WeightSync held (the finalizer's job).
 * admission -> `admission.review.inject` and `admission.review.claim_errors`.
 
+With leader election every replica registers the webhooks and the indexes
+(`register_serving`), the Lease's holder the rest besides (`register_leading`).
+
 Retries are kopf's: every handler but the webhooks (the API server's timeout bounds
 those) is registered with `timeout=` and `backoff=` from `runtime.timing`
 (tests/unit/controller/test_handler_timing.py walks the registry).
@@ -142,8 +145,25 @@ def _namespaced(namespace: str | None) -> str:
 
 def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatch) -> None:
     """Register every handler on `registry` (no module-level registration)."""
-    settings = shared.settings
-    reconciler = shared.reconciler
+    register_serving(registry, shared)
+    _register_reconcile(registry, shared, pod_watch)
+
+
+def register_serving(registry: kopf.OperatorRegistry, shared: Shared) -> None:
+    """What every replica runs (`controller.leader`): the webhooks and what they read."""
+    _register_reads(registry, shared)
+    _register_admission(registry, shared)
+
+
+def register_leading(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatch) -> None:
+    """What only the Lease's holder runs: the reconcile, its timers and the pod watch (with
+    indexes of its own: kopf runs an operator's handlers once its own are filled)."""
+    _register_reads(registry, shared)
+    _register_reconcile(registry, shared, pod_watch)
+
+
+def _register_reads(registry: kopf.OperatorRegistry, shared: Shared) -> None:
+    """kopf's login and the indexes (`cache`) that passes and webhooks read."""
     resource = (GROUP, VERSION, PLURAL)
 
     # kopf's default login handlers live on its default registry; ours needs its own.
@@ -151,8 +171,6 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         info: kopf.ConnectionInfo | None = kopf.login_via_client(**kwargs)
         return info
-
-    bind = shared.indexes.bind
 
     # Index functions are coroutines: kopf runs plain functions in its thread pool, and
     # a thousand pod events would each cost a hop to a thread and back.
@@ -171,6 +189,16 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
         return {(_namespaced(namespace), name): dict(body)}
 
     _register_workload_indexes(registry)
+
+
+def _register_reconcile(
+    registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatch
+) -> None:
+    """The reconcile, its timers, the finalizer's release and the pod watch."""
+    settings = shared.settings
+    reconciler = shared.reconciler
+    resource = (GROUP, VERSION, PLURAL)
+    bind = shared.indexes.bind
 
     @kopf.on.create(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
     @kopf.on.update(*resource, registry=registry, id="reconcile", timeout=TIMEOUT, backoff=BACKOFF)
@@ -217,8 +245,6 @@ def register(registry: kopf.OperatorRegistry, shared: Shared, pod_watch: PodWatc
         namespace = _namespaced(namespace)
         await reconciler.release(namespace, dict(body))
         log.info("released the pods of %s/%s", namespace, name)
-
-    _register_admission(registry, shared)
 
     watching: list[asyncio.Task[None]] = []
 

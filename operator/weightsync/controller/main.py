@@ -5,13 +5,22 @@
 
 Configuration comes from `WEIGHTSYNC_OPERATOR_*` (see `settings`); the Kubernetes
 credentials from the pod's ServiceAccount, or KUBECONFIG outside a cluster.
+
+Without `LEADER_LEASE` one kopf operator runs every handler. With it (the chart's
+replicas), every replica runs a serving operator (webhooks, indexes) at once, and a
+leading one (reconcile, timers, pod watch) only while it holds the Lease
+(`run_replicated`): admission is answered by any replica, reconciling done by one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+import socket
 import sys
 from typing import Any
 
@@ -27,9 +36,11 @@ from weightsync.controller.cluster import events, tokens
 from weightsync.controller.cluster.cache import Indexes
 from weightsync.controller.cluster.events import EventPoster
 from weightsync.controller.cluster.kube import Kube, load_config
+from weightsync.controller.cluster.leases import Leases
 from weightsync.controller.cluster.podwatch import PodStore, PodWatch
+from weightsync.controller.leader import Elector
 from weightsync.controller.passes.reconcile import Reconciler
-from weightsync.controller.runtime import taskdump, timing
+from weightsync.controller.runtime import operators, taskdump, timing
 from weightsync.controller.runtime.tasks import Tasks
 from weightsync.controller.runtime.timing import HANDLER_BACKOFF_SECONDS as BACKOFF
 from weightsync.controller.runtime.timing import HANDLER_TIMEOUT_SECONDS as TIMEOUT
@@ -37,6 +48,13 @@ from weightsync.controller.runtime.timing import TIMER_EXIT_POLL_SECONDS
 from weightsync.controller.settings import OperatorSettings, SettingsError
 
 log = logging.getLogger("weightsync.operator")
+
+# The exit status of a replica that lost the Lease: the kubelet starts it again, a standby.
+EXIT_LOST_LEASE = 3
+# The serving operator's finalizer, which it never adds (it has no handler that needs one).
+# Not ours: kopf removes its finalizer from objects it watches without such a handler, and
+# the serving operator watches WeightSyncs for its indexes.
+SERVING_FINALIZER = f"serving.{GROUP}/never-set"
 
 
 def agent_template(settings: OperatorSettings) -> AgentTemplate:
@@ -129,16 +147,116 @@ def build_registry(
     and the startup handlers that configure kopf)."""
     registry = kopf.OperatorRegistry()
     handlers.register(registry, shared, pod_watch)
+    _register_startup(registry, shared, server, dump_tasks=True)
+    return registry
 
-    @kopf.on.startup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
-    async def dump_tasks_on_sigusr1(**_: Any) -> None:
-        taskdump.install(asyncio.get_running_loop())
+
+def build_registries(
+    shared: handlers.Shared, pod_watch: PodWatch, server: Any
+) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegistry]:
+    """With leader election: the serving registry (every replica) and the leading one."""
+    serving = kopf.OperatorRegistry()
+    handlers.register_serving(serving, shared)
+    _register_startup(serving, shared, server, dump_tasks=True, finalizer=SERVING_FINALIZER)
+
+    @kopf.on.cleanup(registry=serving, timeout=TIMEOUT, backoff=BACKOFF)
+    async def close_writer(**_: Any) -> None:
+        await shared.kube.writer.close()
+
+    leading = kopf.OperatorRegistry()
+    handlers.register_leading(leading, shared, pod_watch)
+    _register_startup(leading, shared, server=None, dump_tasks=False)
+    return serving, leading
+
+
+def _register_startup(
+    registry: kopf.OperatorRegistry,
+    shared: handlers.Shared,
+    server: Any,
+    *,
+    dump_tasks: bool,
+    finalizer: str = names.FINALIZER,
+) -> None:
+    if dump_tasks:
+
+        @kopf.on.startup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
+        async def dump_tasks_on_sigusr1(**_: Any) -> None:
+            taskdump.install(asyncio.get_running_loop())
 
     @kopf.on.startup(registry=registry, timeout=TIMEOUT, backoff=BACKOFF)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_kopf(settings, shared.settings, server)
+        settings.persistence.finalizer = finalizer
 
-    return registry
+
+async def _first(*tasks: asyncio.Task[Any]) -> asyncio.Task[Any]:
+    """The first of `tasks` (in this order) that is done, once one is."""
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    return next(task for task in tasks if task.done())
+
+
+def _exit_lost(elector: Elector) -> None:
+    """Stop reconciling now, whatever runs: the process ends (no cleanup that could let a
+    handler write after a standby took over) and the kubelet starts it as a standby."""
+    log.critical("leadership lost (%s): exiting to stand by", elector.lost_because)
+    logging.shutdown()
+    os._exit(EXIT_LOST_LEASE)
+
+
+async def run_replicated(
+    elector: Elector,
+    serving: kopf.OperatorRegistry,
+    leading: kopf.OperatorRegistry,
+    *,
+    namespaces: list[str],
+    liveness: str | None,
+    stopping: asyncio.Event | None = None,
+) -> None:
+    """Serve admission until stopped; reconcile while the Lease is ours. On SIGTERM the
+    leading operator stops first (renewing meanwhile), then the Lease is released, then
+    the serving operator stops: admission is answered to the end, and a standby takes
+    over within a period. `stopping`: set by SIGINT and SIGTERM (tests set it too)."""
+    loop = asyncio.get_running_loop()
+    operators.track_owners(loop)
+    stopping = stopping or asyncio.Event()
+
+    def restore_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+
+    restore_signals()
+    scope: dict[str, Any] = {"clusterwide": not namespaces, "namespaces": namespaces}
+    scope.update(standalone=True, restore_signals=restore_signals)
+    serving_stop, leading_stop = asyncio.Event(), asyncio.Event()
+    serving_task = asyncio.create_task(
+        operators.run_operator(
+            "serving", registry=serving, stop_flag=serving_stop, liveness_endpoint=liveness,
+            **scope,
+        )
+    )  # fmt: skip
+    stop_task = asyncio.create_task(stopping.wait())
+    acquired = asyncio.create_task(elector.acquire())
+    if await _first(acquired, stop_task, serving_task) is acquired:
+        leading_task = asyncio.create_task(
+            operators.run_operator("leading", registry=leading, stop_flag=leading_stop, **scope)
+        )
+        held = asyncio.create_task(elector.hold())
+        if await _first(held, stop_task, serving_task, leading_task) is held:
+            _exit_lost(elector)
+        leading_stop.set()
+        if await _first(leading_task, held) is held:
+            _exit_lost(elector)
+        held.cancel()
+        await elector.release()
+        leading_task.result()  # a leading operator that failed fails the process
+    else:  # stopped while standing by: a Lease taken at that moment goes back at once
+        acquired.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acquired
+        await elector.release()
+    stop_task.cancel()
+    serving_stop.set()
+    await serving_task
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,7 +306,6 @@ def main(argv: list[str] | None = None) -> None:
     pod_watch = PodWatch(kube.api, selector, namespaces, pods, shared.pod_changed)
     configurations = Configurations(kube.writer, settings.webhook_configuration)
     server = kube.writer.run_blocking(build_server(kube, settings, configurations))
-    registry = build_registry(shared, pod_watch, server)
 
     if settings.metrics_port:
         metrics.serve(settings.metrics_port)
@@ -198,6 +315,19 @@ def main(argv: list[str] | None = None) -> None:
         f"namespaces {namespaces}" if namespaces else "cluster-wide",
         settings.webhook_url or f"service {settings.webhook_service_name}",
     )
+    if settings.leader_lease:
+        identity = settings.identity or f"{socket.gethostname()}-{os.getpid()}"
+        leases = Leases(kube, settings.namespace, settings.leader_lease)
+        elector = Elector(leases, identity)
+        log.info("standing by for Lease %s/%s as %s", settings.namespace, leases.name, identity)
+        serving, leading = build_registries(shared, pod_watch, server)
+        replicated = run_replicated(
+            elector, serving, leading, namespaces=namespaces, liveness=liveness
+        )
+        asyncio.run(replicated)
+        return
+    metrics.LEADER.set(1)  # alone: this process reconciles
+    registry = build_registry(shared, pod_watch, server)
     kopf.run(
         registry=registry,
         clusterwide=not namespaces,

@@ -119,6 +119,12 @@ RECOVERY_DURATION = Histogram(
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
     registry=REGISTRY,
 )
+LEADER = Gauge(
+    f"{PREFIX}_leader",
+    "1 while this replica holds the leader Lease and reconciles; 0 while it stands by and"
+    " serves admission only (the WeightSyncOperatorDown alert: no replica at 1).",
+    registry=REGISTRY,
+)
 GROUP_GENERATION = Gauge(
     f"{PREFIX}_group_generation",
     "The planned group generation of each WeightSync.",

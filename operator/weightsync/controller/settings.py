@@ -14,6 +14,13 @@ Process and scope
 * `METRICS_PORT`              Prometheus metrics (`weightsync_operator_*`) on `/metrics`.
                               Default 9090; 0 turns it off.
 * `LOG_LEVEL`                 DEBUG, INFO (default), WARNING, ERROR.
+* `LEADER_LEASE`              the Lease in `NAMESPACE` that replicas elect a leader with:
+                              every replica serves admission, only its holder reconciles
+                              (docs/operator.md#high-availability). Empty (the default): no
+                              election, this process reconciles at once (one replica, or
+                              an operator run outside the chart).
+* `IDENTITY`                  this replica's name in the Lease (`holderIdentity`); the chart
+                              sets the pod's name. Default `<host name>-<process id>`.
 
 Admission webhook
 * `WEBHOOK_LISTEN_HOST`       address the HTTPS webhook server binds. Default `0.0.0.0`.
@@ -107,6 +114,8 @@ class OperatorSettings(BaseModel):
     health_port: int = Field(default=8080, ge=0, le=65535)
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     log_level: str = "INFO"
+    leader_lease: str = ""
+    identity: str = ""
 
     webhook_listen_host: str = "0.0.0.0"  # noqa: S104 - the API server calls in from outside
     webhook_listen_port: int = Field(default=9443, ge=1, le=65535)

@@ -217,22 +217,41 @@ def test_rounds_stopped_fires_once_rounds_that_ran_stop(tmp_path: Path, rules_fi
     run_rule_test(tmp_path, rules_file, inputs, checks)
 
 
-def test_operator_down_fires_when_its_target_is_down(tmp_path: Path, rules_file: Path) -> None:
-    inputs = [series("up", OPERATOR_JOB, "1x5 0x20")]
+def leader(pod: str) -> str:
+    return f'{OPERATOR_JOB}, pod="{pod}"'
+
+
+def test_operator_down_fires_when_no_replica_leads(tmp_path: Path, rules_file: Path) -> None:
+    # Both replicas scraped; the leader lost the Lease at minute 6 and nobody took it.
+    inputs = [
+        series("weightsync_operator_leader", leader("op-a"), "1x5 0x20"),
+        series("weightsync_operator_leader", leader("op-b"), "0x25"),
+    ]
     expected = {"job": "ws-weightsync-metrics", "namespace": "weightsync-system"}
     checks = [
         firing("WeightSyncOperatorDown", "4m"),
-        firing("WeightSyncOperatorDown", "8m"),  # down, but not for 5m yet
+        firing("WeightSyncOperatorDown", "8m"),  # no leader, but not for 5m yet
         firing("WeightSyncOperatorDown", "15m", {**expected, "severity": "critical"}),
     ]
+    run_rule_test(tmp_path, rules_file, inputs, checks)
+
+
+def test_a_failover_is_no_outage(tmp_path: Path, rules_file: Path) -> None:
+    # The leader's pod dies at minute 6 (its series ends); the standby leads from then on.
+    inputs = [
+        series("weightsync_operator_leader", leader("op-a"), "1x5"),
+        series("weightsync_operator_leader", leader("op-b"), "0x5 1x20"),
+    ]
+    checks = [firing("WeightSyncOperatorDown", at) for at in ("4m", "8m", "15m", "24m")]
     run_rule_test(tmp_path, rules_file, inputs, checks)
 
 
 def test_operator_down_fires_when_it_is_not_scraped_at_all(
     tmp_path: Path, rules_file: Path
 ) -> None:
-    # Another release's operator is up: it is not this one.
-    inputs = [series("up", 'job="other-metrics", namespace="weightsync-system"', "1x20")]
+    # Another release's operator leads: it is not this one.
+    other = 'job="other-metrics", namespace="weightsync-system", pod="x"'
+    inputs = [series("weightsync_operator_leader", other, "1x20")]
     expected = {"job": "ws-weightsync-metrics", "namespace": "weightsync-system"}
     checks = [firing("WeightSyncOperatorDown", "10m", {**expected, "severity": "critical"})]
     run_rule_test(tmp_path, rules_file, inputs, checks)

@@ -11,6 +11,7 @@ TOGGLES = {
     "cert-manager": ["--set", "certManager.enabled=true"],
     "url mode": [
         "--set", "webhook.url=https://$(POD_IP):9443", "--set", "webhook.listenHost=$(POD_IP)",
+        "--set", "operator.replicas=1",
     ],
     "namespaced": ["--set-json", 'operator.watchNamespaces=["team-a","team-b"]'],
     "network policy": ["--set", "networkPolicy.enabled=true"],

@@ -28,12 +28,17 @@ from tests.unit.chart.helm import (
 from weightsync.controller.settings import CertMode, OperatorSettings, PullPolicy
 
 POD_IP = "10.1.2.3"
+POD_NAME = "ws-weightsync-6d5f-abcde"
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
 def resolved_env(container: dict[str, Any], pod_namespace: str = NAMESPACE) -> dict[str, str]:
     """The container's environment as the kubelet would set it."""
-    fields = {"metadata.namespace": pod_namespace, "status.podIP": POD_IP}
+    fields = {
+        "metadata.namespace": pod_namespace,
+        "metadata.name": POD_NAME,
+        "status.podIP": POD_IP,
+    }
     env: dict[str, str] = {}
     for item in container["env"]:
         if "valueFrom" in item:
@@ -121,7 +126,11 @@ def test_values_reach_the_operator() -> None:
 
 def test_url_mode_on_the_pod_ip_for_local_control_planes() -> None:
     objects = render(
-        {"webhook.url": '"https://$(POD_IP):9443"', "webhook.listenHost": '"$(POD_IP)"'}
+        {
+            "webhook.url": '"https://$(POD_IP):9443"',
+            "webhook.listenHost": '"$(POD_IP)"',
+            "operator.replicas": "1",
+        }
     )
     settings = settings_from_chart(objects)
     assert settings.webhook_url == f"https://{POD_IP}:9443"
@@ -150,7 +159,7 @@ def test_every_operator_setting_is_wired_by_some_configuration_of_the_chart() ->
     """A setting the operator gains must get a value in the chart (or this test a reason)."""
     configurations = [
         {},
-        {"webhook.url": '"https://$(POD_IP):9443"'},
+        {"webhook.url": '"https://$(POD_IP):9443"', "operator.replicas": "1"},
         {"certManager.enabled": "true"},
         {"operator.watchNamespaces": '["team-a"]'},
     ]
@@ -249,6 +258,7 @@ _GROUPS = {
     "mutatingwebhookconfigurations": "admissionregistration.k8s.io",
     "validatingwebhookconfigurations": "admissionregistration.k8s.io",
     "customresourcedefinitions": "apiextensions.k8s.io",
+    "leases": "coordination.k8s.io",
 }  # fmt: skip
 _CLUSTER_KINDS = {
     "namespace", "mutating_webhook_configuration", "validating_webhook_configuration",

@@ -17,6 +17,7 @@ from tests.unit.chart.helm import (
     kinds,
     one,
     render,
+    render_error,
 )
 
 MONITORS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
@@ -47,7 +48,7 @@ def test_defaults_render_the_operator_and_nothing_optional() -> None:
     objects = render()
     assert kinds(objects) == {
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-        "Service", "Deployment", "ConfigMap", "Pod", "Job",
+        "Service", "Deployment", "ConfigMap", "Pod", "Job", "PodDisruptionBudget",
         "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
     }  # fmt: skip
     assert not kinds(objects) & {"Certificate", "Issuer", "NetworkPolicy", *MONITORS}
@@ -56,19 +57,77 @@ def test_defaults_render_the_operator_and_nothing_optional() -> None:
             assert obj["metadata"]["namespace"] == NAMESPACE, obj["metadata"]["name"]
 
 
-def test_operator_runs_once_with_recreate_and_a_liveness_probe_only() -> None:
+def test_two_replicas_roll_without_losing_the_webhook_and_elect_a_leader() -> None:
     objects = render()
     spec = operator_deployment(objects)["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     container = operator_container(objects)
     assert container["command"] == ["weightsync-operator"]
-    assert "readinessProbe" not in container
+    env = env_of(operator_container(objects))
+    assert env["WEIGHTSYNC_OPERATOR_LEADER_LEASE"] == "ws-weightsync-leader"
+    identity = next(e for e in container["env"] if e["name"] == "WEIGHTSYNC_OPERATOR_IDENTITY")
+    assert identity["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # Ready once the webhook listens (a standby serves it too); liveness is kopf's.
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}
     assert "startupProbe" not in container
     probe = container["livenessProbe"]["httpGet"]
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert probe == {"path": "/healthz", "port": "health"}
     assert ports["health"] == 8080
+
+
+def test_replicas_spread_over_nodes_and_a_drain_takes_one_at_a_time() -> None:
+    objects = render()
+    pod = operator_deployment(objects)["spec"]["template"]["spec"]
+    anti = pod["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    selector = operator_deployment(objects)["spec"]["selector"]["matchLabels"]
+    assert term["labelSelector"]["matchLabels"] == selector
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in anti  # preferred only
+    budget = one(objects, "PodDisruptionBudget")
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+
+
+def test_one_replica_has_no_disruption_budget_to_block_drains() -> None:
+    objects = render({"operator.replicas": "1"})
+    assert operator_deployment(objects)["spec"]["replicas"] == 1
+    assert not find(objects, "PodDisruptionBudget")
+
+
+def test_url_mode_names_one_pod_so_it_refuses_replicas() -> None:
+    url = {"webhook.url": '"https://$(POD_IP):9443"'}
+    assert "webhook.url names one pod" in render_error(url)
+    assert operator_deployment(render({**url, "operator.replicas": "1"}))["spec"]["replicas"] == 1
+
+
+def test_leader_election_may_touch_its_own_lease_only() -> None:
+    objects = render()
+    role = one(objects, "Role", "ws-weightsync-leader-election")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        # create cannot be limited to a name; the Role limits it to this namespace
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["ws-weightsync-leader"],
+            "verbs": ["get", "update"],
+        },
+    ]
+    binding = one(objects, "RoleBinding", "ws-weightsync-leader-election")
+    assert binding["roleRef"]["name"] == "ws-weightsync-leader-election"
+    # Leases appear in no other rule: not cluster-wide, not in the workload namespaces.
+    others = [
+        rule
+        for rule in _rules(objects)
+        if "leases" in rule["resources"] and rule not in role["rules"]
+    ]
+    assert others == []
 
 
 def test_operator_pod_has_secure_defaults() -> None:
@@ -167,9 +226,11 @@ def test_cert_manager_issues_a_certificate_for_the_webhook_service_and_mounts_it
     secret_volume = next(v for v in volumes if "secret" in v)
     assert secret_volume["secret"]["secretName"] == certificate["spec"]["secretName"]
     assert mounts[secret_volume["name"]] == env["WEIGHTSYNC_OPERATOR_WEBHOOK_CERT_DIR"]
-    # The operator keeps no certificate Secret of its own; only the token key.
+    # The operator keeps no certificate Secret of its own; only the token key (and its Lease).
     roles = sorted(r["metadata"]["name"] for r in find(objects, "Role") if not is_test(r))
-    assert roles == ["ws-weightsync-token-key", "ws-weightsync-uninstall"]
+    assert roles == [
+        "ws-weightsync-leader-election", "ws-weightsync-token-key", "ws-weightsync-uninstall",
+    ]  # fmt: skip
 
 
 def test_the_operator_reads_no_secret_but_its_token_key_and_certificates() -> None:
@@ -200,7 +261,7 @@ def test_cert_manager_uses_a_given_issuer_instead_of_its_own() -> None:
 
 
 def test_url_mode_has_no_webhook_service() -> None:
-    objects = render({"webhook.url": '"https://$(POD_IP):9443"'})
+    objects = render({"webhook.url": '"https://$(POD_IP):9443"', "operator.replicas": "1"})
     assert [s["metadata"]["name"] for s in find(objects, "Service")] == ["ws-weightsync-metrics"]
     env = env_of(operator_container(objects))
     assert env["WEIGHTSYNC_OPERATOR_WEBHOOK_URL"] == "https://$(POD_IP):9443"

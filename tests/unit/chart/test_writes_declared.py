@@ -13,6 +13,7 @@ import argparse
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -28,6 +29,8 @@ from weightsync.controller.admission import webhook
 from weightsync.controller.admission.webhook_config import Configurations
 from weightsync.controller.cluster import tokens
 from weightsync.controller.cluster.kube import Kube
+from weightsync.controller.cluster.leases import Leases
+from weightsync.controller.leadership.lease import LeaseRecord
 from weightsync.controller.settings import OperatorSettings
 
 _VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
@@ -89,6 +92,9 @@ async def every_write(kube: Kube) -> None:
     stored = SimpleNamespace(data={}, metadata=SimpleNamespace(resource_version="3"))
     with mock.patch.object(kube.core, "read_namespaced_secret", return_value=stored):
         await webhook.managed_bundle(kube, settings)  # replaced
+    leases = Leases(kube, "ops", "ws-leader")
+    stored_lease = await leases.write(LeaseRecord("op-a", 10), within=5.0)  # created
+    await leases.write(replace(stored_lease, resource_version="1"), within=5.0)  # replaced
     configurations = Configurations(kube.writer, "ws")
     await configurations.apply({"url": "https://127.0.0.1:9443"})
     await configurations.apply(None)
@@ -113,4 +119,5 @@ def test_every_write_the_controller_sends_is_declared_for_rbac() -> None:
     sent = asyncio.run(scenario())
     assert ("", "secrets", "update") in sent  # the 409 led to a replace
     assert ("weightsync.io", "weightsyncs", "patch") in sent  # the uninstall hook's
+    assert ("coordination.k8s.io", "leases", "update") in sent  # a renewal
     assert set(sent) <= api_calls_in_controller(), sorted(set(sent) - api_calls_in_controller())

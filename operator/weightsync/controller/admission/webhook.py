@@ -43,11 +43,18 @@ class WeightsyncWebhookServer(kopf.WebhookServer):
     written into the webhook configurations by `configurations` (kopf manages none)."""
 
     def __init__(
-        self, *, client_config: dict[str, Any], configurations: Configurations, **kwargs: Any
+        self,
+        *,
+        client_config: dict[str, Any],
+        configurations: Configurations,
+        remove_on_exit: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._client_config = client_config
         self._configurations = configurations
+        # With replicas (leader election) another one still serves: the webhooks stay.
+        self._remove_on_exit = remove_on_exit
 
     async def __call__(self, fn: Any) -> AsyncIterator[kopf.WebhookClientConfig]:
         written = False
@@ -60,7 +67,7 @@ class WeightsyncWebhookServer(kopf.WebhookServer):
                 written = True
                 yield rewritten
         finally:
-            if written:  # a stopped operator blocks nothing: its webhooks go with it
+            if written and self._remove_on_exit:  # a stopped operator blocks nothing
                 try:
                     await self._configurations.apply(None)
                 except Exception as error:  # exiting anyway: say so, do not mask the cause
@@ -145,6 +152,7 @@ async def build_server(
     return WeightsyncWebhookServer(
         client_config=client_config(settings),
         configurations=configurations,
+        remove_on_exit=not settings.leader_lease,
         addr=settings.webhook_listen_host,
         port=settings.webhook_listen_port,
         certfile=paths[0],

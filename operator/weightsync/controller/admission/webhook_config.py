@@ -5,8 +5,9 @@ exist or not, and `create` cannot be limited to a name in RBAC: an operator allo
 it may create a mutating webhook of any name, which is close to cluster-admin. So the
 chart creates the MutatingWebhookConfiguration and the ValidatingWebhookConfiguration
 (named `WEBHOOK_CONFIGURATION`, without webhooks), and the operator patches its webhooks
-into them by name: at start, whenever its serving certificate changes, and empty again
-when it exits (a stopped operator then blocks nothing). It never creates them: an
+into them by name: at start, whenever its serving certificate changes, and, run alone,
+empty again when it exits (a stopped operator then blocks nothing; replicas leave them,
+another one serves them). It never creates them: an
 operator run outside the chart needs them created first, as the chart does. The patches
 go through the operator's one writer (`cluster.apiwriter`), from kopf's webhook server
 on the event loop.

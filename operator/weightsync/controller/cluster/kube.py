@@ -112,6 +112,7 @@ class Kube:
         self.apps = client.AppsV1Api(api)
         self.batch = client.BatchV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.coordination = client.CoordinationV1Api(api)
 
     def _call(
         self, verb: str, resource: str, call: Callable[..., Any], *args: Any, **kwargs: Any
@@ -147,6 +148,10 @@ class Kube:
     ) -> list[dict[str, Any]]:
         listing = json.loads(self._call("list", resource, call, *args, **kwargs) or b"{}")
         return list(listing.get("items") or [])
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The leader-election Lease (`cluster.leases`), None if there is none yet."""
+        return self._get("leases", self.coordination.read_namespaced_lease, name, namespace)
 
     # -- WeightSyncs ---------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Leader election: which replica reconciles (pure decisions; the loop is `controller.leader`)."""

@@ -1,14 +1,22 @@
-"""The pod watch's store: what passes read, and the changes a list or a watch event makes.
-(The watch against the API server itself is in tests/cluster/test_podwatch.py.)"""
+"""The pod watch's store: what passes read, and the changes a list or a watch event makes;
+a watch ended by a 410. (The watch against the API server itself is in
+tests/cluster/test_podwatch.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from typing import Any
 
+from aiohttp import web
+from kubernetes import client
+
+from tests.integration.stack import free_port
 from tests.unit.controller.builders import pod
 from weightsync.controller.cluster import pod_actions
 from weightsync.controller.cluster.cache import Indexes, slim_pod
-from weightsync.controller.cluster.podwatch import ADDED, DELETED, MODIFIED, PodStore
+from weightsync.controller.cluster.podwatch import ADDED, DELETED, MODIFIED, PodStore, PodWatch
 
 
 def engine(name: str, version: str, *, namespace: str = "ns", rs: str = "engine-a-abc") -> Any:
@@ -93,3 +101,44 @@ def test_a_gate_closes_at_once_only_for_a_pod_restarting_behind_an_open_gate() -
     assert not pod_actions.restarting_behind_open_gate(
         engine_pod("True", containers_ready=False, deleting=True)
     )
+
+
+def test_a_watch_from_a_version_the_server_no_longer_keeps_lists_again() -> None:
+    """The 410 path over HTTP, against a stand-in for the API server (named as such: the
+    real one's watch cache serves any version since its start, so the cluster test cannot
+    be sure to get a 410; tests/cluster/test_podwatch.py)."""
+    requests: list[str] = []
+
+    async def pods(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") != "true":
+            requests.append("list")
+            body = {"metadata": {"resourceVersion": "10"}, "items": [engine("e-1", "9")]}
+            return web.json_response(body)
+        requests.append(f"watch from {request.query['resourceVersion']}")
+        gone = {"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}
+        return web.Response(text=json.dumps(gone) + "\n")
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_get("/api/v1/namespaces/ns/pods", pods)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        api = client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}"))
+        changes: list[str] = []
+        watch = PodWatch(api, "a=b", ["ns"], PodStore(), lambda c, _ns, _p: changes.append(c))
+        task = asyncio.get_running_loop().create_task(watch.run())
+        try:
+            deadline = time.monotonic() + 10
+            while requests.count("list") < 2 and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await runner.cleanup()
+        assert requests[:3] == ["list", "watch from 10", "list"]
+        assert changes == [ADDED]  # the list again changed nothing
+        assert names_of(watch.store.pods_of("ns", "uid-engine-a-abc") or []) == ["e-1"]
+
+    asyncio.run(run())

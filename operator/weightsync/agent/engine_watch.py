@@ -78,10 +78,6 @@ class EngineWatch:
             self.health = EngineHealth(True, version, incarnation=incarnation)
             self.checked_at = time.monotonic()
 
-    def lost(self) -> None:
-        """The engine may hold a partial update: vouch for nothing until the next commit."""
-        self.loaded = None
-
     async def poll(self) -> EngineHealth:
         try:
             health = await asyncio.wait_for(self.adapter.health(), HEALTH_TIMEOUT_SECONDS)
@@ -157,7 +153,7 @@ class EngineWatch:
         if health.torn:
             return False, "an aborted update left the engine inconsistent"
         if self._ever_loaded and self._vouchable() is None:
-            return False, "restarted or half-updated: behind until a round or a recovery loads it"
+            return False, "restarted: behind until a round or a recovery loads it"
         return True, "healthy, serving what its agent loaded (or its start-up weights)"
 
     def status(self) -> EngineStatus:

@@ -119,7 +119,7 @@ def test_the_engine_container_is_ready_on_start_up_weights_and_then_only_with_ou
     asyncio.run(watch.poll())
     ready, why = watch.readiness()
     assert not ready
-    assert why.startswith("restarted or half-updated")
+    assert why == "restarted: behind until a round or a recovery loads it"
     adapter.reply = EngineHealth(True, 2, torn=True)
     asyncio.run(watch.poll())
     assert watch.readiness() == (False, "an aborted update left the engine inconsistent")

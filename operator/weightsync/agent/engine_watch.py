@@ -60,6 +60,7 @@ class EngineWatch:
         self._loaded_by_peer = loaded_by_peer
         self._started_with: tuple[str | None, int | None] | None = None
         self._ever_loaded = False  # a version was loaded: start-up weights no longer do
+        self._commits = 0  # commits so far: a poll begun before the last one is stale
 
     def committed(self, lineage: str, version: int) -> None:
         """A round or a recovery made the attached engine process serve `version`.
@@ -69,6 +70,7 @@ class EngineWatch:
         """
         incarnation = self.adapter.attached_to
         self.loaded = Loaded(incarnation, lineage, version, time.time())
+        self._commits += 1
         self._ever_loaded = True
         # An engine that names no incarnation is vouched for by the version it reports
         # (`vouched`): the commit read it back, so the last poll's older one must not
@@ -79,12 +81,19 @@ class EngineWatch:
             self.checked_at = time.monotonic()
 
     async def poll(self) -> EngineHealth:
+        commits = self._commits
         try:
             health = await asyncio.wait_for(self.adapter.health(), HEALTH_TIMEOUT_SECONDS)
         except TimeoutError:
             health = EngineHealth(False, None, detail="health timed out")
         except EngineError as exc:
             health = EngineHealth(False, None, detail=str(exc))
+        if commits != self._commits:
+            # Asked mid-round, answered after the commit: it read the previous or the
+            # partial label. Kept, it unvouched a current engine until the next poll, and
+            # an operator pass then started a recovery whose pause aborted the engine's
+            # requests (SGLang ended a generation early, seen twice in CI).
+            return health
         self.health, self.checked_at = health, time.monotonic()
         if self._loaded_by_peer and health.healthy:
             self._observe_peer(health)

@@ -185,3 +185,42 @@ def test_the_users_own_check_is_repeated_and_counts() -> None:
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+class Slow(Says):
+    """Answers `health()` only when the test lets it: a poll in flight across a commit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    async def health(self) -> EngineHealth:
+        await self.answer.wait()
+        return self.reply
+
+
+def test_a_poll_asked_before_a_commit_does_not_unvouch_it() -> None:
+    """The engine's answer to a poll begun mid-round (its previous or partial label)
+    arrived after the round committed and overwrote the commit: the agent stopped
+    vouching for the version it had just loaded, and the operator started a recovery."""
+
+    async def scenario() -> None:
+        adapter = Slow()
+        watch = EngineWatch(adapter)
+        watch.committed("lineage-a", 1)
+        adapter.reply = EngineHealth(True, 1)
+        adapter.answer.set()
+        await watch.poll()
+        adapter.answer.clear()
+        in_flight = asyncio.create_task(watch.poll())  # asked while version 2 loads
+        await asyncio.sleep(0)
+        watch.committed("lineage-a", 2)
+        adapter.answer.set()  # answers with what it served when asked
+        assert (await in_flight).version == 1
+        assert watch.status().version == 2
+        assert watch.readiness()[0]
+        adapter.reply = EngineHealth(True, None)  # the next poll still sees a restart
+        await watch.poll()
+        assert watch.status().version is None
+
+    asyncio.run(scenario())

@@ -93,7 +93,9 @@ SIDECAR_MISSING: Final = "SidecarMissing"
 SIDECAR_MISSING_MESSAGE: Final = (
     "Pods without the weightsync-agent sidecar: {pods}. Label the pod template"
     " weightsync.io/inject=true; pods created while the webhook was unreachable must be"
-    " deleted to be recreated with it."
+    " deleted to be recreated with it (a Job's or JobSet's pods are not deleted by the"
+    " operator, since their Job would count them failed: create the WeightSync first,"
+    " then the Job or JobSet)."
 )
 
 

@@ -8,9 +8,10 @@ from typing import Any
 
 from tests.unit.api.builders import weightsync
 from tests.unit.controller.builders import pod, sink_view, sync
-from weightsync.api.v1alpha1 import Role
+from weightsync.api.v1alpha1 import Role, TrainerKind
 from weightsync.controller.admission.review import claim_errors, older_than, workload_of
 from weightsync.controller.cluster.kube import selector_string
+from weightsync.controller.cluster.pod_actions import uninjected
 from weightsync.controller.membership.owners import (
     WorkloadRef,
     claim_conflicts,
@@ -239,3 +240,20 @@ def test_the_inference_replicas_are_what_the_found_deployments_ask_for() -> None
         pods=[],
     )
     assert world.inference_replicas == 3
+
+
+def test_a_job_or_jobset_trainer_pod_the_webhook_missed_is_reported_never_deleted() -> None:
+    """The e2e with the JobSet controller: the trainer pod, created a moment before its
+    WeightSync, was deleted to be recreated with the sidecar; its Job counted it failed
+    (backoffLimit 0) and the JobSet failed as a whole. Engines are still recreated."""
+    raw = {"metadata": {"creationTimestamp": "2026-01-01T12:00:00Z"}}
+    made = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    missed = {"has_agent": False, "labelled": True, "created": made - timedelta(seconds=1)}
+    engine = replace(sink_view("engine-0"), **missed)
+    trainer = replace(sink_view("trainer-workers-0-0"), role=Role.SOURCE, **missed)
+    for kind in (TrainerKind.JOB_SET, TrainerKind.JOB):
+        assert uninjected(raw, [trainer, engine], None, kind) == [engine]
+    assert uninjected(raw, [trainer, engine], None, TrainerKind.STATEFUL_SET) == [
+        trainer,
+        engine,
+    ]

@@ -14,7 +14,7 @@ from typing import Any
 
 from weightsync.api import parse_weightsync, reasons
 from weightsync.api.base import format_timestamp, utc_now
-from weightsync.api.v1alpha1 import Role
+from weightsync.api.v1alpha1 import Role, TrainerKind
 from weightsync.api.validation import WeightSyncInvalidError
 from weightsync.controller import names
 from weightsync.controller.cluster.cache import Indexes
@@ -43,11 +43,20 @@ def uninjected(
     raw: Mapping[str, Any],
     pods: list[PodView],
     webhook_settling: tuple[datetime, datetime] | None,
+    trainer_kind: TrainerKind,
 ) -> list[PodView]:
-    """Opted-in pods the webhook missed and would inject now (`pods_to_recreate`). Pure."""
+    """Opted-in pods the webhook missed and would inject now (`pods_to_recreate`). Pure.
+
+    A Job's pod is never among them: its Job counts a deleted pod as a failed one (with
+    `backoffLimit: 0` the Job fails, and a JobSet fails as a whole by default), so a Job
+    or JobSet trainer that missed the webhook is reported (`SidecarMissing`), never
+    deleted behind its owner's back."""
     created = parse_time(raw["metadata"].get("creationTimestamp"))
     window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
-    return pods_to_recreate(pods, created, window, webhook_settling)
+    found = pods_to_recreate(pods, created, window, webhook_settling)
+    if trainer_kind is TrainerKind.STATEFUL_SET:
+        return found
+    return [pod for pod in found if pod.role is not Role.SOURCE]
 
 
 async def recreate(

@@ -104,7 +104,9 @@ def decide(seen: Observed, soft: SoftState) -> Actions:
         plans=plans,
         gates=tuple(gates),
         write_token=not seen.token_written,
-        recreate=tuple(uninjected(seen.raw, seen.pods, seen.webhook_settling)),
+        recreate=tuple(
+            uninjected(seen.raw, seen.pods, seen.webhook_settling, sync.spec.trainer.kind)
+        ),
         poll_soon=held.in_flight,
         watched=held.watched,
     )

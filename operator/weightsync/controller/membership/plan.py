@@ -18,8 +18,8 @@ joinable. A new engine pod is a new generation, as a new member would be.
 Holders (P2P recovery): the source agent keeps the latest committed version in host
 memory; `spec.recovery.holders` > 1 asks the lowest-ranked sinks for the rest. Plans
 decide (the webhook sets `WEIGHTSYNC_HOLDER=false` on every agent); with recovery off
-or a Colocated group nobody holds, since a held copy costs a device-to-host copy of
-the model every round. The
+nobody holds, since a held copy costs a device-to-host copy of the model every round; in
+a Colocated group only the source, which reloads its engine from it. The
 lowest ranks are the longest-serving members, so the choice changes only when a holder
 leaves the group.
 """

@@ -131,4 +131,8 @@ def test_the_colocated_engine_is_synced_through_the_plan_and_followed_when_repla
         timeout=Timeouts.ROUND,
         message="the next round reaches it",
     )
-    assert sync_status(cluster, namespace)["currentVersion"] == result["version"]
+    eventually(
+        lambda: sync_status(cluster, namespace)["currentVersion"] == result["version"],
+        timeout=Timeouts.API,
+        message="the status names the new version",
+    )

@@ -734,6 +734,11 @@ def report(
         )
         rows.append(Row("  D2D copy, one copy_ per tensor", copies["copy_"], nbytes, d2d))
         colocated, _ = run_weightsync(args, setup, state, colocated=True)
+        if args.holder:  # as installed: the source holds (it reloads a restarted engine)
+            held, _ = run_weightsync(args, setup, state, colocated=True, agent_env={})
+            for config in held:
+                config.label += ", source holding"
+            colocated += held
         print_breakdowns("colocated", colocated)
         for config in colocated:
             print(f"colocated {config.label}: {[round(r.seconds, 4) for r in config.records]}")

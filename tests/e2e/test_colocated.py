@@ -1,7 +1,8 @@
 """Colocated mode end to end: the operator names the engine on the trainer's node in the
 source agent's plan, and the hand-off reaches it through the shared slots (shared memory
 here, CUDA IPC on GPUs); a restarted operator keeps that choice; a replaced engine pod is
-named in the next generation.
+named in the next generation, and it and an engine container restarted in place are
+reloaded by the trainer's agent from its held copy, without a round.
 
 Real operator, webhook (hostIPC, node-local directory, affinity to the trainer's node),
 scheduler, and agents, reference engine and trainer as containers on the real node.
@@ -31,7 +32,7 @@ from tests.support.operator import (
     trainer_digest,
     weightsync,
 )
-from tests.support.recovery import engine_digest, replace_pod
+from tests.support.recovery import engine_digest, kill_container, replace_pod
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -101,18 +102,37 @@ def test_the_colocated_engine_is_synced_through_the_plan_and_followed_when_repla
         timeout=PODS_UP,
         message="a new generation naming the replacement",
     )
-    # No round reached it yet: held out of traffic (Colocated has no P2P recovery). The
-    # promise is the pod not Ready; its gate may not be written yet (a missing readiness
-    # gate condition counts as False), as CI saw once.
-    gate, pod_ready = gates(cluster, namespace)[name]
-    assert pod_ready == "False", (gate, pod_ready)
-    assert gate in (None, "False"), (gate, pod_ready)
-    result = step(ip)
-    assert result["ok"], result
+    # No round: the trainer's agent reloads the new engine from the version it holds in
+    # host memory (`agent.local_reload`); the pod turns Ready once it serves it.
+    current = sync_status(cluster, namespace)["currentVersion"]
     eventually(
         lambda: gates(cluster, namespace).get(name) == ("True", "True"),
         timeout=Timeouts.ROUND,
-        message=f"{name} Ready at the new version",
+        message=f"{name} Ready at version {current} without a round",
     )
     assert engine_digest(replacement, ENGINE_PORT) == trainer_digest(ip)
-    assert sync_status(cluster, namespace)["currentVersion"] == result["version"]
+    assert trainer_digest(ip)["version"] == current
+
+    # Its engine container killed: restarted in place on start-up weights, reloaded again.
+    restarts = kill_container(cluster.node, replacement, "engine")
+
+    def reloaded() -> bool:
+        (pod,) = pods(cluster, namespace, "engine")
+        statuses = {c["name"]: c for c in pod["status"].get("containerStatuses") or []}
+        restarted = statuses.get("engine", {}).get("restartCount", 0) > restarts
+        return restarted and gates(cluster, namespace).get(name) == ("True", "True")
+
+    eventually(reloaded, timeout=Timeouts.ROUND, message="Ready again after the restart")
+    assert engine_digest(replacement, ENGINE_PORT) == trainer_digest(ip)
+    result = step(ip)
+    assert result["ok"], result
+    eventually(
+        lambda: engine_digest(replacement, ENGINE_PORT) == trainer_digest(ip),
+        timeout=Timeouts.ROUND,
+        message="the next round reaches it",
+    )
+    eventually(
+        lambda: sync_status(cluster, namespace)["currentVersion"] == result["version"],
+        timeout=Timeouts.API,
+        message="the status names the new version",
+    )

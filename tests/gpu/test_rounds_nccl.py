@@ -17,6 +17,7 @@ import torch
 
 from tests.integration.colocated_release import run_colocated_release
 from tests.integration.contract import ContractConfig, run_colocated, run_contract
+from tests.integration.test_colocated_reload import run_colocated_reload
 from weightsync.api.control import Backend
 from weightsync.api.v1alpha1 import MemoryRelease
 from weightsync.transfer.buffers import TensorSources, describe_sources, open_sources
@@ -52,6 +53,14 @@ def test_colocated_cuda_ipc(tmp_path: Path) -> None:
     if gpus() < 1:
         pytest.skip("needs a GPU")
     run_colocated(tmp_path, "cuda:0")
+
+
+@pytest.mark.timeout(180)
+def test_colocated_engine_restarted_in_place_reloaded_gpu(tmp_path: Path) -> None:
+    """CUDA IPC: the trainer's agent reloads a restarted engine from its held copy."""
+    if gpus() < 1:
+        pytest.skip("needs a GPU")
+    run_colocated_reload(tmp_path, "cuda:0")
 
 
 @pytest.mark.timeout(240)

@@ -75,7 +75,7 @@ _BUFFERS = 2  # the held copy and the next round's staging copy
 
 
 @dataclass(eq=False)
-class _HostCopy:
+class HostCopy:
     """One version in one host buffer: the staging copy of a round, or the held one."""
 
     buffer: torch.Tensor  # 1-D uint8, registered with the endpoint
@@ -109,8 +109,8 @@ class Holder:
         self._metrics = metrics
         self._enabled = enabled
         self._endpoint: TransferEngineEndpoint | None = None
-        self._held: _HostCopy | None = None
-        self._staging: _HostCopy | None = None
+        self._held: HostCopy | None = None
+        self._staging: HostCopy | None = None
         self._staging_failed = False  # a copy of this round failed: never commit it
         self._round: tuple[int, str] | None = None  # (version, layout hash) being staged
         self._free: list[torch.Tensor] = []  # registered buffers neither held nor staging
@@ -233,7 +233,7 @@ class Holder:
             log.warning("holder: staging version %d from its tensors failed: %s", version, exc)
             self._staging_failed = True
 
-    async def _begin(self, version: int, layout: BucketLayout) -> _HostCopy | None:
+    async def _begin(self, version: int, layout: BucketLayout) -> HostCopy | None:
         """A fresh staging copy for `version` in a free buffer; None (the round is not
         held) while a large enough buffer is still being allocated."""
         if self._staging is not None:
@@ -252,11 +252,11 @@ class Holder:
                 "holder: version %d is not held: its host buffers are being allocated", version
             )
             return None
-        self._staging = _HostCopy(buffer, version, layout, held_offsets(layout))
+        self._staging = HostCopy(buffer, version, layout, held_offsets(layout))
         return self._staging
 
     def _within_slices(
-        self, staging: _HostCopy, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
+        self, staging: HostCopy, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`pairs` cut where the staging buffer's page-locked slices meet (GPU agents)."""
         pinned = self._pinned.get(staging.buffer.data_ptr())
@@ -389,9 +389,10 @@ class Holder:
             checksums=list(checksums),
         )
 
-    def held_bytes(self) -> torch.Tensor | None:
-        """The held version's bytes (a view; for tests and diagnostics)."""
-        return None if self._held is None else self._held.buffer[: self._held.layout.total_bytes]
+    @property
+    def held(self) -> HostCopy | None:
+        """The held version (its buffer may be longer than its layout's bytes)."""
+        return self._held
 
     def close(self) -> None:
         self.pinning.resume()  # an allocation waiting for a round must not outlive us

@@ -102,7 +102,8 @@ class AgentMetrics:
         ).labels(role)
         recoveries = Counter(
             "weightsync_recoveries_total",
-            "P2P recoveries this agent ran, by result (done, failed).",
+            "Recoveries this agent ran, by result (done, failed): a sink's P2P pulls, a Colocated"
+            " source's reloads of its engine from the held copy.",
             ["role", "result"],
             registry=self.registry,
         )

@@ -22,6 +22,7 @@ from weightsync.agent.engine_watch import EngineWatch
 from weightsync.agent.front import ExposureWatch, Front
 from weightsync.agent.generations import Generations, PlanRejectedError
 from weightsync.agent.holder import Holder
+from weightsync.agent.local_reload import LocalReload
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.recovery import Recovery, RecoveryFailed
 from weightsync.agent.round_book import RoundBook
@@ -137,6 +138,11 @@ class Agent:
         if self.watch is not None:
             self._tasks.append(
                 asyncio.create_task(self._supervise(self.watch.run_forever), name="engine-watch")
+            )
+        if self.source is not None:  # a Colocated plan's engine, reloaded when it needs
+            reload = LocalReload(self.source, self.metrics)
+            self._tasks.append(
+                asyncio.create_task(self._supervise(reload.run_forever), name="local-reload")
             )
         if self.settings.role == Role.SINK and self.adapter is not None:
             loop = SinkLoop(

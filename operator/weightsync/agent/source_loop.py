@@ -100,6 +100,10 @@ class SourceLoop:
     async def close(self) -> None:
         await self.colocated.close()
 
+    def exclusive(self) -> asyncio.Lock:
+        """The lock rounds and attaches hold (`local_reload` takes it too)."""
+        return self._lock
+
     # ---------------------------------------------------------------- attach
     async def attach(
         self, metas: list[TensorMeta], sources: TensorSources | None, boxes: Boxes | None = None

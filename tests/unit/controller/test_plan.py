@@ -310,16 +310,18 @@ def test_the_source_and_the_lowest_sink_ranks_hold(
     assert [plan.holder for plan in plans] == holders
 
 
-def test_a_colocated_group_holds_nothing() -> None:
-    (plan,) = build_plans(
-        sync_name="ns/sync",
-        spec=sync(spec__mode="Colocated").spec,
-        generation=1,
-        members=[source_view()],
-        rendezvous_port=29500,
-        engine=sink_view("e-1"),
-    )
-    assert not plan.holder  # no P2P recovery in Colocated mode: a held copy would be waste
+def test_a_colocated_source_holds_for_its_engine_reloads_unless_recovery_is_off() -> None:
+    """It reloads a restarted engine from the held copy (`agent.local_reload`)."""
+    for recovery, holds in (({}, True), ({"enabled": False}, False)):
+        (plan,) = build_plans(
+            sync_name="ns/sync",
+            spec=sync(spec__mode="Colocated", spec__recovery=recovery).spec,
+            generation=1,
+            members=[source_view()],
+            rendezvous_port=29500,
+            engine=sink_view("e-1"),
+        )
+        assert plan.holder is holds
 
 
 def test_every_source_rank_joins_first_in_rank_order() -> None:

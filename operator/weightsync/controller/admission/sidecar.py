@@ -75,7 +75,7 @@ def agent_container(
         {"name": agent_env.DEVICE, "value": device},
         {"name": agent_env.LOG_LEVEL, "value": template.log_level},
         # Who holds is the plans' business (`plan.holder_ranks`): none when recovery is
-        # off or the group is Colocated, where a held copy would only cost PCIe time.
+        # off; in a Colocated group the source alone (it reloads its engine from it).
         {"name": agent_env.HOLDER, "value": "false"},
     ]
     protocol = sync.spec.recovery.protocol

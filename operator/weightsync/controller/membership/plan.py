@@ -18,8 +18,8 @@ joinable. A new engine pod is a new generation, as a new member would be.
 Holders (P2P recovery): the source agent keeps the latest committed version in host
 memory; `spec.recovery.holders` > 1 asks the lowest-ranked sinks for the rest. Plans
 decide (the webhook sets `WEIGHTSYNC_HOLDER=false` on every agent); with recovery off
-or a Colocated group nobody holds, since a held copy costs a device-to-host copy of
-the model every round. The
+nobody holds, since a held copy costs a device-to-host copy of the model every round; in
+a Colocated group only the source, which reloads its engine from it. The
 lowest ranks are the longest-serving members, so the choice changes only when a holder
 leaves the group.
 """
@@ -311,9 +311,12 @@ def backend_for(members: Sequence[PodView]) -> Backend:
 def holder_ranks(spec: WeightSyncSpec, world_size: int, sources: int = 1) -> frozenset[int]:
     """The ranks asked to hold: rank 0 (the lead source) and the `holders - 1` lowest sink
     ranks (sinks follow the `sources` source ranks; every rank assembles whole versions);
-    none when nothing would pull (recovery off, or Colocated: no P2P recovery)."""
-    if world_size < 1 or not spec.recovery.enabled or spec.mode is SyncMode.COLOCATED:
+    none with recovery off. Colocated: the source alone, which reloads its engine from
+    the held copy when it restarts (`agent.local_reload`)."""
+    if world_size < 1 or not spec.recovery.enabled:
         return frozenset()
+    if spec.mode is SyncMode.COLOCATED:
+        return frozenset({0})
     sinks = range(sources, min(sources + spec.recovery.holders - 1, world_size))
     return frozenset({0, *sinks})
 

@@ -67,7 +67,7 @@ def protocol_condition(
     off = (
         "spec.recovery.enabled is false"
         if not spec.recovery.enabled
-        else "Colocated groups hand weights over on the GPU"
+        else "Colocated groups pull nothing (the trainer's agent reloads its engine)"
         if spec.mode is SyncMode.COLOCATED
         else None
     )

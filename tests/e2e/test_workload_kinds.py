@@ -21,6 +21,7 @@ from tests.cluster.controlplane import LocalCluster
 from tests.cluster.workload_controllers import WorkloadControllers
 from tests.e2e.test_recovery import ROUND_UP, answers, no_tracebacks
 from tests.support.eventually import eventually
+from tests.support.kube import condition
 from tests.support.operator import (
     ENGINE_IMAGE,
     ENGINE_PORT,
@@ -103,14 +104,7 @@ def leaders(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
 def serving(cluster: LocalCluster, namespace: str, version: int) -> list[dict[str, Any]] | None:
     """Both leaders Ready (gate and containers) and running, at `version`; else None."""
     found = [p for p in leaders(cluster, namespace) if p["status"].get("podIP")]
-    ready = [
-        p
-        for p in found
-        if any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in p["status"].get("conditions", [])
-        )
-    ]
+    ready = [p for p in found if condition(p, "Ready") == "True"]
     if len(ready) != 2:
         return None
     if any(engine_digest(p, ENGINE_PORT)["version"] != version for p in ready):

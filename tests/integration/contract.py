@@ -8,6 +8,7 @@ half-sent version; the survivors complete the next round in a new generation.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, stack, wait_warm
 from tests.support.eventually import eventually
 from tests.support.plans import local_plan
+from weightsync.agent.trace import PHASES_LOG_PREFIX
 from weightsync.api.control import (
     Backend,
     LocalEngine,
@@ -98,6 +100,22 @@ def assert_packed_by_the_agent_on_gpu(publisher: Publisher, device: str) -> None
     timings = publisher.last_timings
     assert timings is not None
     assert (timings.buckets == 0) == device.startswith("cuda"), timings
+
+
+def assert_one_copy_on_gpu(source: AgentProc, device: str) -> None:
+    """On GPU a Colocated round packs the trainer's tensors straight into the reference
+    engine's arenas (`DirectStagingRound`: staged, never loaded from a slot); on CPU the
+    Publisher packs into the slots and the engine's arenas are filled from them."""
+    phases = []
+    for line in source.proc.log.read_text(errors="replace").splitlines():
+        at = line.find(PHASES_LOG_PREFIX)
+        if at >= 0:
+            phases.append(set(json.loads(line[at + len(PHASES_LOG_PREFIX) :])["spans"]))
+    assert phases, "the source logged no round"
+    direct = device.startswith("cuda")
+    for spans in phases:
+        assert ("engine_stage" in spans) == direct, spans
+        assert ("engine_load" in spans) == (not direct), spans
 
 
 def expect_served(trainer: LlamaForCausalLM, engines: list[Engine], version: int) -> None:
@@ -290,5 +308,6 @@ def run_colocated(workdir: Path, device: str, rounds: int = 3) -> None:
                     assert result.ok, result
                     assert_packed_by_the_agent_on_gpu(publisher, device)
                     expect_served(trainer, [engine], version)
+        assert_one_copy_on_gpu(source, device)
         assert first.digests()["version"] == rounds  # left alone once replaced
         assert second.health()["version"] == 2 * rounds

@@ -24,6 +24,7 @@ from weightsync.transfer.buffers import (
     SlotError,
     SlotHandles,
     TensorSources,
+    copy_tensors,
     open_sources,
     slot_views,
 )
@@ -59,8 +60,18 @@ class SourcePacker:
         if views is None:
             tensors = self.layout.buckets[bucket].tensors
             views = self._views[(slot, bucket)] = slot_views(slots[slot], tensors)
-        sources = [self.by_name[t.name] for t in self.layout.buckets[bucket].tensors]
-        torch._foreach_copy_(views, sources)
+        torch._foreach_copy_(views, self.sources(bucket))
+
+    def sources(self, bucket: int) -> list[torch.Tensor]:
+        """Bucket `bucket`'s tensors as published, in layout order."""
+        return [self.by_name[t.name] for t in self.layout.buckets[bucket].tensors]
+
+    def pack_into(self, bucket: int, destinations: list[torch.Tensor]) -> None:
+        """Queue bucket `bucket`'s copies into `destinations` (the engine's own staging
+        memory, `EngineAdapter.stage_views`) on the current stream: large tensors one
+        `copy_` each, at the one-GPU D2D floor (one multi-tensor kernel for a whole 8B
+        model measured 1.34x it on an H200: nothing runs beside it here to favour it)."""
+        copy_tensors(destinations, self.sources(bucket))
 
 
 class PackingChannel:

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from weightsync.agent.colocated import ColocatedEngine
+from weightsync.agent.direct_staging import DirectStagingRound
 from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generations
 from weightsync.agent.holder import Holder
@@ -323,7 +324,10 @@ class SourceLoop:
         hold_from = whole.by_name if whole is not None else None
         # Several source ranks: the same round, plus the report exchange and owners' sends.
         make: Callable[..., SourceRound] = SourceRound
-        if sources > 1:
+        alone = generation.plan.world_size == 1  # Colocated: nobody receives the slots
+        if alone and whole is not None and engine is not None and engine.stages_directly:
+            make = partial(DirectStagingRound, packer=whole)  # one copy
+        elif sources > 1:
             make = partial(
                 ShardedSourceRound,
                 report=self._report(layout, generation.plan.rank),

@@ -113,6 +113,21 @@ class EngineAdapter(abc.ABC):
     async def load_bucket(self, slot: int, tensors: Sequence[TensorSlice]) -> None:
         """Apply the tensors now in slot `slot`; return when the slot may be reused."""
 
+    @property
+    def stages_directly(self) -> bool:
+        """Whether `stage_views` hands out the engine's own staging memory now (Colocated:
+        the source agent then packs the trainer's tensors straight into it, one copy)."""
+        return False
+
+    async def stage_views(self, tensors: Sequence[TensorSlice]) -> list[torch.Tensor]:
+        """Stage a bucket of the open update: a view of the engine's own memory for each
+        of `tensors`, in order, for the caller to write (instead of `load_bucket`). The
+        bucket counts as loaded; the caller completes every write before `finish_update`.
+        Only while `stages_directly`."""
+        raise EngineError(
+            EngineErrorReason.UNSUPPORTED, f"{type(self).__name__} takes buckets from slots only"
+        )
+
     @abc.abstractmethod
     async def finish_update(self, version: int) -> None:
         """Make `version` the served version (set weight version, resume generation)."""

@@ -33,6 +33,7 @@ from weightsync.engines.reference_channel import (
     Reply,
     Staged,
     UpdateChannelClient,
+    arena_views,
     copy_spans,
     rows,
 )
@@ -74,6 +75,8 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._push = False  # the engine's arenas are mapped here and filled by us
         self._arenas: dict[int, torch.Tensor] = {}  # arena id -> its bytes, mapped here
         self._arena_round: dict[int, int] = {}  # arena id -> the last round that used it
+        # (arena id, bucket key) -> the bucket's tensors' views in that arena (`stage_views`)
+        self._views: dict[tuple[int, tuple[object, ...]], list[torch.Tensor]] = {}
         self._rounds = 0
         # The buckets of the layout being sent (a key each, see `_bucket_key`): a bucket not
         # among them starts a new layout, whose arenas the engine allocates anew.
@@ -116,6 +119,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._push = False
         self._arenas.clear()
         self._arena_round.clear()
+        self._views.clear()
         self._layout_buckets.clear()
 
     @property
@@ -230,6 +234,30 @@ class ReferenceEngineAdapter(EngineAdapter):
         else:
             await self._post("load", _dumps({"slot": slot, "tensors": rows(tensors)}))
 
+    @property
+    def stages_directly(self) -> bool:
+        return self.copies_here
+
+    async def stage_views(self, tensors: Sequence[TensorSlice]) -> list[torch.Tensor]:
+        if not self.copies_here:
+            raise EngineError(EngineErrorReason.UNSUPPORTED, "the engine's arenas are not mapped")
+        self._note_bucket(tensors)
+        staged = await self._over_channel("stage", lambda c: c.stage(tensors))
+        if not isinstance(staged, Staged):  # a refusal raised already
+            raise EngineError(EngineErrorReason.BAD_REPLY, "stage answered without an arena")
+        self._same_engine(staged.incarnation, "stage")
+        key = (staged.arena, _bucket_key(tensors))
+        views = self._views.get(key)
+        if views is None:
+            arena = await self._arena(staged)
+            if arena is None:  # the next round copies through the slots (`copies_here`)
+                raise EngineError(
+                    EngineErrorReason.UNSUPPORTED, "the engine's arena cannot be mapped here"
+                )
+            views = self._views[key] = arena_views(arena, staged.copies, tensors)
+        self._arena_round[staged.arena] = self._rounds
+        return views
+
     async def _arena(self, staged: Staged) -> torch.Tensor | None:
         """The staged arena mapped here; None (and loads from now on) if it cannot be."""
         arena = self._arenas.get(staged.arena)
@@ -294,6 +322,8 @@ class ReferenceEngineAdapter(EngineAdapter):
             if used < used_before:
                 del self._arena_round[arena_id]
                 self._arenas.pop(arena_id, None)
+                for key in [key for key in self._views if key[0] == arena_id]:
+                    del self._views[key]
 
     async def finish_update(self, version: int) -> None:
         if self._channel is not None:
@@ -363,6 +393,7 @@ class ReferenceEngineAdapter(EngineAdapter):
             self._copier = None
         self._arenas.clear()
         self._arena_round.clear()
+        self._views.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -43,6 +43,9 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from weightsync.api.reasons import EngineErrorReason
+from weightsync.engines._ipc import torch_dtype
+from weightsync.engines.base import EngineError
 from weightsync.transfer.buffers import SlotHandle, copy_tensors
 from weightsync.transfer.handoff import ProtocolError, frame, read_frame
 from weightsync.transfer.layout import TensorSlice
@@ -245,6 +248,22 @@ class UpdateChannelClient:
             if writer is not None:
                 with contextlib.suppress(OSError, ConnectionError):
                     await writer.wait_closed()
+
+
+def arena_views(
+    arena: torch.Tensor, copies: list[tuple[int, int, int]], tensors: Sequence[TensorSlice]
+) -> list[torch.Tensor]:
+    """Where each of a bucket's `tensors` lands in its arena, as typed views: each lies
+    within one span of `copies` (slot offset, arena offset, bytes)."""
+    views = []
+    for t in tensors:
+        end = t.offset + t.nbytes
+        span = next((c for c in copies if c[0] <= t.offset and end <= c[0] + c[2]), None)
+        at = None if span is None else span[1] + t.offset - span[0]
+        if at is None or at + t.nbytes > arena.numel():
+            raise EngineError(EngineErrorReason.BAD_BUCKET, f"{t.name} lies outside its arena")
+        views.append(arena[at : at + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape))
+    return views
 
 
 def copy_spans(

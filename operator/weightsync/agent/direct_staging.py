@@ -57,7 +57,9 @@ class DirectStagingRound(SourceRound):
                 if self._round_error() is not None:
                     break
                 started = self.trace.now()
-                pack = partial(self.packer.pack_into, bucket.index, self._views.pop(bucket.index))
+                views = self._views.pop(bucket.index)
+                beside = self.hold is not None and not self.hold.done()  # the holder's copy
+                pack = partial(self.packer.pack_into, bucket.index, views, kernel=beside)
                 await self.group.run(pack)
                 queued = True
                 self.trace.add("fill", started)

@@ -66,12 +66,17 @@ class SourcePacker:
         """Bucket `bucket`'s tensors as published, in layout order."""
         return [self.by_name[t.name] for t in self.layout.buckets[bucket].tensors]
 
-    def pack_into(self, bucket: int, destinations: list[torch.Tensor]) -> None:
+    def pack_into(self, bucket: int, destinations: list[torch.Tensor], *, kernel: bool) -> None:
         """Queue bucket `bucket`'s copies into `destinations` (the engine's own staging
-        memory, `EngineAdapter.stage_views`) on the current stream: large tensors one
-        `copy_` each, at the one-GPU D2D floor (one multi-tensor kernel for a whole 8B
-        model measured 1.34x it on an H200: nothing runs beside it here to favour it)."""
-        copy_tensors(destinations, self.sources(bucket))
+        memory, `EngineAdapter.stage_views`) on the current stream. Alone, large tensors
+        one `copy_` each: the one-GPU D2D floor (one multi-tensor kernel for a whole 8B
+        model measured 1.34x it on an H200). With `kernel` (the holder's device-to-host
+        copy runs beside, keeping the copy engines busy), one multi-tensor kernel, as in
+        `pack`, so the pack does not queue behind it."""
+        if kernel:
+            torch._foreach_copy_(destinations, self.sources(bucket))
+        else:
+            copy_tensors(destinations, self.sources(bucket))
 
 
 class PackingChannel:

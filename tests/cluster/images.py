@@ -185,9 +185,10 @@ def wheelhouse(extra: str) -> Path:
     return directory
 
 
-def build(spec: ImageSpec) -> ImageInfo:
+def build(spec: ImageSpec, *, context: Path = REPO_ROOT, ref: str | None = None) -> ImageInfo:
     """Build `spec` (layers cached) on the local base from the local wheelhouse, returning
-    its image ID and size."""
+    its image ID and size; from another tree laid out like this one (`context`) as `ref`."""
+    ref = ref or spec.ref
     build_args = {
         spec.base_arg: base_image(),
         "WHEELS": "/wheels",
@@ -196,13 +197,13 @@ def build(spec: ImageSpec) -> ImageInfo:
     volume = f"{wheelhouse(spec.extra)}:/wheels:ro"
     options = ("--isolation", "chroot", "--volume", volume)
     started = time.monotonic()
-    buildah(*build_argv(spec, spec.ref, build_args, options), cwd=REPO_ROOT)
-    image_id = _image_id(spec.ref)
+    buildah(*build_argv(spec, ref, build_args, options), cwd=context)
+    image_id = _image_id(ref)
     if image_id is None:
-        raise ImageBuildError(f"{spec.ref}: built, but buildah does not list it")
+        raise ImageBuildError(f"{ref}: built, but buildah does not list it")
     size = _size_bytes(image_id)
-    log(f"built {spec.ref} ({image_id[:12]}) in {time.monotonic() - started:.0f}s")
-    return ImageInfo(spec.name, spec.ref, image_id, size)
+    log(f"built {ref} ({image_id[:12]}) in {time.monotonic() - started:.0f}s")
+    return ImageInfo(spec.name, ref, image_id, size)
 
 
 def _size_bytes(image_id: str) -> int:

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.controlplane import NodeImages
-from tests.e2e import demo
+from tests.e2e import demo, upgrade
 from tests.support.eventually import Timeouts, eventually
+from weightsync.api.protocol import PROTOCOL_VERSION
 
 # own_node: it runs first, its node importing the images the session cluster's node then
 # finds (one import of each, not two).
-pytestmark = [pytest.mark.e2e, pytest.mark.own_node, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.own_node, pytest.mark.timeout(1200)]
 
 
 def test_demo_scenario(tmp_path: Path, node_images: NodeImages) -> None:
@@ -25,6 +26,10 @@ def test_demo_scenario(tmp_path: Path, node_images: NodeImages) -> None:
         )
         try:
             result = demo.run(stack, rounds=6, kill_at=2)
+            # Then the operator upgraded to the next release (protocol N+1) under training.
+            upgraded = upgrade.run(stack)
+            after_upgrade = stack.wait_ready_condition()
+            print(upgraded.summary())  # what docs/install.md records
             # The operator reads no Secret of a workload namespace (its tokens are derived),
             # nor holds a verb that answers with one (patch, delete).
             reads = {
@@ -78,6 +83,19 @@ def test_demo_scenario(tmp_path: Path, node_images: NodeImages) -> None:
     assert len(result.versions) == 2
     assert set(result.versions.values()) == {versions[-1]}
     assert all(result.identical.values()), result.identical
+    # The upgrade: both operator pods on the next release, no trainer or engine pod
+    # restarted or replaced, rounds on throughout (at most the one in flight at the
+    # Lease's hand-over failed), and a replaced engine recovered by the new operator.
+    assert upgraded.operator_images == [f"weightsync/operator:{upgrade.NEXT_TAG}"] * 2
+    assert upgraded.operator_protocol == PROTOCOL_VERSION + 1
+    assert upgraded.pods_after == upgraded.pods_before
+    assert len(upgraded.pods_before) == 4  # two trainer ranks, two engines
+    assert len(upgraded.rounds) >= 3, upgraded.rounds
+    assert len([r for r in upgraded.rounds if not r.ok]) <= 1, upgraded.rounds
+    assert upgraded.replacement not in ("", upgraded.replaced)
+    assert len(upgraded.identical) == 2, upgraded
+    assert all(upgraded.identical.values()), upgraded
+    assert after_upgrade[0] == "True", after_upgrade
     # The dashboard's round quantiles, drawn from rank 0's histogram, within 10% of those
     # of the same rounds (1 ms for the rounds' rounding to whole milliseconds).
     own = result.own_quantiles_ms()

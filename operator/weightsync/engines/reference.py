@@ -26,6 +26,7 @@ import torch
 from weightsync.api.engines import MemoryTag
 from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
+from weightsync.engines.reference_arenas import MappedArenas
 from weightsync.engines.reference_channel import (
     AbortRequest,
     BeginRequest,
@@ -33,7 +34,6 @@ from weightsync.engines.reference_channel import (
     Reply,
     Staged,
     UpdateChannelClient,
-    arena_views,
     copy_spans,
     rows,
 )
@@ -73,15 +73,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._slots: list[torch.Tensor] = []
         self._incarnation: str | None = None  # the engine process the slots went to
         self._push = False  # the engine's arenas are mapped here and filled by us
-        self._arenas: dict[int, torch.Tensor] = {}  # arena id -> its bytes, mapped here
-        self._arena_round: dict[int, int] = {}  # arena id -> the last round that used it
-        # (arena id, bucket key) -> the bucket's tensors' views in that arena (`stage_views`)
-        self._views: dict[tuple[int, tuple[object, ...]], list[torch.Tensor]] = {}
-        self._rounds = 0
-        # The buckets of the layout being sent (a key each, see `_bucket_key`): a bucket not
-        # among them starts a new layout, whose arenas the engine allocates anew.
-        self._layout_buckets: set[tuple[object, ...]] = set()
-        self._round_buckets: set[tuple[object, ...]] = set()  # those sent this round
+        self._arenas = MappedArenas()  # the engine's staging arenas mapped here
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -118,9 +110,6 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._slots = []
         self._push = False
         self._arenas.clear()
-        self._arena_round.clear()
-        self._views.clear()
-        self._layout_buckets.clear()
 
     @property
     def mapped_arenas(self) -> int:
@@ -203,8 +192,7 @@ class ReferenceEngineAdapter(EngineAdapter):
             log.info("engine updates over %s, buckets %s", self._channel.address, how)
 
     async def begin_update(self, version: int) -> None:
-        self._rounds += 1
-        self._round_buckets = set()
+        self._arenas.begin_round()
         if self._channel is not None:
             reply = await self._over_channel(
                 "begin", lambda c: c.call(BeginRequest(version=version))
@@ -220,11 +208,7 @@ class ReferenceEngineAdapter(EngineAdapter):
                 EngineErrorReason.BAD_SLOT, f"slot {slot} not attached ({len(self._slots)} slots)"
             )
         if self.copies_here:
-            self._note_bucket(tensors)
-            staged = await self._over_channel(f"stage slot {slot}", lambda c: c.stage(tensors))
-            if not isinstance(staged, Staged):  # a refusal raised already
-                raise EngineError(EngineErrorReason.BAD_REPLY, "stage answered without an arena")
-            self._same_engine(staged.incarnation, f"stage slot {slot}")
+            staged = await self._stage(tensors, f"stage slot {slot}")
             arena = await self._arena(staged)
             if arena is not None:
                 await self._copy(self._slots[slot], arena, staged.copies)
@@ -241,22 +225,21 @@ class ReferenceEngineAdapter(EngineAdapter):
     async def stage_views(self, tensors: Sequence[TensorSlice]) -> list[torch.Tensor]:
         if not self.copies_here:
             raise EngineError(EngineErrorReason.UNSUPPORTED, "the engine's arenas are not mapped")
-        self._note_bucket(tensors)
-        staged = await self._over_channel("stage", lambda c: c.stage(tensors))
+        staged = await self._stage(tensors, "stage")
+        if await self._arena(staged) is None:  # the next round copies through the slots
+            raise EngineError(
+                EngineErrorReason.UNSUPPORTED, "the engine's arena cannot be mapped here"
+            )
+        return self._arenas.views(staged.arena, staged.copies, tensors)
+
+    async def _stage(self, tensors: Sequence[TensorSlice], what: str) -> Staged:
+        """Have the engine stage a bucket: the arena it goes to and where in it."""
+        self._arenas.note_bucket(tensors)
+        staged = await self._over_channel(what, lambda c: c.stage(tensors))
         if not isinstance(staged, Staged):  # a refusal raised already
             raise EngineError(EngineErrorReason.BAD_REPLY, "stage answered without an arena")
-        self._same_engine(staged.incarnation, "stage")
-        key = (staged.arena, _bucket_key(tensors))
-        views = self._views.get(key)
-        if views is None:
-            arena = await self._arena(staged)
-            if arena is None:  # the next round copies through the slots (`copies_here`)
-                raise EngineError(
-                    EngineErrorReason.UNSUPPORTED, "the engine's arena cannot be mapped here"
-                )
-            views = self._views[key] = arena_views(arena, staged.copies, tensors)
-        self._arena_round[staged.arena] = self._rounds
-        return views
+        self._same_engine(staged.incarnation, what)
+        return staged
 
     async def _arena(self, staged: Staged) -> torch.Tensor | None:
         """The staged arena mapped here; None (and loads from now on) if it cannot be."""
@@ -276,8 +259,7 @@ class ReferenceEngineAdapter(EngineAdapter):
                 log.warning("cannot map the engine's arenas, the engine copies instead: %s", exc)
                 self._push = False
                 return None
-            self._arenas[staged.arena] = arena
-        self._arena_round[staged.arena] = self._rounds
+            self._arenas.add(staged.arena, arena)
         return arena
 
     async def _copy(
@@ -300,31 +282,6 @@ class ReferenceEngineAdapter(EngineAdapter):
         # this arena is queued behind it on the same stream, so it never lands late.
         await loop.run_in_executor(self._copier, partial(copy_spans, source, arena, copies, stream))
 
-    def _note_bucket(self, tensors: Sequence[TensorSlice]) -> None:
-        """Before a bucket of a new layout is staged, let go of every arena this round has
-        not used: they are the old layout's, which the engine frees only once no process
-        maps them (CUDA IPC keeps an exported block alive while it is open). Without this
-        a GPU engine changing bucket size needs three copies of the model at once."""
-        if not tensors:
-            return
-        key = _bucket_key(tensors)
-        self._round_buckets.add(key)
-        if key not in self._layout_buckets:
-            self._forget_arenas(used_before=self._rounds)
-            self._layout_buckets = set(self._round_buckets)
-
-    def _forget_unused_arenas(self) -> None:
-        """Let go of arenas no round used lately (an old layout's): the engine frees them."""
-        self._forget_arenas(used_before=self._rounds - 1)
-
-    def _forget_arenas(self, *, used_before: int) -> None:
-        for arena_id, used in list(self._arena_round.items()):
-            if used < used_before:
-                del self._arena_round[arena_id]
-                self._arenas.pop(arena_id, None)
-                for key in [key for key in self._views if key[0] == arena_id]:
-                    del self._views[key]
-
     async def finish_update(self, version: int) -> None:
         if self._channel is not None:
             reply = await self._over_channel(
@@ -334,7 +291,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         else:
             body = await self._post("finish", _dumps({"version": version}))
             self._same_engine(body.get("incarnation"), "finish")
-        self._forget_unused_arenas()
+        self._arenas.forget_unused()
 
     async def abort_update(self, version: int, reason: str) -> None:
         if self._channel is not None:
@@ -342,7 +299,7 @@ class ReferenceEngineAdapter(EngineAdapter):
             await self._over_channel("abort", lambda c: c.call(request))
         else:
             await self._post("abort", _dumps({"version": version, "reason": reason}))
-        self._forget_unused_arenas()  # rounds that keep failing must not keep old arenas
+        self._arenas.forget_unused()  # rounds that keep failing must not keep old arenas
 
     async def release_memory(self, tags: frozenset[MemoryTag]) -> frozenset[MemoryTag]:
         if not tags:
@@ -350,8 +307,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         reply = await self._post("release", _dumps({"tags": sorted(tags)}), api="memory")
         self._same_engine(reply.get("incarnation"), "release")
         if MemoryTag.WEIGHTS in tags:  # unmap every arena, or the release frees nothing
-            self._forget_arenas(used_before=self._rounds + 1)
-            self._layout_buckets.clear()
+            self._arenas.forget_all()
         return frozenset(MemoryTag(tag) for tag in reply.get("released", ()))
 
     async def resume_memory(self, tags: frozenset[MemoryTag]) -> None:
@@ -392,8 +348,6 @@ class ReferenceEngineAdapter(EngineAdapter):
             self._copier.shutdown(wait=True)
             self._copier = None
         self._arenas.clear()
-        self._arena_round.clear()
-        self._views.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -409,10 +363,3 @@ def _json(text: str) -> dict[str, Any]:
     except ValueError:
         return {"message": text}
     return value if isinstance(value, dict) else {"message": text}
-
-
-def _bucket_key(tensors: Sequence[TensorSlice]) -> tuple[object, ...]:
-    """A bucket's identity for telling layouts apart, in constant time: where it starts
-    and ends in the slot, and with which tensors."""
-    first, last = tensors[0], tensors[-1]
-    return (len(tensors), first.name, first.offset, last.name, last.offset + last.nbytes)

@@ -68,6 +68,10 @@ def _rank(rank: int, port: int, out: str) -> None:
             "refused": refused,
         }
         Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        # Every rank past its last collective before any tears its groups down: a rank
+        # destroying the mesh's groups while a peer still talks to it aborted once in
+        # gloo ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

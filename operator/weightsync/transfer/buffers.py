@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import os
 import threading
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
@@ -23,6 +22,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from weightsync.transfer import shm_files
 from weightsync.transfer.layout import TensorSlice
 
 
@@ -264,7 +264,7 @@ class BucketSlots:
             raise SlotError(f"pipeline depth must be at least 1, got {depth}")
         self.capacity = capacity
         self.device = device
-        self._paths: list[Path] = []
+        self._files: list[tuple[Path, int]] = []  # CPU slots' files and their locks
         self.slots: list[torch.Tensor] = []
         try:
             for index in range(depth):
@@ -279,10 +279,8 @@ class BucketSlots:
             return torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
         if self.device.type != "cpu":
             raise SlotError(f"unsupported slot device {self.device}")
-        path = Path(shm_dir) / f"weightsync-{os.getpid()}-{uuid.uuid4().hex[:12]}-{index}"
-        # 0o660: the engine container shares the pod's fsGroup, not necessarily our uid.
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
-        self._paths.append(path)
+        path, fd = shm_files.create(shm_dir, index)
+        self._files.append((path, fd))  # locked while we keep it (`shm_files`)
         try:
             # Reserve the pages now: a tmpfs that runs out while a slot is written kills
             # this process with SIGBUS; here it is an error that says what is missing.
@@ -294,8 +292,6 @@ class BucketSlots:
                 f"needs {self.capacity} ({exc.strerror}): mount a larger memory-backed "
                 f"volume at {shm_dir}, or lower transfer.bucketSizeBytes"
             ) from exc
-        finally:
-            os.close(fd)
         tensor = torch.from_file(str(path), shared=True, size=self.capacity, dtype=torch.uint8)
         with _registry_lock:
             _shm_registry[tensor.untyped_storage().data_ptr()] = ShmSlotHandle(
@@ -308,9 +304,9 @@ class BucketSlots:
         with _registry_lock:
             for slot in self.slots:
                 _shm_registry.pop(slot.untyped_storage().data_ptr(), None)
-        for path in self._paths:
-            path.unlink(missing_ok=True)
-        self._paths.clear()
+        for path, fd in self._files:
+            shm_files.release(path, fd)
+        self._files.clear()
 
 
 _DTYPES: dict[str, torch.dtype] = {}

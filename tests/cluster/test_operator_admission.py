@@ -31,6 +31,7 @@ from tests.support.operator import (
 from weightsync.api import reasons
 from weightsync.controller import names
 from weightsync.controller.membership.workloads import parse_time
+from weightsync.controller.runtime.timing import WORKLOAD_GRACE_SECONDS
 
 pytestmark = pytest.mark.cluster
 
@@ -127,15 +128,23 @@ def test_invalid_references_and_claimed_workloads_are_reported_not_crashed_on(
         found = reason(sync_status(cluster, namespace), "Ready")
         return found[1] if found and found[0] == "False" else None
 
-    assert eventually(ready_reason, timeout=Timeouts.API) == reasons.TRAINER_NOT_FOUND
+    # Moments after its creation a missing workload is pending (it may come with the
+    # same apply), then, still missing after the grace, the user's error.
+    assert eventually(ready_reason, timeout=Timeouts.API) == reasons.WORKLOAD_PENDING
+    eventually(
+        lambda: ready_reason() == reasons.TRAINER_NOT_FOUND,
+        timeout=Timeouts.API + WORKLOAD_GRACE_SECONDS, message="Ready=False TrainerNotFound",
+    )  # fmt: skip
     # Level-based: creating the StatefulSet moves the reason on without touching the spec.
     apply(cluster, namespace, trainer(inject=False, local=False))
     eventually(
         lambda: ready_reason() == reasons.DEPLOYMENT_NOT_FOUND,
         timeout=Timeouts.API, message="Ready=False DeploymentNotFound",
     )  # fmt: skip
-    warnings = {r for t, r in events(cluster, namespace) if t == "Warning"}
+    posted = events(cluster, namespace)
+    warnings = {r for t, r in posted if t == "Warning"}
     assert {reasons.TRAINER_NOT_FOUND, reasons.DEPLOYMENT_NOT_FOUND} <= warnings
+    assert ("Normal", reasons.WORKLOAD_PENDING) in posted
 
     # The validating webhook refuses a second WeightSync for the same workloads.
     second = weightsync("second")

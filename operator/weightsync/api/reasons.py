@@ -29,6 +29,13 @@ def listing(items: Sequence[str], shown: int = 5) -> str:
 INVALID_SPEC: Final = "InvalidSpec"
 INVALID_SPEC_MESSAGE: Final = "The spec is invalid: {errors}"
 
+# Ready=False: a referenced workload does not exist yet, in a WeightSync created moments
+# ago (applied together with its workloads, in whatever order): not yet the user's error.
+WORKLOAD_PENDING: Final = "WorkloadPending"
+WORKLOAD_PENDING_MESSAGE: Final = (
+    "{kind} {name} does not exist yet; it is reported missing if it still does not"
+    " {grace:g} s after this WeightSync was created."
+)
 # Ready=False: a referenced workload does not exist.
 TRAINER_NOT_FOUND: Final = "TrainerNotFound"
 TRAINER_NOT_FOUND_MESSAGE: Final = "{kind} {name} does not exist in this namespace."

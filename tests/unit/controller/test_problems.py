@@ -52,3 +52,17 @@ def test_source_ranks_the_trainer_never_runs_are_named(
     reason, message = problem
     assert reason == reasons.RANKS_BEYOND_TRAINER
     assert message.startswith(f"spec.trainer.sourceRanks lists {beyond}, but StatefulSet trainer")
+
+
+def test_a_workload_missing_from_a_young_weightsync_is_pending_not_missing() -> None:
+    spec = sync()
+    reason, message = unmet(spec, None, {"engine-a": {}}, pending_for=10.0) or ("", "")
+    assert reason == reasons.WORKLOAD_PENDING
+    assert "trainer" in message
+    assert "10 s" in message
+    pending = unmet(spec, statefulset(1), {"engine-a": None}, pending_for=10.0)
+    assert pending is not None
+    assert pending[0] == reasons.WORKLOAD_PENDING
+    assert "engine-a" in pending[1]
+    # Everything there: nothing pending, whatever the age.
+    assert unmet(spec, statefulset(1), {"engine-a": {}}, pending_for=10.0) is None

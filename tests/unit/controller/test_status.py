@@ -245,6 +245,18 @@ def test_a_problem_sets_ready_false_keeps_the_rest_and_warns() -> None:
     assert event.type == "Warning"
 
 
+def test_a_pending_workload_is_a_normal_event_and_missing_after_the_grace_a_warning() -> None:
+    pending = problem_status(WeightSyncStatus(), 1, reasons.WORKLOAD_PENDING, "not yet", NOW)
+    assert set(conditions(pending).values()) == {("False", reasons.WORKLOAD_PENDING)}
+    (event,) = transition_events(WeightSyncStatus(), pending)
+    assert (event.type, event.reason) == ("Normal", reasons.WORKLOAD_PENDING)
+    # Still missing after the grace: the user's error, every condition saying so.
+    missing = problem_status(pending, 1, reasons.TRAINER_NOT_FOUND, "gone", NOW)
+    assert set(conditions(missing).values()) == {("False", reasons.TRAINER_NOT_FOUND)}
+    (event,) = transition_events(pending, missing)
+    assert (event.type, event.reason) == ("Warning", reasons.TRAINER_NOT_FOUND)
+
+
 def test_a_failed_pod_left_behind_is_not_waited_for() -> None:
     # A killed engine pod stays in phase Failed beside its replacement; Ready counts the
     # pods that can take part.

@@ -29,12 +29,21 @@ from weightsync.controller.cluster.cache import Indexes, newest
 from weightsync.controller.cluster.kube import Kube, NotCachedError
 from weightsync.controller.cluster.pod_actions import WEBHOOK_SETTLE_SECONDS
 from weightsync.controller.membership.owners import WorkloadRef, workload_refs
-from weightsync.controller.membership.workloads import PodView, World, planned_sources, sync_pods
+from weightsync.controller.membership.workloads import (
+    PodView,
+    World,
+    parse_time,
+    planned_sources,
+    sync_pods,
+)
 from weightsync.controller.passes.actions import Outcome
 from weightsync.controller.passes.memory import Memory
 from weightsync.controller.runtime.tasks import Tasks
+from weightsync.controller.runtime.timing import WORKLOAD_GRACE_SECONDS
 from weightsync.controller.settings import OperatorSettings
 from weightsync.controller.status.problems import claimed, stored_status, unmet
+
+WORKLOAD_GRACE = timedelta(seconds=WORKLOAD_GRACE_SECONDS)
 
 # How long a pass waits for new agents' first answers; the late ones are recorded when
 # they come, and bring a pass of their own.
@@ -148,7 +157,12 @@ class Observer:
         world = await self.world(namespace, *workload_refs(sync))
         laps("observe")
         token = tokens.derive(self.token_key, namespace, sync.metadata.name or "")
-        absent = unmet(sync, world.trainer, world.engines)
+        # Applied together with its workloads, a WeightSync may come first: for a moment
+        # a workload it names is pending, not missing (no Warning for a normal apply).
+        created = parse_time(raw["metadata"].get("creationTimestamp"))
+        young = created is not None and utc_now() - created < WORKLOAD_GRACE
+        grace = WORKLOAD_GRACE.total_seconds() if young else None
+        absent = unmet(sync, world.trainer, world.engines, pending_for=grace)
         if absent is not None:  # its pods may come with the workload: their token first
             return blocked(Outcome.WAITING, absent, token)
         pods = sync_pods(sync, world)

@@ -26,6 +26,9 @@ PASS_TIMEOUT_SECONDS: Final = 120.0
 # Between two calls of a handler that raised: kopf's own default
 # (`settings.execution.default_backoff`), the operator's behaviour before it was explicit.
 HANDLER_BACKOFF_SECONDS: Final = 60.0
+# A WeightSync applied with its workloads may come first: a workload it names that is
+# missing this long after its creation is the user's error (a Warning), not before.
+WORKLOAD_GRACE_SECONDS: Final = 10.0
 # How long kopf keeps calling a handler that raises, from its first call.
 HANDLER_TIMEOUT_SECONDS: Final = 600.0
 # A WeightSync deleted while one of its timers runs keeps its finalizer until that call

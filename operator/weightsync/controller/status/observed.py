@@ -104,7 +104,9 @@ def problem_status(
     }
     for kind in CONDITION_ORDER[1:]:
         found = find_condition(old.conditions, kind)
-        if found is None or found.status == ConditionStatus.UNKNOWN:
+        # A workload pending on an earlier pass is no longer (it came, or is missing now).
+        pending = found is not None and found.reason == reasons.WORKLOAD_PENDING
+        if found is None or found.status == ConditionStatus.UNKNOWN or pending:
             updates.append(ConditionUpdate(kind, blocked[kind], reason, message))
     conditions = set_conditions(
         old.conditions, updates, observed_generation=metadata_generation, now=now

@@ -57,21 +57,37 @@ def unmet(
     sync: WeightSync,
     trainer: Mapping[str, Any] | None,
     engines: Mapping[str, Mapping[str, Any] | None],
+    *,
+    pending_for: float | None = None,
 ) -> Problem | None:
     """The first named workload that does not exist, or listed source ranks the trainer
-    never runs."""
+    never runs. `pending_for`: the WeightSync is younger than that many seconds, and a
+    workload that does not exist yet is pending, not missing."""
     spec = sync.spec
     if trainer is None:
         message = reasons.TRAINER_NOT_FOUND_MESSAGE.format(
             kind=spec.trainer.kind, name=spec.trainer.name
         )
-        return (reasons.TRAINER_NOT_FOUND, message)
+        return _pending(spec.trainer.kind, spec.trainer.name, pending_for) or (
+            reasons.TRAINER_NOT_FOUND,
+            message,
+        )
     kinds = {entry.name: entry.kind for entry in spec.inference}
     for name, engine in engines.items():
         if engine is None:
             message = reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(kind=kinds[name], name=name)
-            return (reasons.DEPLOYMENT_NOT_FOUND, message)
+            return _pending(kinds[name], name, pending_for) or (
+                reasons.DEPLOYMENT_NOT_FOUND,
+                message,
+            )
     return ranks_beyond(sync, trainer)
+
+
+def _pending(kind: str, name: str, pending_for: float | None) -> Problem | None:
+    if pending_for is None:
+        return None
+    message = reasons.WORKLOAD_PENDING_MESSAGE.format(kind=kind, name=name, grace=pending_for)
+    return reasons.WORKLOAD_PENDING, message
 
 
 def ranks_beyond(sync: WeightSync, workload: Mapping[str, Any]) -> Problem | None:

@@ -48,6 +48,7 @@ import pytest
 from tests.cluster.controlplane import LocalCluster
 from tests.e2e.test_recovery import (
     AGENT_HTTP_PORT,
+    OVERRUN_LIMIT_SECONDS,
     agent_status,
     answers,
     in_group,
@@ -89,7 +90,6 @@ FAULTS = int(os.environ.get("CHAOS_FAULTS", "10"))  # CI: each kind once
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600 + 90 * FAULTS)]
 SEED = int(os.environ.get("CHAOS_SEED", "15"))
 TIMEOUT_SECONDS = 8  # transfer.timeoutSeconds: a frozen engine fails rounds fast
-OVERRUN_LIMIT_SECONDS = 2.0
 AGENT_METRICS_PORT = 9470  # the operator's default for the agents' metrics
 CONVERGE_SECONDS = 240.0
 ALL_KINDS = (

@@ -59,6 +59,10 @@ ROUND_UP = 120.0
 SLOW_BUCKET_BYTES = 4 << 20  # the small preset in 27 buckets
 BUCKET_DELAY_SECONDS = 0.05  # per bucket on the engines' agents: rounds of ~1.5 s
 TRANSFER_TIMEOUT_SECONDS = 30  # `weightsync()`'s transfer.timeoutSeconds
+# A failed round ends within its timeout plus its failure path's grace: telling the peers,
+# reading their accounts, aborting the engine (`agent.rounds.FAILURE_GRACE_SECONDS` each
+# at worst; 1.02 s the most seen in 571 failed rounds of the 100-fault matrix).
+OVERRUN_LIMIT_SECONDS = 2.0
 AGENT_HTTP_PORT = 8470  # the operator's default for the agents' control API
 
 
@@ -289,7 +293,10 @@ def test_engines_replaced_mid_round_fail_the_round_together_or_miss_it(
                 result = publish.result(timeout=ROUND_UP)
             new = trainer_digest(trainer_ip)
             assert result["version"] == new["version"] == old["version"] + 1
-            assert result["duration_seconds"] < TRANSFER_TIMEOUT_SECONDS, result
+            # A round the transport cannot fail early (the victim's connections were not
+            # closed) fails at its deadline: 31.02 s once in CI.
+            overrun = result["duration_seconds"] - TRANSFER_TIMEOUT_SECONDS
+            assert overrun <= OVERRUN_LIMIT_SECONDS, result
             left = engine_digest(survivor, ENGINE_PORT)
             if result["ok"]:
                 assert left == new  # completed without the victim

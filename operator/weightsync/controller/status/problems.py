@@ -65,29 +65,18 @@ def unmet(
     workload that does not exist yet is pending, not missing."""
     spec = sync.spec
     if trainer is None:
-        message = reasons.TRAINER_NOT_FOUND_MESSAGE.format(
-            kind=spec.trainer.kind, name=spec.trainer.name
-        )
-        return _pending(spec.trainer.kind, spec.trainer.name, pending_for) or (
-            reasons.TRAINER_NOT_FOUND,
-            message,
-        )
-    kinds = {entry.name: entry.kind for entry in spec.inference}
-    for name, engine in engines.items():
-        if engine is None:
-            message = reasons.DEPLOYMENT_NOT_FOUND_MESSAGE.format(kind=kinds[name], name=name)
-            return _pending(kinds[name], name, pending_for) or (
-                reasons.DEPLOYMENT_NOT_FOUND,
-                message,
-            )
-    return ranks_beyond(sync, trainer)
-
-
-def _pending(kind: str, name: str, pending_for: float | None) -> Problem | None:
-    if pending_for is None:
-        return None
-    message = reasons.WORKLOAD_PENDING_MESSAGE.format(kind=kind, name=name, grace=pending_for)
-    return reasons.WORKLOAD_PENDING, message
+        reason, kind, name = reasons.TRAINER_NOT_FOUND, str(spec.trainer.kind), spec.trainer.name
+        message = reasons.TRAINER_NOT_FOUND_MESSAGE
+    else:
+        absent = [name for name, engine in engines.items() if engine is None]
+        if not absent:
+            return ranks_beyond(sync, trainer)
+        kinds = {entry.name: entry.kind for entry in spec.inference}
+        reason, kind, name = reasons.DEPLOYMENT_NOT_FOUND, str(kinds[absent[0]]), absent[0]
+        message = reasons.DEPLOYMENT_NOT_FOUND_MESSAGE
+    if pending_for is not None:
+        reason, message = reasons.WORKLOAD_PENDING, reasons.WORKLOAD_PENDING_MESSAGE
+    return reason, message.format(kind=kind, name=name, grace=pending_for)
 
 
 def ranks_beyond(sync: WeightSync, workload: Mapping[str, Any]) -> Problem | None:

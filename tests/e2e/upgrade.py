@@ -127,9 +127,15 @@ def run(stack: demo.Demo) -> Upgrade:
     stepping = threading.Event()
     stepping.set()
 
+    failed: list[BaseException] = []
+
     def train() -> None:
-        while stepping.is_set():
-            upgrade.rounds.append(stack.step())
+        try:
+            while stepping.is_set():
+                upgrade.rounds.append(stack.step())
+        except BaseException as exc:  # a step that errs (not a failed round) ends the test
+            failed.append(exc)
+            raise
 
     trainer = threading.Thread(target=train, name="upgrade-trainer", daemon=True)
     trainer.start()
@@ -157,6 +163,8 @@ def run(stack: demo.Demo) -> Upgrade:
     finally:
         stepping.clear()
         trainer.join(timeout=demo.ROUND_SECONDS)
+    if failed:
+        raise demo.DemoError(f"a step failed during the upgrade: {failed[0]!r}") from failed[0]
     upgrade.pods_after = _workload_pods(stack)
     upgrade.operator_images = sorted(
         p["spec"]["containers"][0]["image"] for p in _operator_pods(stack)

@@ -20,7 +20,7 @@ import torch
 
 from tests.engines_real.agents import publish_versions
 from tests.engines_real.replay_real import replay
-from tests.engines_real.rig import SLOT_BYTES, state, trainer
+from tests.engines_real.rig import SLOT_BYTES, get_json, state, trainer
 from tests.engines_real.servers import EngineServer
 from tests.engines_real.serving import ASSERT_SERVES, Weights, assert_generates
 from tests.support.engine_contract import EngineContract, EngineUnderTest
@@ -44,6 +44,7 @@ class RealEngine(EngineUnderTest):
     def __init__(self, server: EngineServer) -> None:
         self.server = server
         self.engine = ENGINES[server.name]
+        self.holds_torn = server.name == "vllm"
         self.url = server.url
         self.loop = asyncio.new_event_loop()
         self.buffers: list[BucketSlots] = []
@@ -67,6 +68,9 @@ class RealEngine(EngineUnderTest):
 
     def assert_at_rest(self) -> None:
         assert_generates(self.server.name, self.url)
+
+    def assert_holds_requests(self) -> None:
+        assert get_json(f"{self.url}/is_paused") == {"is_paused": True}
 
     def kill(self) -> None:
         os.killpg(self.server.process.pid, signal.SIGKILL)

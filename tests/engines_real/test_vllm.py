@@ -1,11 +1,14 @@
 """What only vLLM does, on a real vLLM 0.32.0 server (the CPU build, weights over
 /dev/shm through the "weightsync_shm" backend): its pause modes with a request in flight,
-and a failed load repaired. The contract every engine keeps is `test_contract.py`.
+and a failed load repaired, the torn engine holding requests until the next round.
+The contract every engine keeps is `test_contract.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 import pytest
@@ -115,8 +118,13 @@ def test_failed_update_is_repaired_and_the_engine_says_it_is_torn(
     health = link.run(link.adapter.health())
     assert health.healthy
     assert health.torn  # a load reached vLLM: it cannot tell what stayed
-    # The failing run was the first: nothing of it was loaded, the old weights serve.
-    choice = completion(engine_server.url, PROMPT, 8)["choices"][0]
-    assert choice["token_ids"] == reference_tokens(old, PROMPT, 8)
-    link.run(link.sync(state(new), 33))
+    # Torn, it stays paused: a request waits, never generating on the torn model, until
+    # the next round's pause (abort mode) ends it for the client to retry.
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(completion, engine_server.url, PROMPT, 8)
+        with pytest.raises(FuturesTimeout):
+            waiting.result(timeout=3)
+        link.run(link.sync(state(new), 33))
+        ended = waiting.result(timeout=60)["choices"][0]
+    assert (ended["token_ids"], ended["finish_reason"]) == ([], "abort")
     assert_vllm_serves(engine_server.url, state(new), 33)

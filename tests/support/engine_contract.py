@@ -7,9 +7,11 @@ an `EngineUnderTest`: an adapter built the one way agents build theirs
 (`for_engine(url)`), attached to two bucket slots, plus what the test may ask the engine
 itself (what it serves, whether it is paused), never through the adapter under test.
 
-Engines differ in one way the contract names: an engine that *stages* (the reference
+Engines differ in two ways the contract names: an engine that *stages* (the reference
 engine) keeps serving its old version when a round is aborted after a load; one that
-loads in place (SGLang, vLLM) reports itself torn until a full round (`engines.base`).
+loads in place (SGLang, vLLM) reports itself torn until a full round (`engines.base`),
+and either generates meanwhile (SGLang) or *holds* its requests, paused, until that round
+(vLLM: `RoundAdapter.resumes_torn`).
 What each engine does beyond this (routes, payloads, pause modes) is tested per engine.
 """
 
@@ -68,6 +70,7 @@ class EngineUnderTest(abc.ABC):
 
     engine: Engine
     stages: bool  # an abort after a load keeps the old version serving (else: torn)
+    holds_torn = False  # torn, it stays paused until a full round (else: it generates)
     sequence_reason: str  # the reason a call out of order is refused with
     # Frees and brings back its memory between Colocated rounds (`release_memory`) where
     # the tier can run it: its tier runs `MemoryContract` on it too.
@@ -100,6 +103,10 @@ class EngineUnderTest(abc.ABC):
     @abc.abstractmethod
     def assert_at_rest(self) -> None:
         """Assert, asking the engine itself, that no update is open and it generates."""
+
+    def assert_holds_requests(self) -> None:
+        """Assert, asking the engine itself, that no update is open and it is paused."""
+        raise NotImplementedError(f"{self} does not hold requests while torn")
 
     def resident_bytes(self) -> int:
         """What the engine holds in memory now, asking the engine itself."""
@@ -319,7 +326,10 @@ class EngineContract:
         engine.run(engine.adapter.begin_update(2))
         engine.run(engine.load(second, limit=1))
         engine.run(engine.adapter.abort_update(2, "broadcast failed"))
-        engine.assert_at_rest()
+        if engine.holds_torn:
+            engine.assert_holds_requests()
+        else:
+            engine.assert_at_rest()
         health = engine.run(engine.adapter.health())
         assert health.healthy
         if engine.stages:
@@ -331,6 +341,7 @@ class EngineContract:
         repaired = engine.run(engine.adapter.health())
         assert (repaired.version, repaired.torn) == (3, False)
         engine.assert_serves(third, 3)
+        engine.assert_at_rest()
 
     def test_a_restarted_agent_finds_what_the_old_one_left_and_recovers(
         self, engine: EngineUnderTest

@@ -10,8 +10,10 @@ endpoints to the engine modules:
   then read the label back: anything but the finished version is an error;
 * abort: close the session, repair what a failed load left (`_repair`: vLLM's model on
   the meta device), write the old label back if nothing was loaded (the old weights are
-  intact), resume. After a load the marker stays and `health` says torn. An engine whose
-  repair failed is not resumed: it would serve, or crash on, a half-built model.
+  intact), resume. After a load the marker stays and `health` says torn; an engine that
+  cannot generate safely while torn (`resumes_torn` false: vLLM) stays paused, its
+  requests queued for the next complete round. An engine whose repair failed is not
+  resumed: it would serve, or crash on, a half-built model.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
 
     engine_name = "engine"
     settings_class: type[SettingsT]  # the settings model, built by its from_weightsync
+    # Whether a torn engine (an aborted round reached it) may generate until the next
+    # complete round. Where false it stays paused: requests wait, none is answered by it.
+    resumes_torn = True
 
     def __init__(self, settings: SettingsT | str) -> None:
         if isinstance(settings, str):
@@ -247,22 +252,22 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
         await self._unwind(round_)
 
     async def _unwind(self, round_: Round | None) -> None:
-        """Leave the engine serving; raise only if it could not be resumed."""
+        """Leave the engine serving, or paused where it is torn and may not serve so;
+        raise if it could not be resumed, or left paused as a step failed."""
         self._round = None
-        failures: list[str] = []
+        failures: list[EngineError] = []
         if round_ is not None and round_.session_open:
             try:
                 await self._close_session()
             except EngineError as err:
-                failures.append(str(err))
+                failures.append(err)
         if round_ is not None:
             try:
                 await self._repair(round_)
             except EngineError as err:
                 raise EngineError(
                     err.reason,
-                    f"{self.engine_name} left paused, not resumed: {err}"
-                    + "".join(f"; {failure}" for failure in failures),
+                    f"{self.engine_name} left paused, not resumed: {_joined([err, *failures])}",
                 ) from err
         if round_ is not None and round_.marked and round_.loads_attempted == 0:
             # Nothing reached the engine: the old weights are intact and the old label true.
@@ -270,14 +275,25 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
             try:
                 await self._write_label(previous if isinstance(previous, str) else "default")
             except EngineError as err:
-                failures.append(str(err))
+                failures.append(err)
+        if round_ is not None and round_.loads_attempted and not self.resumes_torn:
+            if failures:
+                raise EngineError(
+                    failures[0].reason,
+                    f"{self.engine_name} left paused, torn: {_joined(failures)}",
+                ) from failures[0]
+            log.warning(
+                "%s left paused after aborting update %d: torn, requests wait for a complete round",
+                self._http.base_url,
+                round_.version,
+            )
+            return
         try:
             await self._resume_unless_asleep()
         except EngineError as err:
-            failures.append(str(err))
-            raise EngineError(err.reason, "; ".join(failures)) from err
+            raise EngineError(err.reason, _joined([*failures, err])) from err
         if failures:
-            log.warning("abort on %s: %s", self._http.base_url, "; ".join(failures))
+            log.warning("abort on %s: %s", self._http.base_url, _joined(failures))
 
     async def _resume_unless_asleep(self) -> None:
         # Generation restarted while part of the engine's memory is still released would
@@ -354,3 +370,7 @@ class RoundAdapter(EngineAdapter, Generic[SettingsT]):
 
     async def close(self) -> None:
         await self._http.close()
+
+
+def _joined(errors: Sequence[EngineError]) -> str:
+    return "; ".join(str(err) for err in errors)

@@ -152,6 +152,11 @@ class RecordedFake(InProcess):
         assert not self.fake.in_session
         assert self.fake.healthy
 
+    def assert_holds_requests(self) -> None:
+        assert self.fake.paused
+        assert not self.fake.in_session
+        assert self.fake.healthy
+
     def kill(self) -> None:
         self.fake.controls.crashed = True
 
@@ -167,6 +172,7 @@ class SGLangFake(RecordedFake):
 class VLLMFake(RecordedFake):
     engine = Engine.VLLM
     stages = False
+    holds_torn = True
 
     def __init__(self, tmp_path: Path) -> None:
         super().__init__(tmp_path, FakeVLLM(model=zeros_like_model(make_model())))

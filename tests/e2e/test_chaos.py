@@ -24,7 +24,10 @@ Watched the whole time, and asserted at the end:
 * the largest overrun of a failed round past `transfer.timeoutSeconds`: at most 2 s;
 * rounds that failed with `internal_error` (an exception no handler names): 0.
 
-The report (printed with `-s`) is what docs/reliability.md records.
+Convergence is reported from the fault's start and from its end, and for a fault that
+kills a container, also less the kubelet's wait to restart it (its crash-loop back-off:
+not weightsync's time). The report (printed with `-s`) is what docs/reliability.md
+records.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -119,6 +123,10 @@ class Report:
     # The same, counted from the fault's end: a partition or a freeze lasts 2 timeouts, a
     # holder kill first replaces a pod and waits for its recovery to start.
     after_fault: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # A killed container's restart waits on the kubelet: from its end to the new one's
+    # start. A container killed again soon after its last restart waits out the kubelet's
+    # crash-loop back-off (here up to 10 s, then its pod worker's 10-15 s requeue).
+    kubelet_wait: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     stale_ready: list[tuple[str, Any, Any]] = field(default_factory=list)
     not_bit_exact: list[tuple[str, int]] = field(default_factory=list)
     engine_pods: set[str] = field(default_factory=set)
@@ -142,6 +150,15 @@ class Report:
             "converge_p50_p99_max_seconds": {k: _spread(ts) for k, ts in self.converge.items()},
             "after_fault_p50_p99_max_seconds": {
                 kind: _spread(ts) for kind, ts in self.after_fault.items()
+            },
+            "kubelet_wait_p50_p99_max_seconds": {
+                kind: _spread(ts) for kind, ts in self.kubelet_wait.items()
+            },
+            # weightsync's part: after the fault, less the kubelet's wait to restart.
+            "after_fault_less_kubelet_p50_p99_max_seconds": {
+                kind: _spread([t - w for t, w in zip(ts, self.kubelet_wait[kind], strict=True)])
+                for kind, ts in self.after_fault.items()
+                if kind in self.kubelet_wait
             },
             "stale_ready": len(self.stale_ready),
             "ok_not_bit_exact": len(self.not_bit_exact),
@@ -344,13 +361,25 @@ def _restarts(pod: dict[str, Any]) -> int:
     return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
 
 
+Killed = tuple[str, str]  # a container killed by a fault: its pod's name, its name
+
+
 def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorProcess,
-           rng: random.Random, *, publisher: Publisher, token: str) -> None:  # fmt: skip
+           rng: random.Random, *, publisher: Publisher, token: str) -> Killed | None:  # fmt: skip
+    """Inject one fault of `kind`; the container it killed, if it killed one."""
     victims = pods(cluster, namespace, "engine")
     victim = rng.choice(victims)
     if kind == "engine_restart":
         kill_container(cluster.node, victim, "engine")
-    elif kind == "engine_replace":
+        return victim["metadata"]["name"], "engine"
+    if kind == "agent_kill":
+        kill_container(cluster.node, victim, names.AGENT_CONTAINER)
+        return victim["metadata"]["name"], names.AGENT_CONTAINER
+    if kind == "holder_kill":
+        with publisher.paused():
+            holder = holder_killed_during_recovery(cluster, namespace, victims, token)
+        return holder["metadata"]["name"], names.AGENT_CONTAINER
+    if kind == "engine_replace":
         replace_pod(cluster, victim)
     elif kind == "engine_freeze":
         pid = int(str(running_container(cluster.node, victim, "engine")["pid"]))
@@ -359,8 +388,6 @@ def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorP
             time.sleep(2 * TIMEOUT_SECONDS)
         finally:
             os.kill(pid, signal.SIGCONT)
-    elif kind == "agent_kill":
-        kill_container(cluster.node, victim, names.AGENT_CONTAINER)
     elif kind == "operator_kill":
         operator.stop(signal.SIGKILL)
         time.sleep(rng.uniform(1.0, 5.0))
@@ -382,16 +409,36 @@ def inject(kind: str, cluster: LocalCluster, namespace: str, operator: OperatorP
         spare = (ENGINE_PORT, AGENT_HTTP_PORT, AGENT_METRICS_PORT)
         with corrupted(cluster.node, victim, "engine", spare):
             time.sleep(2 * TIMEOUT_SECONDS)
-    elif kind == "holder_kill":
-        with publisher.paused():
-            holder_killed_during_recovery(cluster, namespace, victims, token)
     else:
         raise ValueError(kind)
+    return None
+
+
+def kubelet_wait(cluster: LocalCluster, namespace: str, killed: Killed) -> float:
+    """Seconds between the killed container's end and its restart's start, as the kubelet
+    records them (whole seconds); 0 where the pod is gone or did not restart it."""
+    pod_name, container = killed
+    for pod in pods(cluster, namespace, "engine"):
+        if pod["metadata"]["name"] != pod_name:
+            continue
+        status = pod["status"]
+        for found in (status.get("initContainerStatuses") or []) + (
+            status.get("containerStatuses") or []
+        ):
+            ended = (found.get("lastState") or {}).get("terminated", {}).get("finishedAt")
+            began = (found.get("state") or {}).get("running", {}).get("startedAt")
+            if found["name"] == container and ended and began:
+                return max(_seconds(began) - _seconds(ended), 0.0)
+    return 0.0
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def holder_killed_during_recovery(
     cluster: LocalCluster, namespace: str, victims: list[dict[str, Any]], token: str
-) -> None:
+) -> dict[str, Any]:
     """Replace the engine pod that does not hold a copy, and kill the holder's agent
     once the replacement's recovery has started (the tiny model's pull takes
     milliseconds: `test_recovery` kills a holder mid-pull with slowed buckets). The
@@ -419,6 +466,7 @@ def holder_killed_during_recovery(
 
     eventually(recovering, timeout=PODS_UP, interval=0.05, message="the replacement recovering")
     kill_container(cluster.node, holder, names.AGENT_CONTAINER)
+    return holder
 
 
 def schedule(rng: random.Random, count: int) -> list[str]:
@@ -533,7 +581,7 @@ def run_faults(
     for number, kind in enumerate(schedule(rng, FAULTS), start=1):
         started, stepped, seen = time.monotonic(), publisher.uid, len(report.rounds)
         at = time.strftime("%H:%M:%S")
-        inject(kind, cluster, namespace, operator, rng, publisher=publisher, token=token)
+        killed = inject(kind, cluster, namespace, operator, rng, publisher=publisher, token=token)
         injected = time.monotonic() - started
         report.faults[kind] += 1
         if kind == "bucket_corrupt":
@@ -558,8 +606,12 @@ def run_faults(
             raise
         report.converge[kind].append(time.monotonic() - started)
         report.after_fault[kind].append(report.converge[kind][-1] - injected)
+        waited = ""
+        if killed is not None:
+            report.kubelet_wait[kind].append(kubelet_wait(cluster, namespace, killed))
+            waited = f", the kubelet's restart {report.kubelet_wait[kind][-1]:.0f} s"
         print(f"[chaos] {number}/{FAULTS} {kind}: converged in"
               f" {report.converge[kind][-1]:.1f} s (from {at}; the fault itself"
-              f" took {injected:.1f} s of it)", flush=True)  # fmt: skip
+              f" took {injected:.1f} s of it{waited})", flush=True)  # fmt: skip
         assert publisher.error is None, publisher.error
         time.sleep(rng.uniform(0.0, 3.0))

@@ -6,7 +6,8 @@ and the operator plans both as members (`trainer-0[0]`, `trainer-0[1]`) beside t
 engine. Each rank publishes its own shards; the engine serves the trainer's full
 weights bit for bit. When the sidecar container is killed, the kubelet restarts it in
 place, the operator plans both ranks into a new generation, and the next step reaches
-the engine again.
+the engine again. In Colocated mode the same pod feeds an engine of two tensor-parallel
+workers on its node, each loading its own copy.
 """
 
 from __future__ import annotations
@@ -111,6 +112,42 @@ def test_a_pod_of_two_ranks_publishes_from_both_and_survives_its_sidecar_restart
     assert result["ok"]
     eventually(lambda: engine_digest(engine, ENGINE_PORT) == trainer_digest(ip),
                timeout=ROUND_UP, message="engine at the trainer's weights")  # fmt: skip
+    no_tracebacks(cluster, operator, namespace)
+
+
+def test_a_pod_of_two_ranks_feeds_its_colocated_engine_of_two_workers(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """Colocated: both ranks' agents form the group alone (no engine member); the lead
+    hands each bucket to the engine on the pod's node, a copy for each of its two
+    tensor-parallel workers, and both workers serve the trainer's weights bit for bit."""
+    sync = weightsync()
+    sync["spec"]["mode"] = "Colocated"
+    sync["spec"]["trainer"].update(sourceRanks=["all"], ranksPerPod=2)
+    deployment = engines(replicas=1)
+    deployment["spec"]["template"]["spec"]["containers"][0]["command"] += ["--tp", "2"]
+    apply(cluster, namespace, two_rank_trainer(), deployment, sync)
+
+    def group_of(count: int) -> tuple[int | None, list[str]] | None:
+        generation, warm = _members(cluster, namespace)
+        return (generation, warm) if len(warm) == count else None
+
+    _, warm = eventually(lambda: group_of(2), timeout=PODS_UP, message="both ranks warm")
+    assert warm == RANKS  # the engine is no member: the lead loads it
+    (pod,) = pods(cluster, namespace, "trainer")
+    ip = pod["status"]["podIP"]
+    eventually(lambda: answers(f"http://{ip}:{TRAINER_PORT}/digest"), timeout=PODS_UP,
+               message="trainer serving")  # fmt: skip
+    for _ in range(2):
+        result = step(ip)
+        assert result["ok"], result
+    (engine,) = eventually(lambda: ready(cluster, namespace, "engine", 1), timeout=ROUND_UP,
+                           message="engine Ready")  # fmt: skip
+    assert engine["spec"]["nodeName"] == pod["spec"]["nodeName"]
+    want = trainer_digest(ip)
+    served = engine_digest(engine, ENGINE_PORT)
+    assert (served["version"], served["tensors"]) == (want["version"], want["tensors"])
+    assert [w["tensors"] == want["tensors"] for w in served["workers"]] == [True, True]
     no_tracebacks(cluster, operator, namespace)
 
 

@@ -1,6 +1,11 @@
 """The Colocated engine a source agent loads: its adapter, the slot epoch it attached, and
 the memory it released while the trainer trained.
 
+With several source ranks (every rank of the trainer pod, the engine tensor parallel over
+the same GPUs) the lead, rank 0, drives the engine alone: the ranks assemble each bucket
+in the lead's slots (`ShardedSourceRound`), the lead copies it to a slot on each other
+rank's GPU and the engine's worker i reads the copy on its own GPU.
+
 `Publisher.release()` frees what the plan's `memory_release` names; the next round wakes
 the weights before any bucket moves and the KV cache once the round is over, so the GPU
 never holds the engine's KV cache beside a model still arriving, nor two models. An
@@ -20,9 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
+
 from weightsync.agent.engine_adapter import adapter_for
 from weightsync.agent.rounds import RoundFailed
-from weightsync.api.control import LocalEngine
+from weightsync.agent.slot_pool import slot_devices
+from weightsync.api.control import LocalEngine, MembershipPlan
 from weightsync.api.engines import MemoryTag, released_tags
 from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
@@ -30,11 +38,25 @@ from weightsync.engines.base import EngineAdapter, EngineError
 log = logging.getLogger(__name__)
 
 
+def lead_engine(plan: MembershipPlan) -> LocalEngine | None:
+    """The Colocated engine this rank drives: the lead's (rank 0) alone. With several
+    source ranks the others only send their pieces; the lead loads the engine."""
+    return plan.local_engine if plan.rank == 0 else None
+
+
+def engine_devices(device: torch.device, sources: int) -> list[torch.device]:
+    """Where a Colocated lead keeps copies of its slots: its own device, then one per
+    other source rank's GPU (local rank i on cuda:i; the engine's worker i reads the copy
+    on its GPU). On CPU the copies are distinct shared-memory slots, one per worker."""
+    visible = torch.cuda.device_count() if device.type == "cuda" else 0
+    return slot_devices(str(device), sources, visible)
+
+
 class ColocatedEngine:
     def __init__(self, timeout_seconds: float) -> None:
         self._timeout = timeout_seconds
         self._planned: tuple[LocalEngine, EngineAdapter] | None = None
-        self.epoch = -1  # the slot epoch the engine attached
+        self.epoch = -1  # the slots' `engine_epoch` the engine attached
         self.asleep: frozenset[MemoryTag] = frozenset()  # released, not woken yet
 
     async def adapter(self, planned: LocalEngine) -> EngineAdapter:

@@ -28,9 +28,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from weightsync.agent.colocated import lead_engine
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.api.reasons import RecoveryFailureReason
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
+from weightsync.transfer.broadcast import TransferError
 
 if TYPE_CHECKING:
     from weightsync.agent.source_loop import SourceLoop
@@ -83,9 +85,10 @@ class LocalReload:
         async with loop.exclusive():
             plan = loop.generations.newest_plan()
             version = loop.book.committed()[0]
-            if not self._ready() or plan is None or plan.local_engine is None or version is None:
+            planned = lead_engine(plan) if plan is not None else None
+            if not self._ready() or planned is None or version is None:
                 return False
-            engine = await loop.colocated.adapter(plan.local_engine)
+            engine = await loop.colocated.adapter(planned)
             try:
                 health = await asyncio.wait_for(engine.health(), HEALTH_TIMEOUT_SECONDS)
             except (EngineError, TimeoutError):
@@ -98,7 +101,7 @@ class LocalReload:
                 self._needed_since = now
             if now - self._needed_since < SETTLE_SECONDS:
                 return False
-            return await self._reload(engine, plan.local_engine.pod, health)
+            return await self._reload(engine, planned.pod, health)
 
     def _ready(self) -> bool:
         """A local engine is planned and awake, and the held copy is what was committed."""
@@ -108,7 +111,7 @@ class LocalReload:
         held = loop.holder.held
         return (
             plan is not None
-            and plan.local_engine is not None
+            and lead_engine(plan) is not None
             and version is not None
             and held is not None
             and (held.version, held.lineage) == (version, lineage)
@@ -127,8 +130,7 @@ class LocalReload:
         )  # fmt: skip
         timeout = loop.engine_timeout
         try:
-            await asyncio.wait_for(engine.attach_buffers(slots.slots), timeout)
-            loop.colocated.epoch = loop.pool.epoch
+            await asyncio.wait_for(loop.attach_engine(engine), timeout)
             await asyncio.wait_for(engine.begin_update(held.version), timeout)
             try:
                 for bucket in held.layout.buckets:
@@ -137,17 +139,20 @@ class LocalReload:
                     source = held.buffer[start : start + bucket.nbytes]
                     target = slots.slots[index][: bucket.nbytes]
                     await asyncio.to_thread(target.copy_, source)
+                    await loop.pool.replicate(index, bucket.nbytes).wait()  # engine devices
                     await asyncio.wait_for(engine.load_bucket(index, bucket.tensors), timeout)
                 await asyncio.wait_for(engine.finish_update(held.version), timeout)
             except BaseException:
                 await self._abort(engine, held.version)
                 raise
-        except (EngineError, TimeoutError) as exc:
+        except (EngineError, TimeoutError, TransferError) as exc:
             self._failures += 1
             first, most = BACKOFF_SECONDS
             self._retry_at = time.monotonic() + min(first * 2 ** (self._failures - 1), most)
             if isinstance(exc, EngineError):
                 self._metrics.recovery_failed(f"engine_{exc.reason}")
+            elif isinstance(exc, TransferError):
+                self._metrics.recovery_failed(RecoveryFailureReason.REPLICA_FAILED)
             else:
                 self._metrics.recovery_failed(RecoveryFailureReason.ENGINE_TIMEOUT)
             log.warning("reloading the colocated engine of %s failed: %r", pod, exc)

@@ -4,13 +4,15 @@ Each source rank offers the report of what its trainer rank holds; the lead (ran
 plans the round from every rank's report and rings the doorbell; the others follow its
 header. Each bucket then travels as one broadcast per segment from the rank that owns
 it, and every source rank assembles the full bucket in its own slots (the lead's
-checksums and the holders read it there).
+checksums and the holders read it there). A Colocated lead then loads its engine from
+them (copied to each of the engine's devices first), before the slot is reused.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
 import torch
@@ -22,9 +24,11 @@ from weightsync.agent.holder import Holder
 from weightsync.agent.packing import PiecePacker
 from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RoundFailed
 from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
+from weightsync.agent.slot_pool import Replica
 from weightsync.agent.source import FillChannel, SourceRound
 from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter
+from weightsync.transfer.assembly import SlotRoutes
 from weightsync.transfer.broadcast import TransferError, written_checksum
 from weightsync.transfer.buffers import BucketSlots, SlotHandles
 from weightsync.transfer.layout import Bucket, BucketLayout
@@ -33,6 +37,8 @@ from weightsync.transfer.shards import RankReport, ShardPlan, staging_bound
 # The slots for the round's layout and staging bytes, and their new handles when they
 # had to be reallocated (the Publisher maps them).
 Resize = Callable[[BucketLayout, int], tuple[BucketSlots, SlotHandles | None]]
+# Copies a slot's first bytes to the local engine's other devices (`SlotPool.replicate`).
+Replicate = Callable[[int, int], Replica]
 
 
 class ShardedSourceRound(SourceRound):
@@ -54,6 +60,8 @@ class ShardedSourceRound(SourceRound):
         hold_from: Mapping[str, torch.Tensor] | None = None,
         deadline: float | None = None,
         packer: PiecePacker | None = None,
+        replicate: Replicate | None = None,
+        attach: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         super().__init__(
             generation,
@@ -72,6 +80,8 @@ class ShardedSourceRound(SourceRound):
         self.plans = plans  # where the round's plan is made, once per set of reports
         self.resize = resize
         self.packer = packer  # this rank's blocks mapped here: the agent packs its pieces
+        self.replicate = replicate  # copies a slot to the local engine's other devices
+        self.attach = attach  # attaches the local engine to the slots again if they changed
 
     async def _start_sharded(self, report: RankReport) -> ShardPlan:
         """Offer this rank's report; the lead gathers every rank's, plans, and rings the
@@ -142,26 +152,21 @@ class ShardedSourceRound(SourceRound):
             self.slots, new_handles = self.resize(self.layout, staging)
         if self.packer is not None:
             self.channel = self.packer.channel(self.slots.slots, self.group.run)
+        if self.lane is not None:  # a Colocated lead: its engine reads the slots resized
+            if self.attach is not None:
+                self.lane.submit("attach", "engine_attach", self.attach)
+            super()._begin_local()
         routes = self.plans.routes(plan, self.slots.slots)
         transport, depth, rank = self.group.transport, len(self.slots.slots), self.me.rank
         pending: deque[tuple[Bucket, list[dist.Work | None]]] = deque()
         checksums: list[int] = []
-
-        async def complete(bucket: Bucket, works: list[dist.Work | None]) -> None:
-            await self._wait_sent(works, "slot_wait")
-            slot_index = bucket.index % depth
-            if routes.staged:
-                await self.group.run(partial(routes.place, bucket.index, slot_index))
-            view = self.slots.slots[slot_index][: bucket.nbytes]
-            if self.checksum and rank == 0:
-                checksums.append(await self.group.run(partial(written_checksum, view, bucket)))
-            if self.holder is not None:
-                await self.holder.stage(self.version, self.layout, bucket, view, depth)
-
+        loads: dict[int, asyncio.Task[None]] = {}  # slot -> the engine's load reading it
         for bucket in self.layout.buckets:
             slot_index = bucket.index % depth
             if len(pending) == depth:
-                await complete(*pending.popleft())
+                await self._complete(routes, *pending.popleft(), checksums, loads)
+            if self.lane is not None and slot_index in loads:  # the engine reads it yet
+                await self.lane.wait(loads.pop(slot_index))
             pieces = routes.fill_offsets(bucket.index, rank)
             if pieces and self._round_error() is None:
                 started = self.trace.now()
@@ -177,6 +182,48 @@ class ShardedSourceRound(SourceRound):
             self.trace.add("issue", started)
             pending.append((bucket, works))
         while pending:
-            await complete(*pending.popleft())
+            await self._complete(routes, *pending.popleft(), checksums, loads)
+        if self.lane is not None:
+            started = self.trace.now()
+            await self.lane.drain()
+            self.trace.add("engine_drain", started)
         self.trace.mark("streamed")
         return checksums
+
+    async def _complete(
+        self,
+        routes: SlotRoutes,
+        bucket: Bucket,
+        works: list[dist.Work | None],
+        checksums: list[int],
+        loads: dict[int, asyncio.Task[None]],
+    ) -> None:
+        """A bucket's broadcasts are done: place its staged pieces, checksum it (the lead),
+        hold it, and have a Colocated lead's engine load it (`loads`, by slot)."""
+        await self._wait_sent(works, "slot_wait")
+        depth = len(self.slots.slots)
+        slot_index = bucket.index % depth
+        if routes.staged:
+            await self.group.run(partial(routes.place, bucket.index, slot_index))
+        view = self.slots.slots[slot_index][: bucket.nbytes]
+        if self.checksum and self.me.rank == 0:
+            checksums.append(await self.group.run(partial(written_checksum, view, bucket)))
+        if self.holder is not None:
+            await self.holder.stage(self.version, self.layout, bucket, view, depth)
+        if self.lane is not None and self._round_error() is None:  # a Colocated lead
+            load = partial(self._load_engine, slot_index, bucket)
+            loads[slot_index] = self.lane.submit(f"load bucket {bucket.index}", "engine_load", load)
+
+    def _begin_local(self) -> None:
+        """Not before the round's plan: the slots may be resized for it (`_stream`)."""
+
+    async def _load_engine(self, slot: int, bucket: Bucket) -> None:
+        """The local engine loads an assembled bucket from every copy of its slot."""
+        engine = self.local_engine
+        if engine is None:
+            return
+        if self.replicate is not None:
+            started = self.trace.now()
+            await self.replicate(slot, bucket.nbytes).wait()
+            self.trace.add("replica_wait", started)
+        await engine.load_bucket(slot, bucket.tensors)

@@ -81,6 +81,7 @@ class SlotPool:
         self.slots: BucketSlots | None = None
         self.copies: list[BucketSlots] = []  # on devices[1:], in that order
         self.epoch = 0  # bumps on reallocation; consumers re-attach when it changes
+        self.engine_epoch = 0  # bumps when the slots or their copies change (an engine's)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # one per target device
         self._copier: ThreadPoolExecutor | None = None
 
@@ -123,7 +124,33 @@ class SlotPool:
             raise
         self.slots, self.copies = allocated[0], allocated[1:]
         self.epoch += 1
+        self.engine_epoch += 1
         return self.slots
+
+    def use_devices(self, devices: Sequence[torch.device]) -> None:
+        """Keep the copies on `devices[1:]` from now on; `devices[0]` must be the
+        receiving device, whose slots stay as they are (whoever maps them keeps them).
+        A Colocated lead learns from its plan that its engine spans its source ranks'
+        devices."""
+        if list(devices) == self.devices:
+            return
+        if not devices or devices[0] != self.device:
+            raise SlotError(f"the copies of the slots on {self.device} cannot start at {devices}")
+        for copy in self.copies:
+            copy.close()
+        self.devices, self.copies = [self.device], []
+        self.engine_epoch += 1
+        copies: list[BucketSlots] = []
+        current = self.slots
+        try:
+            if current is not None:
+                depth, capacity = len(current.slots), current.capacity
+                copies.extend(BucketSlots(depth, capacity, d, self.shm_dir) for d in devices[1:])
+        except BaseException:
+            for copy in copies:
+                copy.close()
+            raise
+        self.devices, self.copies = list(devices), copies
 
     def engine_slots(self) -> list[torch.Tensor]:
         """Every copy of every slot, grouped by device in `devices` order, each group in

@@ -92,6 +92,7 @@ class SourceRound(RankRound):
         self.lane = (
             EngineLane(engine_timeout_seconds, self.trace, self.deadline) if local_engine else None
         )
+        self.begun = False  # the local engine's update was opened (an abort must close it)
 
     def _round_error(self) -> RoundFailed | None:
         if self.error is not None:
@@ -204,6 +205,13 @@ class SourceRound(RankRound):
             return nullcontext()
         return self.holder.votes.voting()
 
+    def _begin_local(self) -> None:
+        """Open the local engine's update, on its lane ahead of the first load."""
+        engine, lane = self.local_engine, self.lane
+        if engine is not None and lane is not None:
+            self.begun = True
+            lane.submit("begin", "engine_begin", lambda: engine.begin_update(self.version))
+
     async def _commit_local(self) -> None:
         engine, lane = self.local_engine, self.lane
         if engine is None or lane is None:
@@ -232,9 +240,7 @@ class SourceRound(RankRound):
         started = time.monotonic()
         number = self.generation.number
         try:
-            engine, lane = self.local_engine, self.lane
-            if engine is not None and lane is not None:
-                lane.submit("begin", "engine_begin", lambda: engine.begin_update(self.version))
+            self._begin_local()
             checksums = await self._stream()
             if self.checksum and self.me.rank == 0:
                 payload = json.dumps(checksums)
@@ -295,7 +301,7 @@ class SourceRound(RankRound):
         )
 
     async def _abort_local(self, reason: str) -> None:
-        if self.local_engine is None:
+        if self.local_engine is None or not self.begun:
             return
         if self.lane is not None:
             await self.lane.cancel()  # the engine takes one call at a time

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from weightsync.agent.colocated import ColocatedEngine
+from weightsync.agent.colocated import ColocatedEngine, engine_devices, lead_engine
 from weightsync.agent.direct_staging import DirectStagingRound
 from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generations
@@ -37,7 +37,7 @@ from weightsync.api.engines import MemoryTag
 from weightsync.api.reasons import FailureReason
 from weightsync.engines.base import EngineAdapter, EngineError
 from weightsync.transfer.broadcast import TransferError
-from weightsync.transfer.buffers import BucketSlots, SlotHandles, TensorSources
+from weightsync.transfer.buffers import BucketSlots, SlotError, SlotHandles, TensorSources
 from weightsync.transfer.handoff import (
     Attached,
     Boxes,
@@ -225,7 +225,7 @@ class SourceLoop:
         to train); the next round wakes it."""
         plan = self.generations.newest_plan()
         async with self._lock:
-            freed = await self.colocated.release(plan.local_engine if plan else None)
+            freed = await self.colocated.release(lead_engine(plan) if plan else None)
         return Released(tags=sorted(freed))
 
     async def fence(self, version: int, clean: bool) -> Fenced:
@@ -298,15 +298,19 @@ class SourceLoop:
             raise RoundFailed(
                 FailureReason.LAYOUT_MISMATCH, "the bucket slots changed: attach again"
             )
-        planned = generation.plan.local_engine
+        planned = lead_engine(generation.plan)
         engine = await self.colocated.adapter(planned) if planned else self.own_engine
         await self.colocated.wake(MemoryTag.WEIGHTS)  # before any bucket, if released
-        if engine is not None and self.colocated.epoch != self.pool.epoch:
+        if planned is not None:  # every source rank's GPU holds a copy for the engine
             try:
-                await asyncio.wait_for(engine.attach_buffers(slots.slots), self.engine_timeout)
+                self.pool.use_devices(engine_devices(self.device, sources))
+            except SlotError as exc:
+                raise RoundFailed(FailureReason.ENGINE_ATTACH_FAILED, str(exc)) from exc
+        if engine is not None and self.colocated.epoch != self.pool.engine_epoch:
+            try:
+                await asyncio.wait_for(self.attach_engine(engine), self.engine_timeout)
             except (EngineError, TimeoutError) as exc:
                 raise RoundFailed(FailureReason.ENGINE_ATTACH_FAILED, f"attach: {exc!r}") from exc
-            self.colocated.epoch = self.pool.epoch
         packer = self._packer
         if packer is not None and (sources > 1) != isinstance(packer, PiecePacker):
             raise RoundFailed(
@@ -334,6 +338,8 @@ class SourceLoop:
                 plans=self.plans,
                 resize=partial(self._resize, transfer.pipeline_depth),
                 packer=packer if isinstance(packer, PiecePacker) else None,
+                replicate=self.pool.replicate,
+                attach=partial(self._attach_if_changed, engine) if engine else None,
             )
         runner = make(
             generation,
@@ -349,6 +355,15 @@ class SourceLoop:
             deadline=deadline,
         )
         return await runner.run(), runner.hold
+
+    async def attach_engine(self, engine: EngineAdapter) -> None:
+        """Attach the Colocated engine to every copy of the slots (one per engine device)."""
+        await engine.attach_buffers(self.pool.engine_slots(), self.pool.copy_count)
+        self.colocated.epoch = self.pool.engine_epoch
+
+    async def _attach_if_changed(self, engine: EngineAdapter) -> None:
+        if self.colocated.epoch != self.pool.engine_epoch:
+            await self.attach_engine(engine)
 
     def _report(self, layout: BucketLayout, rank: int) -> RankReport:
         """This rank's report of what it holds, made once per attach and rank (its JSON and

@@ -163,8 +163,8 @@ class MembershipPlan(_Message):
                 raise ValueError(f"rank {self.rank} and source_count disagree on its role")
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not a member of the plan")
-        if self.mode == SyncMode.COLOCATED and self.world_size != 1:
-            raise ValueError("a Colocated plan has only the source member")
+        if self.mode == SyncMode.COLOCATED and self.source_count != self.world_size:
+            raise ValueError("a Colocated plan has only source members (the lead loads the engine)")
         if self.local_engine is not None and self.mode != SyncMode.COLOCATED:
             raise ValueError("only a Colocated plan names a local engine")
         return self

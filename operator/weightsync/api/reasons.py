@@ -312,6 +312,7 @@ class RecoveryFailureReason(StrEnum):
     DESTINATION_TOO_SMALL = "destination_too_small"
     # The engine, and the recovery itself.
     ENGINE_TIMEOUT = "engine_timeout"
+    REPLICA_FAILED = "replica_failed"  # copying a bucket to another of the engine's devices
     YIELDED = "yielded"  # a round started: it brings the engine the version anyway
     INTERNAL_ERROR = "internal_error"
 

@@ -61,7 +61,7 @@ def test_valid_plan_defaults() -> None:
             },
             r"got source ranks \[0, 2\]",
         ),
-        ({"mode": "Colocated"}, "only the source"),
+        ({"mode": "Colocated"}, "only source members"),
         ({"transfer": {"pipeline_depth": 0}}, "pipeline_depth"),
         ({"backend": "mpi"}, "backend"),
         ({"unknown": 1}, "Extra inputs"),

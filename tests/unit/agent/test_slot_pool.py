@@ -97,6 +97,30 @@ def test_a_larger_layout_reallocates_every_copy(tmp_path: Path) -> None:
         pool.close()
 
 
+def test_copies_added_later_keep_the_receiving_slots(tmp_path: Path) -> None:
+    # A Colocated lead learns from its plan that its engine spans two devices: the slots
+    # the Publisher maps stay, the copies are new and the engine must attach again.
+    pool = SlotPool([CPU], str(tmp_path))
+    try:
+        slots = pool.ensure(LAYOUT, depth=2)
+        epoch, engine_epoch = pool.epoch, pool.engine_epoch
+        pool.use_devices([CPU, CPU])
+        assert (pool.slots, pool.epoch, pool.copy_count) == (slots, epoch, 2)
+        assert pool.engine_epoch == engine_epoch + 1
+        assert [c.capacity for c in pool.copies] == [slots.capacity]
+        pool.use_devices([CPU, CPU])  # the same devices: nothing changes
+        assert pool.engine_epoch == engine_epoch + 1
+        nbytes = LAYOUT.buckets[0].nbytes
+        slots.slots[1][:nbytes].fill_(7)
+        asyncio.run(pool.replicate(1, nbytes).wait())
+        assert bool((pool.copies[0].slots[1][:nbytes] == 7).all())
+        with pytest.raises(SlotError, match="cannot start"):
+            pool.use_devices([torch.device("meta"), CPU])
+    finally:
+        pool.close()
+    assert not list(tmp_path.iterdir())
+
+
 def test_one_device_needs_no_copy(tmp_path: Path) -> None:
     pool = SlotPool([CPU], str(tmp_path))
     try:

@@ -277,8 +277,30 @@ CREATE_CASES = [
         rule=SOURCE_RANKS_FORM,
     ),
     Invalid(
-        "colocated-all-ranks",
+        "colocated-all-ranks-without-ranks-per-pod",
         weightsync().set("spec.mode", "Colocated").set("spec.trainer.sourceRanks", ["all"]).build(),
+        "spec.trainer.sourceRanks",
+        COLOCATED_ONE_SOURCE.message,
+        rule=COLOCATED_ONE_SOURCE,
+    ),
+    Invalid(
+        "colocated-ranks-of-two-pods",
+        weightsync()
+        .set("spec.mode", "Colocated")
+        .set("spec.trainer.ranksPerPod", 2)
+        .set("spec.trainer.sourceRanks", [1, 2])
+        .build(),
+        "spec.trainer.sourceRanks",
+        COLOCATED_ONE_SOURCE.message,
+        rule=COLOCATED_ONE_SOURCE,
+    ),
+    Invalid(
+        "colocated-part-of-a-pods-ranks",
+        weightsync()
+        .set("spec.mode", "Colocated")
+        .set("spec.trainer.ranksPerPod", 4)
+        .set("spec.trainer.sourceRanks", [0, 1])
+        .build(),
         "spec.trainer.sourceRanks",
         COLOCATED_ONE_SOURCE.message,
         rule=COLOCATED_ONE_SOURCE,
@@ -296,7 +318,7 @@ CREATE_CASES = [
         "Duplicate value: 0",
     ),
     Invalid(
-        "colocated-several-source-ranks",
+        "colocated-several-source-ranks-without-ranks-per-pod",
         weightsync().set("spec.mode", "Colocated").set("spec.trainer.sourceRanks", [0, 1]).build(),
         "spec.trainer.sourceRanks",
         COLOCATED_ONE_SOURCE.message,

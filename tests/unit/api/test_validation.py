@@ -125,6 +125,18 @@ def test_immutable_field_change_is_rejected(case: InvalidUpdate) -> None:
     assert raised.value.errors == (FieldError(case.path, case.rule.message),)
 
 
+@pytest.mark.parametrize(
+    ("ranks", "per_pod"), [([0], None), ([3], 2), ([0, 1], 2), ([2, 3], 2), (["all"], 4)]
+)
+def test_colocated_takes_one_rank_or_every_rank_of_one_pod(
+    ranks: list[int | str], per_pod: int | None
+) -> None:
+    built = weightsync().set("spec.mode", "Colocated").set("spec.trainer.sourceRanks", ranks)
+    if per_pod is not None:
+        built = built.set("spec.trainer.ranksPerPod", per_pod)
+    assert parse_weightsync(built.build()).spec.trainer.source_ranks == ranks
+
+
 def test_mutable_fields_may_change() -> None:
     before = parse_weightsync(weightsync().build())
     after = parse_weightsync(

@@ -118,6 +118,32 @@ def test_colocated_groups_hold_only_the_source_and_name_an_engine_on_its_node() 
     assert "node-a" in alone.waiting_for
 
 
+def test_colocated_groups_hold_every_rank_of_the_trainer_pod_and_the_lead_drives() -> None:
+    spec = sync(
+        spec__mode="Colocated", spec__trainer__sourceRanks=["all"], spec__trainer__ranksPerPod=2
+    ).spec
+    ranks = [source_view(f"trainer-0[{r}]", rank=r) for r in (0, 1)]
+    engine = sink_view("e-1", ip="10.0.1.1")
+    pods = [*ranks, engine]
+    desired = desired_members(spec, pods, {p.name for p in pods}, [], sources=[0, 1])
+    assert names_of(desired.members) == ["trainer-0[0]", "trainer-0[1]"]
+    assert desired.engine_pod == "e-1"
+    plans = build_plans(
+        sync_name="ns/sync", spec=spec, generation=2, members=list(desired.members),
+        rendezvous_port=29470, engine=engine,
+    )  # fmt: skip
+    assert [(p.world_size, p.source_count, p.holder) for p in plans] == [
+        (2, 2, True),
+        (2, 2, False),
+    ]
+    assert {p.local_engine.pod if p.local_engine else None for p in plans} == {"e-1"}
+    # A rank on another node (a trainer of two pods under [all]): no group, and why.
+    apart = [ranks[0], source_view("trainer-1[0]", rank=2, node="node-b"), engine]
+    split = desired_members(spec, apart, {p.name for p in apart}, [], sources=[0, 2])
+    assert not split.formable
+    assert "trainer-1[0]" in split.waiting_for
+
+
 def test_a_colocated_plan_tells_the_source_where_its_engine_listens() -> None:
     spec = sync(
         spec__mode="Colocated",

@@ -1,5 +1,5 @@
-"""`spec.mode` and what Colocated mode adds: one engine, one source rank, and
-`spec.colocated`, what the engine gives back while the trainer trains.
+"""`spec.mode` and what Colocated mode adds: one engine, one source rank or every rank of
+one trainer pod, and `spec.colocated`, what the engine gives back while the trainer trains.
 
 In Colocated mode the trainer and the engine share GPUs. RL loops put the engine to
 sleep while training (vLLM sleep/wake, SGLang release/resume memory occupation) and wake
@@ -46,11 +46,17 @@ COLOCATED_ONE_INFERENCE = CelRule(
 )
 COLOCATED_ONE_SOURCE = CelRule(
     rule="self.mode != 'Colocated' || !has(self.trainer.sourceRanks)"
-    " || (size(self.trainer.sourceRanks) == 1 && type(self.trainer.sourceRanks[0]) == int)",
+    " || (size(self.trainer.sourceRanks) == 1 && type(self.trainer.sourceRanks[0]) == int)"
+    " || (has(self.trainer.ranksPerPod) && (self.trainer.sourceRanks == ['all']"
+    " || (size(self.trainer.sourceRanks) == self.trainer.ranksPerPod"
+    " && self.trainer.sourceRanks.all(r, type(r) == int"
+    " && int(r) / self.trainer.ranksPerPod"
+    " == int(self.trainer.sourceRanks[0]) / self.trainer.ranksPerPod))))",
     message=(
-        "Colocated mode hands one source rank's full tensors to the engine on its GPU: list"
-        " one rank (an engine assembling its tensors from several ranks on its node is not"
-        " supported; publish full tensors from one rank, or use Disaggregated)"
+        "Colocated mode hands the engine on the trainer pod's GPUs either one rank's full"
+        " tensors (list one rank) or every rank of that one pod (set ranksPerPod and list all"
+        " of the pod's ranks, or [all] with one trainer pod): the engine runs tensor parallel"
+        " over the same GPUs"
     ),
     field_path=".trainer.sourceRanks",
 )

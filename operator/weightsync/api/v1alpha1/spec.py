@@ -196,6 +196,19 @@ class TrainerSpec(ApiModel):
         """The listed ranks, in order (none when every rank publishes)."""
         return sorted(r for r in self.source_ranks if isinstance(r, int))
 
+    def colocatable(self) -> bool:
+        """Whether the source ranks can feed one engine on their GPUs (Colocated): one
+        rank, or every rank of one pod (`[all]` with `ranksPerPod` set: the operator
+        waits, saying so, while the trainer has several pods)."""
+        listed, per_pod = self.listed_ranks(), self.ranks_per_pod
+        if len(self.source_ranks) == 1 and len(listed) == 1:
+            return True
+        if per_pod is None:
+            return False
+        if self.all_ranks:
+            return True
+        return len(listed) == per_pod and len({rank // per_pod for rank in listed}) == 1
+
     def publishes(self, rank: int) -> bool:
         return self.all_ranks or rank in self.source_ranks
 
@@ -330,7 +343,7 @@ class WeightSyncSpec(ApiModel):
     def _colocated_has_one_engine(self) -> Self:
         if self.mode is SyncMode.COLOCATED and len(self.inference) != 1:
             raise COLOCATED_ONE_INFERENCE.violation()
-        if self.mode is SyncMode.COLOCATED and len(self.trainer.listed_ranks()) != 1:
+        if self.mode is SyncMode.COLOCATED and not self.trainer.colocatable():
             raise COLOCATED_ONE_SOURCE.violation()
         if self.mode is SyncMode.COLOCATED and any(e.front for e in self.inference):
             raise COLOCATED_NO_FRONT.violation()

@@ -10,8 +10,9 @@ write lost after a plan was delivered can never make the operator reuse a number
 Ranks are kept stable across generations: continuing members keep their relative
 order and newcomers are appended, so a scale-up does not reshuffle the group.
 
-Colocated groups have the source as their only member, and name the engine it hands
-buckets to (`LocalEngine`): a joinable inference pod on the source's node (the webhook
+Colocated groups have the source ranks (one rank, or every rank of one trainer pod) as
+their only members, and name the engine the lead (rank 0) hands buckets to
+(`LocalEngine`): a joinable inference pod on the sources' node (the webhook
 gives inference pods a required affinity to it), the one planned before while it stays
 joinable. A new engine pod is a new generation, as a new member would be.
 
@@ -111,8 +112,9 @@ def desired_members(
     planned group among them keeps its place (a slow answer is no evidence that it
     left; dropping it would re-form the whole group), a newcomer waits for an answer.
     `excluded` names pods held out for a while (a failed plan delivery or a member that
-    did not warm in time). Colocated groups have only the source member, and the
-    engine it hands off to: the one planned before (`previous_engine`) while joinable.
+    did not warm in time). Colocated groups have only the source members (one pod's),
+    and the engine the lead hands off to: the one planned before (`previous_engine`)
+    while joinable.
     """
     planned = {slot.pod for slot in previous}
 
@@ -131,12 +133,7 @@ def desired_members(
         return Desired((), waiting_for="a trainer pod (sourceRanks: [all])")
     sinks = [p for p in pods if p.role is Role.SINK and eligible(p)]
     if spec.mode is SyncMode.COLOCATED:
-        source = members[0]
-        local = [p for p in sinks if p.node is not None and p.node == source.node]
-        local.sort(key=lambda p: (p.name != previous_engine, p.inference_index or 0, p.name))
-        if not local:
-            return Desired((), waiting_for=f"a ready inference pod on node {source.node}")
-        return Desired((source,), engine=local[0])
+        return _colocated(members, sinks, previous_engine)
     if not sinks:
         return Desired((), waiting_for="a ready inference pod whose agent answers")
     order = {slot.pod: slot.rank for slot in previous}
@@ -145,6 +142,25 @@ def desired_members(
         (p for p in sinks if p.name not in order), key=lambda p: (p.inference_index or 0, p.name)
     )
     return Desired((*members, *continuing, *newcomers))
+
+
+def _colocated(
+    sources: Sequence[PodView], engines: Sequence[PodView], previous_engine: str | None
+) -> Desired:
+    """The source ranks, all on one node, and the engine on that node they hand off to."""
+    node = sources[0].node
+    apart = sorted({p.name for p in sources if p.node != node})
+    if apart:  # [all] over a trainer of several pods: one engine cannot span nodes
+        return Desired(
+            (),
+            waiting_for=f"every Colocated source rank on node {node} (the engine's), not on"
+            f" {', '.join(apart)}: run one trainer pod",
+        )
+    local = [p for p in engines if p.node is not None and p.node == node]
+    local.sort(key=lambda p: (p.name != previous_engine, p.inference_index or 0, p.name))
+    if not local:
+        return Desired((), waiting_for=f"a ready inference pod on node {node}")
+    return Desired(tuple(sources), engine=local[0])
 
 
 def slots(members: Sequence[PodView]) -> tuple[Slot, ...]:

@@ -9,9 +9,8 @@ It is filled *while the round runs*. A source agent that maps the Publisher's te
 (GPU) calls `stage_tensors` once per round: every tensor is copied device-to-host on a
 side stream beside the broadcast; the round's result does not wait for it, and the copy
 is committed only once the Publisher fences (`SourceLoop.fence`: it has not written its
-tensors meanwhile). Otherwise the round calls `stage` once per
-bucket, right after the bucket was broadcast (source) or received (sink), and the
-bucket's bytes are copied out of the slot before the slot is reused:
+tensors meanwhile). Otherwise the round calls `stage` once per bucket, right after the
+bucket was broadcast (source) or received (sink), copied out before the slot's reuse:
 * on GPU, a non-blocking D2H copy into pinned memory on a side stream; the device's
   current stream then waits for it (so the next receive into that slot is ordered after
   it), and `stage` keeps at most `depth - 1` copies in flight on the host side (the
@@ -270,8 +269,9 @@ class Holder:
         if not self._enabled or (self._allocating is not None and not self._allocating.done()):
             return
         need = max(nbytes, 1)
-        for buffer in [b for b in self._free if b.numel() < need]:
-            self._free.remove(buffer)
+        small = [b for b in self._free if b.numel() < need]
+        self._free = [b for b in self._free if b.numel() >= need]  # not list.remove: `_take`
+        for buffer in small:
             self._unregister(buffer)
         in_use = [c.buffer for c in (self._held, self._staging) if c is not None]
         missing = _BUFFERS - sum(1 for b in [*self._free, *in_use] if b.numel() >= need)
@@ -298,7 +298,8 @@ class Holder:
         if not fits:
             return None
         buffer = min(fits, key=torch.Tensor.numel)
-        self._free.remove(buffer)
+        # By identity: list.remove's == is elementwise on tensors (raises across sizes).
+        self._free = [b for b in self._free if b is not buffer]
         return buffer
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
@@ -367,9 +368,7 @@ class Holder:
 
     async def holding(self) -> Holding | None:
         """What a puller needs to read the held version; None when nothing is held.
-
-        Waits for the held version's checksums (a commit's last ones may still run).
-        """
+        Waits for the held version's checksums (a commit's last ones may still run)."""
         held = self._held
         if held is None or self._endpoint is None:
             return None

@@ -190,6 +190,28 @@ def test_a_larger_layout_gets_a_larger_buffer_and_the_old_stays_held(
     holder.close()
 
 
+def test_rounds_go_on_holding_with_free_buffers_of_several_sizes(endpoints: Endpoints) -> None:
+    # A sharded rank prepares buffers for its own layout, then holds the round's larger
+    # one: the free list mixes sizes, and taking a buffer from it must not compare them.
+    large_layout = make_layout([2000, 3000, 1000, 4000, 10])
+
+    async def scenario() -> None:
+        holder, _ = new_holder(endpoints)
+        holder.prepare(LAYOUT.total_bytes)  # two small buffers, as a rank's attach asks
+        assert holder._allocating is not None
+        await holder._allocating
+        for version in (1, 2, 3):
+            large = version_bytes(large_layout, seed=version)
+            await stage_round(holder, large_layout, version, large, len(large_layout.buckets))
+            assert holder.commit(version, "L1"), version
+            held = _held_bytes(holder)
+            assert held is not None
+            assert torch.equal(held[: large[0].numel()], large[0])
+        holder.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_disabled_holder_stages_nothing_and_disabling_releases(endpoints: Endpoints) -> None:
     holder, metrics = new_holder(endpoints, enabled=False)
     buckets = version_bytes(LAYOUT, seed=1)

@@ -9,8 +9,11 @@ rank's GPU; here a second shared-memory slot) and worker w loads only from copy 
 lead's slots grow in the first round, after the engine was attached: it is attached
 again before the round opens its update). After
 every round each worker serves the trainer's full tensors, bit for bit, having loaded
-the whole model once; the engine restarted in place is reloaded by the lead from its
-held copy, on both workers, without a round.
+the whole model once. Between the five versions the trainer releases the engine's KV
+cache and weights (`Publisher.release()` on every rank; the lead has every worker free
+its weights: the tensor-parallel reference engine keeps no KV cache), measured on each
+worker and restored by the next round; the engine restarted in
+place is reloaded by the lead from its held copy, on both workers, without a round.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from tests.integration.stack import AgentProc, Engine, free_port, stack, wait_wa
 from tests.support.eventually import eventually
 from tests.support.plans import local_plan
 from weightsync.api.control import Backend, LocalEngine, TransferOptions
-from weightsync.api.v1alpha1 import SyncMode
+from weightsync.api.v1alpha1 import MemoryRelease, SyncMode
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,6 +40,7 @@ PRESET = "uneven"
 # first round, after the engine was attached to them (it is attached again).
 OWNED_BY_RANK_1 = ("model.embed_tokens.weight", "lm_head.weight")
 _REPLY_SECONDS = 60.0
+RELEASE = -1  # the trainer ranks' command for `Publisher.release()`
 
 
 def _trainer_rank(rank: int, port: int, socket: str, inbox: Any, outbox: Any) -> None:
@@ -60,6 +64,9 @@ def _trainer_rank(rank: int, port: int, socket: str, inbox: Any, outbox: Any) ->
     try:
         with Publisher(socket, timeout=60.0) as publisher:
             while (version := inbox.get()) is not None:
+                if version == RELEASE:  # about to train: the engine gives its memory back
+                    outbox.put((publisher.release(), None))
+                    continue
                 randomize(model, seed=4000 + version)
                 tensors = {
                     name: distribute_tensor(
@@ -92,7 +99,8 @@ def _payload() -> int:
 def _plans(sources: list[AgentProc], engine: Engine, port: int) -> None:
     pods = [s.proc.name for s in sources]
     transfer = TransferOptions(bucket_size_bytes=16 << 10, pipeline_depth=2, timeout_seconds=20.0)
-    local = LocalEngine(pod=engine.proc.name, engine="Reference", url=engine.url)
+    local = LocalEngine(pod=engine.proc.name, engine="Reference", url=engine.url,
+                        memory_release=MemoryRelease.KV_CACHE_AND_WEIGHTS)  # fmt: skip
     for rank, agent in enumerate(sources):
         plan = local_plan(pods, rank, generation=1, port=port, backend=Backend.GLOO,
                           transfer=transfer, mode=SyncMode.COLOCATED, local_engine=local,
@@ -135,6 +143,11 @@ def test_every_rank_of_a_trainer_pod_feeds_one_tensor_parallel_engine(tmp_path: 
         for proc in procs:
             proc.start()
 
+        def publish_release() -> list[tuple[list[str], None]]:
+            for inbox in inboxes:
+                inbox.put(RELEASE)
+            return [outbox.get(timeout=_REPLY_SECONDS) for outbox in outboxes]
+
         def publish(version: int) -> dict[str, str] | None:
             for inbox in inboxes:
                 inbox.put(version)
@@ -144,24 +157,37 @@ def test_every_rank_of_a_trainer_pod_feeds_one_tensor_parallel_engine(tmp_path: 
                 assert result["version"] == version
             return replies[0][1]
 
+        def resident() -> int:
+            value: int = engine.health()["resident_bytes"]  # both workers'
+            return value
+
         try:
             payload = _payload()
-            for version in (1, 2):
+            digests = publish(1)
+            # The slots grew for the round: attached again before the update, then loaded.
+            assert sources[0].proc.log.read_text().count("engine updates over") == 2
+            awake = resident()
+            for version in range(2, 6):
+                # Released before "training" (each rank calls it; the lead frees the
+                # engine's KV cache and weights on every worker), woken by the round.
+                freed = [tags for tags, _ in publish_release()]
+                assert freed == [["kv_cache", "weights"], []], freed
+                asleep = resident()
+                assert asleep + RANKS * payload <= awake, (asleep, awake)  # every worker's
                 digests = publish(version)
-                if version == 1:  # the slots grew for the round: attached again, then loaded
-                    assert sources[0].proc.log.read_text().count("engine updates over") == 2
                 _serves(engine, version, digests)
+                assert resident() == awake
                 loaded = [w["loaded_bytes"] for w in engine.digests()["workers"]]
                 assert loaded == [payload] * RANKS, loaded  # each worker: the whole model
 
             # Restarted in place on other weights: the lead reloads both workers from
             # the version it holds, with no round; rounds then go on.
-            assert sources[0].status().holding == 2
+            assert sources[0].status().holding == 5
             st.restart_engine(engine, seed=7)
-            eventually(lambda: engine.health().get("version") == 2, timeout=30.0,
-                       message="the engine reloaded with version 2")  # fmt: skip
-            _serves(engine, 2, digests)
-            _serves(engine, 3, publish(3))
+            eventually(lambda: engine.health().get("version") == 5, timeout=30.0,
+                       message="the engine reloaded with version 5")  # fmt: skip
+            _serves(engine, 5, digests)
+            _serves(engine, 6, publish(6))
         finally:
             for inbox in inboxes:
                 inbox.put(None)

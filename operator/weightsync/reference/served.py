@@ -29,6 +29,9 @@ class ServedEngine(Protocol):
     @property
     def shares_arenas(self) -> bool: ...
 
+    @property
+    def resident_bytes(self) -> int: ...
+
     def health(self) -> EngineHealth: ...
 
     def generate(

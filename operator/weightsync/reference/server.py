@@ -136,10 +136,9 @@ async def health(request: web.Request) -> web.Response:
             "incarnation": state.incarnation,
             "released": sorted(state.released),  # memory released, not woken yet
             "staged_buckets": engine.staged_buckets,  # how far an open update got
-            # What it holds in memory (one engine in this process): weights, arenas, KV.
-            "resident_bytes": (
-                engine.resident_bytes if isinstance(engine, ReferenceEngine) else None
-            ),
+            # What it holds in memory (with --tp, its workers together): weights,
+            # arenas, KV cache.
+            "resident_bytes": engine.resident_bytes,
         }
     )
 

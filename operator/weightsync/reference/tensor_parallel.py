@@ -170,6 +170,11 @@ class TensorParallelEngine:
         return self._staged
 
     @property
+    def resident_bytes(self) -> int:
+        """What the workers hold in memory now, together (less while released)."""
+        return sum(self._all("resident"))
+
+    @property
     def shares_arenas(self) -> bool:
         return False  # each worker copies from its own slot copy: nothing to hand out
 

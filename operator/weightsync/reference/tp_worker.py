@@ -125,6 +125,8 @@ def _dispatch(
     if op == "attach":
         engine.attach(SlotHandles.model_validate_json(args[0]), copy)
         return None
+    if op == "resident":
+        return engine.resident_bytes
     calls: dict[str, Callable[..., object]] = {
         "begin": engine.begin,
         "ready": engine.ready,

@@ -41,9 +41,9 @@ CONFIG = ContractConfig(
     timeout_seconds=8.0,
     bucket_delay_seconds=0.02,
 )
-# What a failed round may take beyond its timeout: the failure grace, the wait for the
-# other ranks' notes, and process scheduling on two CI cores.
-OVERRUN_SECONDS = 4.0
+# What a failed round may take beyond its timeout: its failure path runs inside it, so
+# only the agent's clock reading and process scheduling on two CI cores.
+OVERRUN_SECONDS = 0.25
 
 
 def _publish(publisher: Publisher, trainer: torch.nn.Module, version: int) -> PublishResult:

@@ -35,9 +35,12 @@ from weightsync.transfer.handoff import PublishResult
 
 log = logging.getLogger(__name__)
 
-# How long a failing rank spends telling its peers and its engine, past the deadline at
-# worst: a peer or engine that does not answer in this time is not waited for.
+# What a round keeps of its timeout for its failure path (telling its peers and its
+# engine, reading their notes): its work must be done by the timeout less this, so that
+# a failed round, too, ends within its timeout. A quarter of a shorter timeout.
 FAILURE_GRACE_SECONDS = 1.0
+# The least a failure step gets when the round's end has come (a store write takes ms).
+_LAST_STEP_SECONDS = 0.02
 NOTES_WAIT_SECONDS = 5.0  # the most the source waits for the failing ranks' accounts
 
 
@@ -180,10 +183,11 @@ class RankRound:
         self.group = generation.group
         self.seq = seq
         self.timeout = generation.plan.transfer.timeout_seconds
-        # One deadline for the whole round, on every rank: every wait, vote and engine
-        # call is bounded by what is left of it, so a round ends within `timeout`
-        # (plus the short grace of its failure path) whatever a peer does.
-        self.deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        # The round ends by `end`, on every rank, whatever a peer does: every wait, vote
+        # and engine call is bounded by `deadline`, the end less the failure path's
+        # grace, and each step of that path by what is left until `end`.
+        self.end = time.monotonic() + self.timeout if deadline is None else deadline
+        self.deadline = self.end - min(FAILURE_GRACE_SECONDS, self.timeout / 4)
         self.failure_key = failure_key(seq)
         self.error: RoundFailed | None = None  # a soft failure: the round runs on, then fails
         self.trace = PhaseTrace(device)
@@ -194,6 +198,10 @@ class RankRound:
     def remaining(self) -> float:
         """Seconds left before the round's deadline (never negative)."""
         return max(0.0, self.deadline - time.monotonic())
+
+    def grace(self) -> float:
+        """What a step of the failure path may take: what is left until the round's end."""
+        return max(_LAST_STEP_SECONDS, self.end - time.monotonic())
 
     @property
     def me(self) -> PlanMember:
@@ -220,7 +228,7 @@ class RankRound:
             ctl.append(ranks_key(seq), f"{rank},")  # type: ignore[attr-defined]  # not in stubs
 
         try:
-            await asyncio.wait_for(self.group.run(write), FAILURE_GRACE_SECONDS)
+            await asyncio.wait_for(self.group.run(write), self.grace())
         except (TimeoutError, dist.DistError, RuntimeError) as exc:
             log.warning("could not leave a failure note: %s", exc)
 
@@ -231,9 +239,9 @@ class RankRound:
         broken transport when this rank does, and take a moment to say so."""
         ctl, seq, me = self.group.ctl, self.seq, self.me.rank
         others = self.generation.plan.world_size - 1
-        # Up to the grace past the deadline; a round that failed early waits a little more
-        # for slow peers, never past what it would have taken anyway.
-        wait = min(max(self.remaining(), 0.0) + FAILURE_GRACE_SECONDS, NOTES_WAIT_SECONDS)
+        # Up to the round's end; a round that failed early waits a little for slow peers,
+        # never past what it would have taken anyway.
+        wait = min(self.grace(), NOTES_WAIT_SECONDS)
         until = time.monotonic() + wait
 
         def read() -> list[FailureNote]:
@@ -260,7 +268,7 @@ class RankRound:
                 time.sleep(0.02)
 
         try:
-            return await asyncio.wait_for(self.group.run(read), wait + 0.5)
+            return await asyncio.wait_for(self.group.run(read), wait + _LAST_STEP_SECONDS)
         except (TimeoutError, dist.DistError, RuntimeError) as exc:
             log.warning("could not read the failure notes: %s", exc)
             return []
@@ -302,7 +310,7 @@ class RankRound:
                 log.warning("could not set the failure key: %s", exc)
 
         try:
-            await asyncio.wait_for(self.group.run(flag), FAILURE_GRACE_SECONDS)
+            await asyncio.wait_for(self.group.run(flag), self.grace())
         except TimeoutError:
             log.warning("setting the failure key timed out")
         self.generation.mark_broken(f"round {self.seq} failed: {reason}")

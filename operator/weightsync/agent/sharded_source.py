@@ -22,7 +22,7 @@ from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
 from weightsync.agent.packing import PiecePacker
-from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RoundFailed
+from weightsync.agent.rounds import RoundFailed
 from weightsync.agent.sharded import ShardPlans, follow_header, gather_reports, offer_report
 from weightsync.agent.slot_pool import Replica
 from weightsync.agent.source import FillChannel, SourceRound
@@ -111,8 +111,8 @@ class ShardedSourceRound(SourceRound):
             self.layout = plan.layout
             await self._announce(digests)
         else:
-            # The lead rings by the deadline, a missing rank or not: wait a grace longer.
-            until = self.deadline + FAILURE_GRACE_SECONDS
+            # The lead rings by the deadline, a missing rank or not: wait until the end.
+            until = self.end
             header = await follow_header(group, self.generation.plan, seq, until, self.failure_key)
             if "" in header.reports:  # secondhand: the lead wrote the missing rank's note
                 raise RoundFailed(

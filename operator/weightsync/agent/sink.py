@@ -30,7 +30,7 @@ from weightsync.agent.engine_lane import EngineLane
 from weightsync.agent.failures import Stage
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
-from weightsync.agent.rounds import FAILURE_GRACE_SECONDS, RankRound, RoundFailed, RoundOutcome
+from weightsync.agent.rounds import RankRound, RoundFailed, RoundOutcome
 from weightsync.agent.sharded import ShardPlans
 from weightsync.agent.slot_pool import Replica, SlotPool
 from weightsync.api.reasons import FailureReason
@@ -239,7 +239,7 @@ class SinkRound(RankRound):
         try:
             await asyncio.wait_for(
                 self.adapter.abort_update(self.header.version, reason),
-                min(self.engine_timeout, FAILURE_GRACE_SECONDS),
+                min(self.engine_timeout, self.grace()),
             )
         except (EngineError, TimeoutError) as exc:
             # Not waited for longer: the next round's begin drops what this one staged.

@@ -30,7 +30,6 @@ from weightsync.agent.failures import SECONDHAND, Stage, root_cause
 from weightsync.agent.generations import Generation
 from weightsync.agent.holder import Holder
 from weightsync.agent.rounds import (
-    FAILURE_GRACE_SECONDS,
     RankRound,
     RoundFailed,
     RoundOutcome,
@@ -308,7 +307,7 @@ class SourceRound(RankRound):
         try:
             await asyncio.wait_for(
                 self.local_engine.abort_update(self.version, reason),
-                min(self.engine_timeout, FAILURE_GRACE_SECONDS),
+                min(self.engine_timeout, self.grace()),
             )
         except (EngineError, TimeoutError) as exc:
             log.warning("local engine abort failed: %s", exc)

@@ -56,8 +56,9 @@ class TransferSpec(ApiModel):
 
     timeout_seconds: int = Field(default=60, strict=True, ge=1, le=3600)
     """timeoutSeconds bounds one round, from the header broadcast to the engines' commit;
-    a round that takes longer fails on every rank and the communicator is aborted. From 1
-    to 3600; the default is 60."""
+    a round that takes longer fails on every rank and the communicator is aborted, the
+    failure told within the timeout (its last second, or quarter, is kept for that). From
+    1 to 3600; the default is 60."""
 
     checksum: StrictBool = False
     """checksum makes every sink verify a checksum of each bucket before handing it to the

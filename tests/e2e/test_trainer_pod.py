@@ -68,6 +68,30 @@ def two_rank_trainer() -> dict[str, Any]:
     }
 
 
+def _warm_group(cluster: LocalCluster, namespace: str, count: int) -> tuple[int, list[str]]:
+    """The planned generation once `count` members are warm, and those members."""
+
+    def group() -> tuple[int | None, list[str]] | None:
+        generation, warm = _members(cluster, namespace)
+        return (generation, warm) if len(warm) == count else None
+
+    generation, warm = eventually(group, timeout=PODS_UP, message=f"{count} members warm")
+    assert generation is not None
+    return generation, warm
+
+
+def _two_steps_to_ready(cluster: LocalCluster, namespace: str, ip: str) -> dict[str, Any]:
+    """Two trainer steps, each ok; then the engine pod, once Ready."""
+    eventually(lambda: answers(f"http://{ip}:{TRAINER_PORT}/digest"), timeout=PODS_UP,
+               message="trainer serving")  # fmt: skip
+    for _ in range(2):
+        result = step(ip)
+        assert result["ok"], result
+    (engine,) = eventually(lambda: ready(cluster, namespace, "engine", 1), timeout=ROUND_UP,
+                           message="engine Ready")  # fmt: skip
+    return engine
+
+
 def _members(cluster: LocalCluster, namespace: str) -> tuple[int | None, list[str]]:
     status = sync_status(cluster, namespace)
     warm = [m["pod"] for m in status.get("members") or [] if m.get("warm")]
@@ -81,23 +105,13 @@ def test_a_pod_of_two_ranks_publishes_from_both_and_survives_its_sidecar_restart
     sync["spec"]["trainer"].update(sourceRanks=["all"], ranksPerPod=2)
     apply(cluster, namespace, two_rank_trainer(), engines(replicas=1), sync)
 
-    def group_of(count: int) -> tuple[int | None, list[str]] | None:
-        generation, warm = _members(cluster, namespace)
-        return (generation, warm) if len(warm) == count else None
-
-    first, warm = eventually(lambda: group_of(3), timeout=PODS_UP, message="both ranks warm")
+    first, warm = _warm_group(cluster, namespace, 3)
     assert warm[:2] == RANKS  # trainer ranks first, in rank order
     (pod,) = pods(cluster, namespace, "trainer")
     annotations = pod["metadata"]["annotations"]
     assert annotations[names.AGENT_RANKS_ANNOTATION] == "0,1"
     ip = pod["status"]["podIP"]
-    eventually(lambda: answers(f"http://{ip}:{TRAINER_PORT}/digest"), timeout=PODS_UP,
-               message="trainer serving")  # fmt: skip
-    for _ in range(2):
-        result = step(ip)
-        assert result["ok"], result
-    (engine,) = eventually(lambda: ready(cluster, namespace, "engine", 1), timeout=ROUND_UP,
-                           message="engine Ready")  # fmt: skip
+    engine = _two_steps_to_ready(cluster, namespace, ip)
     assert engine_digest(engine, ENGINE_PORT) == trainer_digest(ip)
 
     # ---- the sidecar (both ranks' agents) is killed: restarted in place, planned anew
@@ -128,21 +142,11 @@ def test_a_pod_of_two_ranks_feeds_its_colocated_engine_of_two_workers(
     deployment["spec"]["template"]["spec"]["containers"][0]["command"] += ["--tp", "2"]
     apply(cluster, namespace, two_rank_trainer(), deployment, sync)
 
-    def group_of(count: int) -> tuple[int | None, list[str]] | None:
-        generation, warm = _members(cluster, namespace)
-        return (generation, warm) if len(warm) == count else None
-
-    _, warm = eventually(lambda: group_of(2), timeout=PODS_UP, message="both ranks warm")
+    _, warm = _warm_group(cluster, namespace, 2)
     assert warm == RANKS  # the engine is no member: the lead loads it
     (pod,) = pods(cluster, namespace, "trainer")
     ip = pod["status"]["podIP"]
-    eventually(lambda: answers(f"http://{ip}:{TRAINER_PORT}/digest"), timeout=PODS_UP,
-               message="trainer serving")  # fmt: skip
-    for _ in range(2):
-        result = step(ip)
-        assert result["ok"], result
-    (engine,) = eventually(lambda: ready(cluster, namespace, "engine", 1), timeout=ROUND_UP,
-                           message="engine Ready")  # fmt: skip
+    engine = _two_steps_to_ready(cluster, namespace, ip)
     assert engine["spec"]["nodeName"] == pod["spec"]["nodeName"]
     want = trainer_digest(ip)
     served = engine_digest(engine, ENGINE_PORT)

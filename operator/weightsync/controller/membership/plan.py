@@ -34,14 +34,13 @@ from weightsync.api.control import (
     AgentStatus,
     Backend,
     GenerationState,
-    LocalEngine,
     MembershipPlan,
     PlanMember,
     Rendezvous,
     TransferOptions,
 )
-from weightsync.api.engines import EngineOptions
-from weightsync.api.v1alpha1 import MemoryRelease, Role, SyncMode, WeightSyncSpec
+from weightsync.api.v1alpha1 import Role, SyncMode, WeightSyncSpec
+from weightsync.controller.membership.colocated import local_engine
 from weightsync.controller.membership.workloads import PodView
 
 # Newcomers wait this long at most for other inference pods still on their way (starting,
@@ -385,19 +384,3 @@ def build_plans(
         )
         for member in plan_members
     ]
-
-
-def local_engine(spec: WeightSyncSpec, pod: PodView) -> LocalEngine:
-    """How a Colocated source reaches `pod`'s engine: its entry's engine, port, options."""
-    if pod.ip is None or pod.inference_index is None:
-        raise ValueError(f"pod {pod.name} is no addressable inference pod")
-    entry = spec.inference[pod.inference_index]
-    return LocalEngine(
-        pod=pod.name,
-        engine=entry.engine.value,
-        url=f"http://{pod.ip}:{entry.port}",
-        options=EngineOptions.of(entry),
-        memory_release=(
-            spec.colocated.memory_release if spec.colocated is not None else MemoryRelease.NONE
-        ),
-    )

@@ -11,9 +11,10 @@ endpoints to the engine modules:
 * abort: close the session, repair what a failed load left (`_repair`: vLLM's model on
   the meta device), write the old label back if nothing was loaded (the old weights are
   intact), resume. After a load the marker stays and `health` says torn; an engine that
-  cannot generate safely while torn (`resumes_torn` false: vLLM) stays paused, its
-  requests queued for the next complete round. An engine whose repair failed is not
-  resumed: it would serve, or crash on, a half-built model.
+  cannot generate safely while torn (`resumes_torn` false: vLLM) stays paused: its
+  requests wait, and the next round's pause ends or keeps them as its mode says. An
+  engine whose repair failed is not resumed: it would serve, or crash on, a half-built
+  model.
 """
 
 from __future__ import annotations

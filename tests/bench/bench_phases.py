@@ -146,8 +146,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
         ("engine_begin", "local engine: begin", ""),
         ("engine_load", "local engine: stage + copy (round trip)", "overlaps fills"),
         ("engine_wait", "slot held by the local engine", ""),
-        ("engine_stage", "local engine: stage, views of its arena", "one copy: ahead of packs"),
-        ("stage_wait", "a bucket's staging not answered yet", ""),
+        ("stage_wait", "begin and staging not answered yet", "one copy"),
         ("pack_drain", "the packs' last copies on the GPU", ""),
         ("engine_drain", "local engine: after the last fill", ""),
         ("vote_transfer", "vote 1: every rank received", ""),
@@ -182,6 +181,17 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
                     ),
                 )
             )
+            lines.append(
+                _row(
+                    "engines",
+                    "inside the engine: commit",
+                    (
+                        1,
+                        statistics.fmean(float(e.get("commit_ms", 0)) for e in loads),
+                        max(float(e.get("commit_ms", 0)) for e in loads),
+                    ),
+                )
+            )
             handoff = _mean_span(sinks, "engine_load") or _span(source, "engine_load")
             if handoff is not None:
                 inside = statistics.fmean(float(e["load_ms"]) for e in loads)
@@ -190,7 +200,9 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
                     f"{handoff[0]:>5} {handoff[1] - inside:>9.2f}"
                 )
     lines = [line for line in lines if line]
-    if source is not None:
+    if source is not None and "packed" in source.get("gpu_ms", {}):  # a direct round
+        lines.append(f"  GPU, source's packs: {_wire(source, 'packed', nbytes)}")
+    elif source is not None:
         lines.append(f"  wire, source: {_wire(source, 'sent', nbytes)}")
     for sink in sinks[:1]:
         lines.append(f"  wire, sink rank {sink.get('rank')}: {_wire(sink, 'received', nbytes)}")

@@ -65,6 +65,7 @@ class UpdateStats:
     load_seconds: float = 0.0
     longest_load_seconds: float = 0.0
     allocated_bytes: int = 0
+    commit_seconds: float = 0.0  # the parameters pointed at the new arenas
 
     def add(self, nbytes: int, seconds: float) -> None:
         self.loads += 1
@@ -78,7 +79,8 @@ class UpdateStats:
             f'{{"version":{version},"outcome":"{outcome}","loads":{self.loads},'
             f'"bytes":{self.bytes},"load_ms":{self.load_seconds * 1000:.3f},'
             f'"longest_load_ms":{self.longest_load_seconds * 1000:.3f},'
-            f'"allocated_bytes":{self.allocated_bytes}}}'
+            f'"allocated_bytes":{self.allocated_bytes},'
+            f'"commit_ms":{self.commit_seconds * 1000:.3f}}}'
         )
 
 

@@ -343,6 +343,7 @@ class ReferenceEngine:
             )
 
     def commit(self, version: int) -> None:
+        started = time.perf_counter()
         with self._update_lock:
             self._check_complete(version)
             staged = self._staged
@@ -361,6 +362,7 @@ class ReferenceEngine:
                 torch.cuda.empty_cache()  # what the replaced parameters and arenas held
             for plan in fresh:  # a new layout: its next round allocates nothing
                 self._spare[plan] = self._allocate(plan)
+            self._stats.commit_seconds = time.perf_counter() - started
             self._log_update(version, "committed")
 
     def _retire(self, staged: dict[BucketPlan, Arena]) -> dict[BucketPlan, Arena]:

@@ -114,7 +114,7 @@ def assert_one_copy_on_gpu(source: AgentProc, device: str) -> None:
     assert phases, "the source logged no round"
     direct = device.startswith("cuda")
     for spans in phases:
-        assert ("engine_stage" in spans) == direct, spans
+        assert ("pack_drain" in spans) == direct, spans
         assert ("engine_load" in spans) == (not direct), spans
 
 

@@ -68,7 +68,7 @@ class SourcePacker:
 
     def pack_into(self, bucket: int, destinations: list[torch.Tensor], *, kernel: bool) -> None:
         """Queue bucket `bucket`'s copies into `destinations` (the engine's own staging
-        memory, `EngineAdapter.stage_views`) on the current stream. Alone, large tensors
+        memory, `EngineAdapter.begin_staged`) on the current stream. Alone, large tensors
         one `copy_` each: the one-GPU D2D floor (one multi-tensor kernel for a whole 8B
         model measured 1.34x it on an H200). With `kernel` (the holder's device-to-host
         copy runs beside, keeping the copy engines busy), one multi-tensor kernel, as in

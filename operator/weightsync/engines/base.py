@@ -115,15 +115,17 @@ class EngineAdapter(abc.ABC):
 
     @property
     def stages_directly(self) -> bool:
-        """Whether `stage_views` hands out the engine's own staging memory now (Colocated:
+        """Whether `begin_staged` hands out the engine's own staging memory now (Colocated:
         the source agent then packs the trainer's tensors straight into it, one copy)."""
         return False
 
-    async def stage_views(self, tensors: Sequence[TensorSlice]) -> list[torch.Tensor]:
-        """Stage a bucket of the open update: a view of the engine's own memory for each
-        of `tensors`, in order, for the caller to write (instead of `load_bucket`). The
-        bucket counts as loaded; the caller completes every write before `finish_update`.
-        Only while `stages_directly`."""
+    async def begin_staged(
+        self, version: int, buckets: Sequence[Sequence[TensorSlice]]
+    ) -> list[list[torch.Tensor]]:
+        """`begin_update(version)` and stage every one of `buckets` with it: for each, a
+        view of the engine's own memory per tensor, in order, for the caller to write
+        (instead of `load_bucket`). The buckets count as loaded; the caller completes
+        every write before `finish_update`. Only while `stages_directly`."""
         raise EngineError(
             EngineErrorReason.UNSUPPORTED, f"{type(self).__name__} takes buckets from slots only"
         )

@@ -222,15 +222,26 @@ class ReferenceEngineAdapter(EngineAdapter):
     def stages_directly(self) -> bool:
         return self.copies_here
 
-    async def stage_views(self, tensors: Sequence[TensorSlice]) -> list[torch.Tensor]:
+    async def begin_staged(
+        self, version: int, buckets: Sequence[Sequence[TensorSlice]]
+    ) -> list[list[torch.Tensor]]:
         if not self.copies_here:
             raise EngineError(EngineErrorReason.UNSUPPORTED, "the engine's arenas are not mapped")
-        staged = await self._stage(tensors, "stage")
-        if await self._arena(staged) is None:  # the next round copies through the slots
-            raise EngineError(
-                EngineErrorReason.UNSUPPORTED, "the engine's arena cannot be mapped here"
-            )
-        return self._arenas.views(staged.arena, staged.copies, tensors)
+        self._arenas.begin_round()
+        for tensors in buckets:
+            self._arenas.note_bucket(tensors)
+        staged = await self._over_channel("begin", lambda c: c.begin(version, buckets))
+        if not isinstance(staged, list):  # a refusal raised already
+            raise EngineError(EngineErrorReason.BAD_REPLY, "begin answered without arenas")
+        views = []
+        for tensors, bucket in zip(buckets, staged, strict=True):
+            self._same_engine(bucket.incarnation, "begin")
+            if await self._arena(bucket) is None:  # the next round copies through the slots
+                raise EngineError(
+                    EngineErrorReason.UNSUPPORTED, "the engine's arena cannot be mapped here"
+                )
+            views.append(self._arenas.views(bucket.arena, bucket.copies, tensors))
+        return views
 
     async def _stage(self, tensors: Sequence[TensorSlice], what: str) -> Staged:
         """Have the engine stage a bucket: the arena it goes to and where in it."""

@@ -1,5 +1,5 @@
 """The reference engine's staging arenas as an agent maps them: which it maps, which
-rounds used them, and the views a direct round writes into (`stage_views`).
+rounds used them, and the views a direct round writes into (`begin_staged`).
 
 The engine frees an arena only once no process maps it (CUDA IPC keeps an exported
 block alive while it is open), so the adapter lets go of what rounds no longer use: an

@@ -20,6 +20,11 @@ tensor list crosses once per connection and later loads name it by number.
     (the agent copies its slot into the arena, in its own process, then the next bucket)
     {"op":"finish","version":v} / {"op":"abort",...}
 
+A direct round (the agent packs the trainer's tensors straight into the arenas) stages
+every bucket in its begin: `{"op":"begin","version":v,"stage":[<stage requests>]}` is
+answered with `"staged":[{"arena":..,"handle":..,"copies":..}]`, one round trip for the
+round's begin and every arena instead of one per bucket before its first copy.
+
 `stage` hands out the bucket's staging arena (a handle the first time this connection
 sees that arena, the copy spans the first time it sees the bucket): the agent does the
 copy, so on a GPU all of a round's GPU work stays in the agent's process. `load` (the
@@ -58,11 +63,6 @@ class _Request(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class BeginRequest(_Request):
-    op: Literal["begin"] = "begin"
-    version: int = Field(ge=0)
-
-
 class LoadRequest(_Request):
     op: Literal["load"] = "load"
     slot: int = Field(ge=0)
@@ -74,6 +74,12 @@ class StageRequest(_Request):
     op: Literal["stage"] = "stage"
     bucket: int = Field(ge=0)
     tensors: list[TensorRow] | None = None
+
+
+class BeginRequest(_Request):
+    op: Literal["begin"] = "begin"
+    version: int = Field(ge=0)
+    stage: list[StageRequest] | None = None  # buckets staged in the same round trip
 
 
 class HandleRequest(_Request):
@@ -101,6 +107,16 @@ Request = Annotated[
 REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
 
 
+class ArenaReply(BaseModel):
+    """One bucket's arena in a staging begin's reply (as a `stage` reply says it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arena: int
+    handle: SlotHandle | None = None
+    copies: list[tuple[int, int, int]] | None = None
+
+
 class Reply(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -112,6 +128,7 @@ class Reply(BaseModel):
     arena: int | None = None  # stage: the arena to fill
     handle: SlotHandle | None = None  # stage: how to map it, the first time
     copies: list[tuple[int, int, int]] | None = None  # stage: spans, the first time
+    staged: list[ArenaReply] | None = None  # begin with `stage`: each bucket's arena
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,13 +190,50 @@ class UpdateChannelClient:
             reply = await self._call(StageRequest(bucket=number, tensors=described))
             if not reply.ok:
                 return reply
-            if reply.copies is not None:
-                self._copies[number] = reply.copies
-            copies = self._copies.get(number)
-            if reply.arena is None or copies is None:
+            return self._staged(number, reply.arena, reply.handle, reply.copies, reply)
+
+    async def begin(
+        self, version: int, buckets: Sequence[Sequence[TensorSlice]]
+    ) -> Reply | list[Staged]:
+        """Open an update and stage each of `buckets` in the same round trip: their arenas
+        in order, or the engine's refusal (the update may be open then: abort it)."""
+        async with self._lock:
+            await self._ensure()
+            numbered = [self._number(tensors) for tensors in buckets]
+            if self._writer is None:  # numbering started afresh half-way: number them all
+                await self._ensure()
+                numbered = [self._number(tensors) for tensors in buckets]
+            stage = [
+                StageRequest(bucket=number, tensors=rows(tensors) if new else None)
+                for tensors, (number, new) in zip(buckets, numbered, strict=True)
+            ]
+            reply = await self._call(BeginRequest(version=version, stage=stage))
+            if not reply.ok:
+                return reply
+            if reply.staged is None or len(reply.staged) != len(buckets):
                 self._drop()
-                raise ProtocolError("stage reply without an arena or copy spans")
-            return Staged(reply.arena, reply.handle, copies, reply.incarnation)
+                raise ProtocolError(f"begin staged {len(reply.staged or [])} of {len(buckets)}")
+            return [
+                self._staged(number, a.arena, a.handle, a.copies, reply)
+                for (number, _), a in zip(numbered, reply.staged, strict=True)
+            ]
+
+    def _staged(
+        self,
+        number: int,
+        arena: int | None,
+        handle: SlotHandle | None,
+        copies: list[tuple[int, int, int]] | None,
+        reply: Reply,
+    ) -> Staged:
+        """Where bucket `number` goes, the copy spans kept from their first reply."""
+        if copies is not None:
+            self._copies[number] = copies
+        known = self._copies.get(number)
+        if arena is None or known is None:
+            self._drop()
+            raise ProtocolError("stage reply without an arena or copy spans")
+        return Staged(arena, handle, known, reply.incarnation)
 
     async def handle(self, arena: int) -> Reply:
         """An arena's handle again, for an adapter that no longer maps it."""

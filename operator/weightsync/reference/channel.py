@@ -20,11 +20,13 @@ from weightsync.engines.base import EngineError
 from weightsync.engines.reference_channel import (
     MAX_BUCKETS_PER_CONNECTION,
     REQUEST,
+    ArenaReply,
     BeginRequest,
     FinishRequest,
     HandleRequest,
     LoadRequest,
     Reply,
+    Request,
     StageRequest,
     TensorRow,
     slices,
@@ -132,37 +134,49 @@ class UpdateChannelServer:
         """One request; every failure is a reply, never an exception."""
         engine = self.engine
         try:
-            request = REQUEST.validate_json(body)
-            if isinstance(request, StageRequest):
-                return self._stage(request, state)
-            if isinstance(request, HandleRequest):
-                arena = engine.find_arena(request.arena)
-                state.shared.add(arena.id)
-                return Reply(
-                    ok=True,
-                    version=engine.version,
-                    arena=arena.id,
-                    handle=engine.arena_handle(arena),
-                )
-            if isinstance(request, LoadRequest):
-                plan = state.plan(engine, request.bucket, request.tensors)
-                engine.load_plan(request.slot, plan)
-            elif isinstance(request, BeginRequest):
-                engine.begin(request.version)
-            elif isinstance(request, FinishRequest):
-                engine.commit(request.version)
-            else:
-                log.warning("update to version %d aborted: %s", request.version, request.reason)
-                engine.abort(request.version)
+            return self._answer(REQUEST.validate_json(body), state)
         except EngineError as exc:
             return _refusal(engine, exc.reason, str(exc))
         except ValidationError as exc:
             return _refusal(engine, "bad_request", str(exc))
         except SlotError as exc:  # an arena that cannot be described for another process
             return _refusal(engine, "unsupported", str(exc))
+
+    def _answer(self, request: Request, state: _Connection) -> Reply:
+        engine = self.engine
+        if isinstance(request, StageRequest):
+            staged = self._stage(request, state)
+            return Reply(
+                ok=True,
+                version=engine.version,
+                incarnation=engine.incarnation,
+                arena=staged.arena,
+                handle=staged.handle,
+                copies=staged.copies,
+            )
+        if isinstance(request, HandleRequest):
+            arena = engine.find_arena(request.arena)
+            state.shared.add(arena.id)
+            return Reply(
+                ok=True, version=engine.version, arena=arena.id, handle=engine.arena_handle(arena)
+            )
+        if isinstance(request, LoadRequest):
+            engine.load_plan(request.slot, state.plan(engine, request.bucket, request.tensors))
+        elif isinstance(request, BeginRequest):
+            engine.begin(request.version)
+            if request.stage is not None:  # a direct round: every arena, now
+                arenas = [self._stage(stage, state) for stage in request.stage]
+                return Reply(
+                    ok=True, version=engine.version, incarnation=engine.incarnation, staged=arenas
+                )
+        elif isinstance(request, FinishRequest):
+            engine.commit(request.version)
+        else:
+            log.warning("update to version %d aborted: %s", request.version, request.reason)
+            engine.abort(request.version)
         return Reply(ok=True, version=engine.version, incarnation=engine.incarnation)
 
-    def _stage(self, request: StageRequest, state: _Connection) -> Reply:
+    def _stage(self, request: StageRequest, state: _Connection) -> ArenaReply:
         engine = self.engine
         plan = state.plan(engine, request.bucket, request.tensors)
         arena = engine.stage(plan)
@@ -170,14 +184,8 @@ class UpdateChannelServer:
         if arena.id not in state.shared:
             handle = engine.arena_handle(arena)
             state.shared.add(arena.id)
-        return Reply(
-            ok=True,
-            version=engine.version,
-            incarnation=engine.incarnation,
-            arena=arena.id,
-            handle=handle,
-            copies=arena.copies(plan) if request.tensors is not None else None,
-        )
+        copies = arena.copies(plan) if request.tensors is not None else None
+        return ArenaReply(arena=arena.id, handle=handle, copies=copies)
 
 
 class _Connection:

@@ -6,14 +6,17 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from aiohttp.test_utils import TestServer
 
+from weightsync.engines import reference_channel
 from weightsync.engines.reference import ReferenceEngineAdapter
 from weightsync.engines.reference_channel import (
+    AbortRequest,
     BeginRequest,
     FinishRequest,
     Staged,
@@ -236,6 +239,62 @@ def test_an_arena_handle_is_sent_once_per_connection_and_again_on_request(
 
     try:
         asyncio.run(scenario())
+    finally:
+        server.close()
+        engine.close()
+
+
+def test_a_staging_begin_hands_out_every_arena_in_one_round_trip(
+    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+) -> None:
+    """A direct round's begin stages every bucket: the arenas and spans per-bucket
+    staging hands out, each bucket's tensors described once per connection; a bucket the
+    engine refuses refuses the whole begin, and an abort leaves the served version."""
+    layout, _ = slots
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
+    (tmp_path / "arenas").mkdir()
+    server = UpdateChannelServer(engine, address)
+    server.start()
+    buckets = [b.tensors for b in layout.buckets]
+    sent: list[bytes] = []
+
+    async def scenario() -> None:
+        client = UpdateChannelClient(address)
+        rounds: list[list[Staged]] = []
+        for version in (1, 2, 3):
+            staged = await client.begin(version, buckets)
+            assert isinstance(staged, list)
+            assert len(staged) == len(buckets)
+            assert engine.staged_buckets == len(buckets)
+            rounds.append(staged)
+            assert (await client.call(FinishRequest(version=version))).ok
+        first, second, third = rounds
+        assert [s.arena for s in first] == [s.arena for s in third]  # arenas alternate
+        assert not {s.arena for s in first} & {s.arena for s in second}
+        assert all(s.handle is not None for s in first + second)
+        assert all(s.handle is None for s in third)  # mapped already on this connection
+        assert [s.copies for s in first] == [s.copies for s in third]
+        assert sent[0].count(b'"tensors":[[') == len(buckets)  # described once...
+        assert all(b'"tensors":[[' not in body for body in sent[1:])  # ...numbers after
+        wrong = [*buckets[:-1], (replace(buckets[-1][0], nbytes=buckets[-1][0].nbytes + 4),)]
+        refused = await client.begin(4, wrong)
+        assert not isinstance(refused, list)
+        assert (refused.ok, refused.version) == (False, 3)
+        assert (await client.call(AbortRequest(version=4))).ok
+        assert engine.version == 3
+        await client.close()
+
+    real_frame = reference_channel.frame
+
+    def recording_frame(body: bytes) -> bytes:
+        if b'"op":"begin"' in body:
+            sent.append(body)
+        return real_frame(body)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(reference_channel, "frame", recording_frame)
+            asyncio.run(scenario())
     finally:
         server.close()
         engine.close()

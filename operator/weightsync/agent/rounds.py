@@ -278,6 +278,8 @@ class RankRound:
         error = self._round_error()
         if flag and error is not None:
             await self._write_note(error)
+        if self.generation.plan.world_size == 1:  # Colocated, one rank: nobody else votes
+            return flag
         transport, deadline = self.group.transport, self._deadline()
         started = self.trace.now()
         agreed = await self.group.run(

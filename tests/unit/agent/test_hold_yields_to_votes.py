@@ -23,7 +23,6 @@ from weightsync.agent.host_copies import CopyQueue, Pairs, VoteGate
 from weightsync.agent.metrics import AgentMetrics
 from weightsync.agent.source import SourceRound
 from weightsync.api.control import Backend, GenerationState, TransferOptions
-from weightsync.api.v1alpha1 import SyncMode
 from weightsync.api.v1alpha1.dataplane import RecoveryProtocol
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.held import held_offsets
@@ -195,15 +194,17 @@ def _round_events(
     )
     slots = BucketSlots(2, layout.capacity_bytes, torch.device("cpu"), str(tmp_path))
     port = free_port()
+    # The plan names a sink, so the round votes (a group of one has nobody to agree
+    # with and skips them); the group itself is this rank alone: the test times the
+    # votes it makes, not a peer's answer.
     plan = local_plan(
-        ["source-0"],
+        ["source-0", "sink-1"],
         0,
         generation=1,
         port=port,
         backend=Backend.GLOO,
         transfer=TransferOptions(pipeline_depth=2, timeout_seconds=30.0),
         sync_name="votes",
-        mode=SyncMode.COLOCATED,
         prewarm_timeout_seconds=10.0,
     )
     spec = GroupSpec(

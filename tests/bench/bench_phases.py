@@ -147,6 +147,7 @@ def breakdown(title: str, record: RoundRecord) -> list[str]:
         ("engine_load", "local engine: stage + copy (round trip)", "overlaps fills"),
         ("engine_wait", "slot held by the local engine", ""),
         ("stage_wait", "begin and staging not answered yet", "one copy"),
+        ("pack", "queue every bucket's copies (one hop)", "one copy"),
         ("pack_drain", "the packs' last copies on the GPU", ""),
         ("engine_drain", "local engine: after the last fill", ""),
         ("vote_transfer", "vote 1: every rank received", ""),

@@ -116,7 +116,7 @@ def _check_cut(state: list[tuple[TensorMeta, int, torch.Tensor]], mesh: Any, ver
 
 def full_digests(metas: list[TensorMeta], version: int, device: torch.device) -> dict[str, str]:
     """The full tensors of `version`, rebuilt one at a time, as the engines digest them."""
-    from weightsync.reference.engine import tensor_digest
+    from weightsync.reference.memory import tensor_digest
 
     out = {}
     for i, meta in enumerate(metas):

@@ -51,7 +51,7 @@ from tests.support.operator import (
     weightsync,
 )
 from tests.support.recovery import engine_digest, http_json, kill_container, pod_logs
-from weightsync.reference.engine import tensor_digest
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import build_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.timeout(1500)]

@@ -84,7 +84,7 @@ def shards(out: str) -> None:
 
 def publish(socket_path: str, preset: str, versions: int) -> None:
     from weightsync.client import Publisher
-    from weightsync.reference.engine import tensor_digest
+    from weightsync.reference.memory import tensor_digest
     from weightsync.reference.model import PRESETS, build_model, randomize
 
     model = build_model(PRESETS[preset], seed=0, device="cpu")

@@ -22,7 +22,7 @@ from tests.integration.contract import ContractConfig, make_plan
 from tests.integration.stack import AgentProc, Engine, Stack, free_port, http_json, wait_warm
 from weightsync.api.control import Backend, Holding
 from weightsync.client import Publisher
-from weightsync.reference.engine import tensor_digest
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import preset, state_dict_metas
 from weightsync.transfer.buffers import slot_views, torch_dtype
 from weightsync.transfer.held import held_checksum

@@ -29,7 +29,7 @@ from weightsync.api.control import (
 )
 from weightsync.api.v1alpha1 import SyncMode
 from weightsync.client import Publisher, PublishResult
-from weightsync.reference.engine import tensor_digest
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import (
     PRESETS,
     LlamaForCausalLM,
@@ -104,8 +104,9 @@ def assert_packed_by_the_agent_on_gpu(publisher: Publisher, device: str) -> None
 
 def assert_one_copy_on_gpu(source: AgentProc, device: str) -> None:
     """On GPU a Colocated round packs the trainer's tensors straight into the reference
-    engine's arenas (`DirectStagingRound`: staged, never loaded from a slot); on CPU the
-    Publisher packs into the slots and the engine's arenas are filled from them."""
+    engine's arenas (`DirectStagingRound`: staged, never loaded from a slot) and the
+    engine waits for the copies' CUDA event, not the agent; on CPU the Publisher packs
+    into the slots and the engine's arenas are filled from them."""
     phases = []
     for line in source.proc.log.read_text(errors="replace").splitlines():
         at = line.find(PHASES_LOG_PREFIX)
@@ -114,7 +115,8 @@ def assert_one_copy_on_gpu(source: AgentProc, device: str) -> None:
     assert phases, "the source logged no round"
     direct = device.startswith("cuda")
     for spans in phases:
-        assert ("pack_drain" in spans) == direct, spans
+        assert ("pack" in spans) == direct, spans  # the packs' one hop
+        assert "pack_drain" not in spans, spans  # the engine awaited the copies' event
         assert ("engine_load" in spans) == (not direct), spans
 
 

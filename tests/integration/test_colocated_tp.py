@@ -53,7 +53,7 @@ def _trainer_rank(rank: int, port: int, socket: str, inbox: Any, outbox: Any) ->
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from weightsync.client import Publisher
-    from weightsync.reference.engine import tensor_digest
+    from weightsync.reference.memory import tensor_digest
     from weightsync.reference.model import PRESETS, build_model, randomize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -23,7 +23,7 @@ from weightsync.agent.rounds import RoundOutcome
 from weightsync.api.control import Backend, GenerationState, TransferOptions
 from weightsync.api.v1alpha1 import SyncMode
 from weightsync.engines.reference import ReferenceEngineAdapter
-from weightsync.reference.engine import tensor_digest
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import PRESETS, build_model
 from weightsync.transfer.buffers import BucketSlots
 from weightsync.transfer.layout import BucketLayout, TensorMeta, plan_layout

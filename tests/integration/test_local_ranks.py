@@ -60,7 +60,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_one_sidecar_serves_each_local_rank_and_they_publish_one_model(tmp_path: Path) -> None:
-    from weightsync.reference.engine import tensor_digest
+    from weightsync.reference.memory import tensor_digest
     from weightsync.reference.model import PRESETS, build_model, randomize
 
     with stack(tmp_path) as st:

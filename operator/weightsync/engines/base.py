@@ -130,6 +130,19 @@ class EngineAdapter(abc.ABC):
             EngineErrorReason.UNSUPPORTED, f"{type(self).__name__} takes buckets from slots only"
         )
 
+    def copies_event(self, device: torch.device) -> torch.cuda.Event | None:
+        """An interprocess CUDA event on `device` for `finish_staged`, or None when the
+        engine cannot wait for one (then wait for the writes before `finish_update`)."""
+        return None
+
+    async def finish_staged(self, version: int, copies: torch.cuda.Event) -> None:
+        """`finish_update` of a `begin_staged` update whose writes may still run on the
+        GPU: the engine commits once `copies` (`copies_event`, recorded after them)
+        completed, so the request travels while the copies end."""
+        raise EngineError(
+            EngineErrorReason.UNSUPPORTED, f"{type(self).__name__} waits for no CUDA event"
+        )
+
     @abc.abstractmethod
     async def finish_update(self, version: int) -> None:
         """Make `version` the served version (set weight version, resume generation)."""

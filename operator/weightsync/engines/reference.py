@@ -26,7 +26,7 @@ import torch
 from weightsync.api.engines import MemoryTag
 from weightsync.api.reasons import EngineErrorReason
 from weightsync.engines.base import EngineAdapter, EngineError, EngineHealth
-from weightsync.engines.reference_arenas import MappedArenas
+from weightsync.engines.reference_arenas import CopiesEvents, MappedArenas, event_handle
 from weightsync.engines.reference_channel import (
     AbortRequest,
     BeginRequest,
@@ -76,6 +76,7 @@ class ReferenceEngineAdapter(EngineAdapter):
         self._arenas = MappedArenas()  # the engine's staging arenas mapped here
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._events = CopiesEvents()  # a direct round's copies, for the engine to await
 
     @classmethod
     def for_engine(cls, base_url: str, options: EngineOptions | None = None) -> Self:
@@ -293,11 +294,16 @@ class ReferenceEngineAdapter(EngineAdapter):
         # this arena is queued behind it on the same stream, so it never lands late.
         await loop.run_in_executor(self._copier, partial(copy_spans, source, arena, copies, stream))
 
-    async def finish_update(self, version: int) -> None:
-        if self._channel is not None:
-            reply = await self._over_channel(
-                "finish", lambda c: c.call(FinishRequest(version=version))
-            )
+    def copies_event(self, device: torch.device) -> torch.cuda.Event | None:
+        return self._events.get(device) if self.copies_here and device.type == "cuda" else None
+
+    async def finish_staged(self, version: int, copies: torch.cuda.Event) -> None:
+        await self.finish_update(version, event_handle(copies))
+
+    async def finish_update(self, version: int, after: str | None = None) -> None:
+        if self._channel is not None or after is not None:  # only the channel awaits `after`
+            request = FinishRequest(version=version, after=after)
+            reply = await self._over_channel("finish", lambda c: c.call(request))
             self._same_engine(reply.incarnation, "finish")
         else:
             body = await self._post("finish", _dumps({"version": version}))

@@ -10,6 +10,7 @@ used lately, and every arena when the engine's weights are released.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 
 import torch
@@ -99,3 +100,25 @@ class MappedArenas:
         self._used.clear()
         self._views.clear()
         self._layout.clear()
+
+
+class CopiesEvents:
+    """One interprocess CUDA event per device, recorded after a direct round's copies and
+    waited for by the engine before it commits (`finish_staged`). Kept for the adapter's
+    life, so the engine opens each one once."""
+
+    def __init__(self) -> None:
+        self._events: dict[torch.device, torch.cuda.Event] = {}
+
+    def get(self, device: torch.device) -> torch.cuda.Event:
+        event = self._events.get(device)
+        if event is None:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            self._events[device] = event
+        return event
+
+
+def event_handle(event: torch.cuda.Event) -> str:
+    """How the engine's process opens `event` (base64 of its IPC handle)."""
+    return base64.b64encode(event.ipc_handle()).decode()  # type: ignore[no-untyped-call]

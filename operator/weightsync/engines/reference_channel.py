@@ -92,6 +92,9 @@ class HandleRequest(_Request):
 class FinishRequest(_Request):
     op: Literal["finish"] = "finish"
     version: int = Field(ge=0)
+    # An interprocess CUDA event's handle (base64): the engine commits once it completed
+    # (a direct round's copies into its arenas, still running when the agent asked).
+    after: str | None = None
 
 
 class AbortRequest(_Request):

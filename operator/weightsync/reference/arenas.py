@@ -193,3 +193,28 @@ def copy_bucket(
     for on in {source.device, device}:
         if on.type == "cuda":
             torch.cuda.synchronize(on)
+
+
+class CopiesEvents:
+    """Agents' interprocess CUDA events, each recorded after a direct round's copies into
+    the arenas (`commit(after=...)`): opened once per handle (an agent records the same
+    event every round), a few kept."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._opened: dict[bytes, torch.cuda.Event] = {}
+
+    def wait(self, handle: bytes) -> None:
+        """Return once the event's last recorded work completed."""
+        event = self._opened.get(handle)
+        if event is None:
+            if self.device.type != "cuda":
+                raise EngineError("unsupported", "a CUDA event to wait for on a CPU engine")
+            try:
+                event = torch.cuda.Event.from_ipc_handle(self.device, handle)  # type: ignore[no-untyped-call]
+            except RuntimeError as exc:
+                raise EngineError("bad_request", f"cannot open the copies' event: {exc}") from exc
+            if len(self._opened) >= 8:  # agents restarted: their old events are gone
+                self._opened.clear()
+            self._opened[handle] = event
+        event.synchronize()

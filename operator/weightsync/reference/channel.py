@@ -7,6 +7,8 @@ calls the engine directly.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import logging
 import os
@@ -48,6 +50,15 @@ def _refusal(engine: ServedEngine, reason: str, message: str) -> Reply:
         reason=reason,
         message=message,
     )
+
+
+def _event_handle(text: str | None) -> bytes | None:
+    if text is None:
+        return None
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise EngineError("bad_request", f"after: not a base64 event handle: {exc}") from exc
 
 
 class UpdateChannelServer:
@@ -170,7 +181,7 @@ class UpdateChannelServer:
                     ok=True, version=engine.version, incarnation=engine.incarnation, staged=arenas
                 )
         elif isinstance(request, FinishRequest):
-            engine.commit(request.version)
+            engine.commit(request.version, _event_handle(request.after))
         else:
             log.warning("update to version %d aborted: %s", request.version, request.reason)
             engine.abort(request.version)

@@ -23,8 +23,6 @@ Two ways to fill an arena:
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import itertools
 import logging
 import threading
@@ -40,12 +38,13 @@ from weightsync.engines.base import EngineError, EngineHealth
 from weightsync.reference.arenas import (
     Arena,
     BucketPlan,
+    CopiesEvents,
     UpdateStats,
     allocate_arena,
     copy_bucket,
     make_plan,
 )
-from weightsync.reference.memory import KVCacheReserve, Sleep, storage_bytes
+from weightsync.reference.memory import KVCacheReserve, Sleep, storage_bytes, tensor_digest
 from weightsync.reference.model import LlamaForCausalLM, greedy_generate
 from weightsync.transfer.buffers import (
     SlotHandle,
@@ -59,13 +58,6 @@ log = logging.getLogger(__name__)
 
 UPDATE_LOG_PREFIX = "update phases "
 _MAX_CACHED_PLANS = 1 << 16
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (moved to CPU first); equal digests mean equal bits."""
-    data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8)
-    raw = (ctypes.c_char * data.numel()).from_address(data.data_ptr())
-    return hashlib.sha256(raw).hexdigest()
 
 
 class ReferenceEngine:
@@ -115,6 +107,7 @@ class ReferenceEngine:
         self._kv_cache = KVCacheReserve(kv_cache_bytes, self.device)
         self._sleep = Sleep()
         self._freed_plans: list[BucketPlan] = []  # the arenas released with the weights
+        self._events = CopiesEvents(self.device)  # agents' copies into the arenas
         self.last_update: UpdateStats | None = None  # the last committed or aborted update
         self._copy_stream = (
             torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -342,7 +335,10 @@ class ReferenceEngine:
                 "incomplete_update", f"{len(missing)} tensors not loaded, e.g. {min(missing)}"
             )
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, after: bytes | None = None) -> None:
+        """Serve `version`; with `after` (an agent's CUDA event), once that completed."""
+        if after is not None:
+            self._events.wait(after)
         started = time.perf_counter()
         with self._update_lock:
             self._check_complete(version)

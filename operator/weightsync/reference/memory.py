@@ -4,11 +4,14 @@ what it has released (`engine.ReferenceEngine.release` / `resume`).
 The reference model decodes without a KV cache (it favours clarity), but a serving
 engine reserves one up front, the largest thing it can give back while the trainer
 trains; `KVCacheReserve` is that reservation, allocated for real so that releasing it
-frees memory that can be measured.
+frees memory that can be measured. `storage_bytes` and `tensor_digest` say what tensors
+hold: how many bytes, and which.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -75,3 +78,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = tensor.untyped_storage()
         sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (moved to CPU first); equal digests mean equal bits."""
+    data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8)
+    raw = (ctypes.c_char * data.numel()).from_address(data.data_ptr())
+    return hashlib.sha256(raw).hexdigest()

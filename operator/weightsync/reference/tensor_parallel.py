@@ -259,7 +259,9 @@ class TensorParallelEngine:
     def arena_handle(self, arena: Arena) -> SlotHandle:
         raise EngineError("unsupported", "tensor-parallel workers share no arenas")
 
-    def commit(self, version: int) -> None:
+    def commit(self, version: int, after: bytes | None = None) -> None:
+        if after is not None:  # its workers copy from slots: nobody writes its arenas
+            raise EngineError("unsupported", "a tensor-parallel engine shares no arenas")
         self._all("ready", version)  # every worker holds all of it, or none switches
         try:
             self._all("commit", version)

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from weightsync.client import Publisher, PublisherError, PublishResult
-from weightsync.reference.engine import tensor_digest
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import PRESETS, LlamaForCausalLM, build_model
 
 log = logging.getLogger("weightsync.trainer")

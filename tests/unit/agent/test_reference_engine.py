@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from weightsync.engines.base import EngineError
-from weightsync.reference.engine import ReferenceEngine, tensor_digest
+from weightsync.reference.engine import ReferenceEngine
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import PRESETS, build_model, state_dict_metas
 from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
 from weightsync.transfer.layout import BucketLayout, TensorSlice, plan_layout

@@ -12,7 +12,7 @@ import torch
 
 from weightsync.api.engines import MemoryTag
 from weightsync.engines.base import EngineError
-from weightsync.reference.engine import tensor_digest
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import PRESETS, build_model, state_dict_metas
 from weightsync.reference.tensor_parallel import DISAGREE, TensorParallelEngine
 from weightsync.reference.tp_worker import WorkerSpec, worker_devices

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 import uuid
 from collections.abc import Iterator
@@ -24,7 +25,8 @@ from weightsync.engines.reference_channel import (
 )
 from weightsync.reference.arenas import BucketPlan
 from weightsync.reference.channel import UpdateChannelServer
-from weightsync.reference.engine import ReferenceEngine, tensor_digest
+from weightsync.reference.engine import ReferenceEngine
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import PRESETS, build_model, state_dict_metas
 from weightsync.reference.server import make_app
 from weightsync.transfer.buffers import BucketSlots, copy_tensors, slot_views
@@ -295,6 +297,37 @@ def test_a_staging_begin_hands_out_every_arena_in_one_round_trip(
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(reference_channel, "frame", recording_frame)
             asyncio.run(scenario())
+    finally:
+        server.close()
+        engine.close()
+
+
+def test_a_finish_after_an_event_a_cpu_engine_cannot_wait_for_is_refused(
+    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+) -> None:
+    """`after` names a CUDA event: a CPU engine refuses it (unsupported), a handle that is
+    not base64 is a bad request; either way the update stays open, and commits without."""
+    layout, _ = slots
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
+    (tmp_path / "arenas").mkdir()
+    server = UpdateChannelServer(engine, address)
+    server.start()
+
+    async def scenario() -> None:
+        client = UpdateChannelClient(address)
+        assert isinstance(await client.begin(1, [b.tensors for b in layout.buckets]), list)
+        handle = base64.b64encode(bytes(64)).decode()
+        refused = await client.call(FinishRequest(version=1, after=handle))
+        assert (refused.ok, refused.reason) == (False, "unsupported"), refused
+        garbled = await client.call(FinishRequest(version=1, after="not base64!"))
+        assert (garbled.ok, garbled.reason) == (False, "bad_request"), garbled
+        assert engine.staged_buckets == len(layout.buckets)  # still open
+        assert (await client.call(FinishRequest(version=1))).ok
+        assert engine.version == 1
+        await client.close()
+
+    try:
+        asyncio.run(scenario())
     finally:
         server.close()
         engine.close()

@@ -27,7 +27,8 @@ from weightsync.api.reasons import EngineErrorReason
 from weightsync.api.v1alpha1 import Engine
 from weightsync.engines.base import EngineError
 from weightsync.reference.channel import UpdateChannelServer
-from weightsync.reference.engine import ReferenceEngine, tensor_digest
+from weightsync.reference.engine import ReferenceEngine
+from weightsync.reference.memory import tensor_digest
 from weightsync.reference.model import PRESETS, build_model
 from weightsync.reference.server import make_app
 from weightsync.transfer.buffers import BucketSlots

@@ -25,6 +25,7 @@ pack, for about a millisecond).
 from __future__ import annotations
 
 import asyncio
+import logging
 from functools import partial
 from typing import Any
 
@@ -34,6 +35,8 @@ from weightsync.agent.packing import SourcePacker
 from weightsync.agent.rounds import RoundFailed
 from weightsync.agent.source import SourceRound
 from weightsync.api.reasons import FailureReason
+
+log = logging.getLogger(__name__)
 
 
 class DirectStagingRound(SourceRound):
@@ -110,5 +113,8 @@ class DirectStagingRound(SourceRound):
 
     async def _abort_local(self, reason: str) -> None:
         if self._queued:  # nor free its arenas under them
-            await self.group.run(self._packed)
+            try:
+                await self.group.run(self._packed)
+            except Exception as exc:  # a failure path: the abort goes out regardless
+                log.warning("waiting for the copies before the abort: %r", exc)
         await super()._abort_local(reason)

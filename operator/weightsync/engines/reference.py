@@ -295,10 +295,20 @@ class ReferenceEngineAdapter(EngineAdapter):
         await loop.run_in_executor(self._copier, partial(copy_spans, source, arena, copies, stream))
 
     def copies_event(self, device: torch.device) -> torch.cuda.Event | None:
-        return self._events.get(device) if self.copies_here and device.type == "cuda" else None
+        usable = self.copies_here and self._events.usable and device.type == "cuda"
+        return self._events.get(device) if usable else None
 
     async def finish_staged(self, version: int, copies: torch.cuda.Event) -> None:
-        await self.finish_update(version, event_handle(copies))
+        try:
+            await self.finish_update(version, event_handle(copies))
+        except EngineError as exc:
+            if exc.reason not in (EngineErrorReason.UNSUPPORTED, "bad_request"):  # its words
+                raise
+            # It cannot open the event (it committed nothing): wait here, from now on too.
+            log.warning("the engine cannot wait for the copies' event: %s", exc)
+            self._events.usable = False
+            await asyncio.to_thread(copies.synchronize)
+            await self.finish_update(version)
 
     async def finish_update(self, version: int, after: str | None = None) -> None:
         if self._channel is not None or after is not None:  # only the channel awaits `after`

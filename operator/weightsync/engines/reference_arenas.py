@@ -109,6 +109,7 @@ class CopiesEvents:
 
     def __init__(self) -> None:
         self._events: dict[torch.device, torch.cuda.Event] = {}
+        self.usable = True  # False once the engine could not open one
 
     def get(self, device: torch.device) -> torch.cuda.Event:
         event = self._events.get(device)

@@ -333,6 +333,57 @@ def test_a_finish_after_an_event_a_cpu_engine_cannot_wait_for_is_refused(
         engine.close()
 
 
+class _CopiesEventStandIn:
+    """Stands in for an interprocess CUDA event on CPU (none exists there): an IPC handle
+    the engine cannot open, and a synchronize that says it was waited for."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def ipc_handle(self) -> bytes:
+        return bytes(64)
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+def test_an_engine_that_cannot_open_the_copies_event_is_finished_after_a_local_wait(
+    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+) -> None:
+    """`finish_staged` to an engine that refuses `after` (this CPU engine, as a GPU engine
+    that could not open the handle would): the adapter waits for the copies itself and
+    finishes without it, and hands out no event from then on."""
+    layout, bucket_slots = slots
+    (tmp_path / "arenas").mkdir()
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
+    server = UpdateChannelServer(engine, address)
+    server.start()
+    seed = 21
+    source = dict(build_model(CONFIG, seed=seed).named_parameters())
+
+    async def scenario() -> None:
+        async with TestServer(make_app(engine, update_channel=address)) as http:
+            adapter = ReferenceEngineAdapter(str(http.make_url("")))
+            await adapter.attach_buffers(bucket_slots.slots)
+            assert adapter.stages_directly
+            buckets = [b.tensors for b in layout.buckets]
+            views = await adapter.begin_staged(1, buckets)
+            for tensors, bucket_views in zip(buckets, views, strict=True):
+                copy_tensors(bucket_views, [source[t.name].detach() for t in tensors])
+            copies = _CopiesEventStandIn()
+            await adapter.finish_staged(1, copies)  # type: ignore[arg-type]
+            assert copies.waited == 1
+            assert engine.digests() == (1, expected(seed))
+            assert adapter.copies_event(torch.device("cuda", 0)) is None
+            await adapter.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+        engine.close()
+
+
 def test_arenas_the_agent_cannot_map_are_filled_by_the_engine(
     slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
 ) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from weightsync.engines.reference_arenas import CopiesEvents as AgentEvents
-from weightsync.reference.arenas import CopiesEvents
+from weightsync.engines.reference_arenas import CopiesEvents
+from weightsync.reference.arenas import OpenedEvents
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ def _agent(queue: mp.Queue, done: mp.Event) -> None:  # type: ignore[type-arg]
     """Queue a long GPU sleep, then a write, then record the event (as the agent's packs)."""
     device = torch.device("cuda", 0)
     target = torch.zeros(1 << 20, device=device)
-    event = AgentEvents().get(device)
+    event = CopiesEvents().get(device)
     for round_value in (1.0, 2.0):  # the same event, recorded again each round
         torch.cuda._sleep(SLEEP_CYCLES)
         target.fill_(round_value)
@@ -43,7 +43,7 @@ def test_the_engine_waits_for_the_agents_copies_event_across_processes() -> None
     agent = context.Process(target=_agent, args=(queue, done))
     agent.start()
     try:
-        events = CopiesEvents(torch.device("cuda", 0))
+        events = OpenedEvents(torch.device("cuda", 0))
         for _ in range(2):
             target, handle, value = queue.get(timeout=60)
             started = time.perf_counter()

@@ -195,7 +195,7 @@ def copy_bucket(
             torch.cuda.synchronize(on)
 
 
-class CopiesEvents:
+class OpenedEvents:
     """Agents' interprocess CUDA events, each recorded after a direct round's copies into
     the arenas (`commit(after=...)`): opened once per handle (an agent records the same
     event every round), a few kept."""

@@ -38,7 +38,7 @@ from weightsync.engines.base import EngineError, EngineHealth
 from weightsync.reference.arenas import (
     Arena,
     BucketPlan,
-    CopiesEvents,
+    OpenedEvents,
     UpdateStats,
     allocate_arena,
     copy_bucket,
@@ -107,7 +107,7 @@ class ReferenceEngine:
         self._kv_cache = KVCacheReserve(kv_cache_bytes, self.device)
         self._sleep = Sleep()
         self._freed_plans: list[BucketPlan] = []  # the arenas released with the weights
-        self._events = CopiesEvents(self.device)  # agents' copies into the arenas
+        self._events = OpenedEvents(self.device)  # agents' copies into the arenas
         self.last_update: UpdateStats | None = None  # the last committed or aborted update
         self._copy_stream = (
             torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]

@@ -48,6 +48,19 @@ def address() -> str:
     return f"@weightsync-test-{uuid.uuid4().hex}"
 
 
+@pytest.fixture
+def shared_engine(address: str, tmp_path: Path) -> Iterator[ReferenceEngine]:
+    """An engine whose arenas an agent can map (shared memory on CPU), its update channel
+    served at `address`."""
+    (tmp_path / "arenas").mkdir()
+    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
+    server = UpdateChannelServer(engine, address)
+    server.start()
+    yield engine
+    server.close()
+    engine.close()
+
+
 def expected(seed: int) -> dict[str, str]:
     return {n: tensor_digest(p) for n, p in build_model(CONFIG, seed=seed).named_parameters()}
 
@@ -206,13 +219,9 @@ def test_the_adapter_copies_into_shared_arenas_or_lets_the_engine_copy(
 
 
 def test_an_arena_handle_is_sent_once_per_connection_and_again_on_request(
-    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+    slots: tuple[BucketLayout, BucketSlots], address: str, shared_engine: ReferenceEngine
 ) -> None:
     layout, _ = slots
-    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
-    (tmp_path / "arenas").mkdir()
-    server = UpdateChannelServer(engine, address)
-    server.start()
     bucket = layout.buckets[0]
 
     async def scenario() -> None:
@@ -239,24 +248,17 @@ def test_an_arena_handle_is_sent_once_per_connection_and_again_on_request(
         assert (missing.ok, missing.reason) == (False, "bad_bucket")
         await client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        server.close()
-        engine.close()
+    asyncio.run(scenario())
 
 
 def test_a_staging_begin_hands_out_every_arena_in_one_round_trip(
-    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+    slots: tuple[BucketLayout, BucketSlots], address: str, shared_engine: ReferenceEngine
 ) -> None:
     """A direct round's begin stages every bucket: the arenas and spans per-bucket
     staging hands out, each bucket's tensors described once per connection; a bucket the
     engine refuses refuses the whole begin, and an abort leaves the served version."""
     layout, _ = slots
-    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
-    (tmp_path / "arenas").mkdir()
-    server = UpdateChannelServer(engine, address)
-    server.start()
+    engine = shared_engine
     buckets = [b.tensors for b in layout.buckets]
     sent: list[bytes] = []
 
@@ -293,25 +295,18 @@ def test_a_staging_begin_hands_out_every_arena_in_one_round_trip(
             sent.append(body)
         return real_frame(body)
 
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(reference_channel, "frame", recording_frame)
-            asyncio.run(scenario())
-    finally:
-        server.close()
-        engine.close()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference_channel, "frame", recording_frame)
+        asyncio.run(scenario())
 
 
 def test_a_finish_after_an_event_a_cpu_engine_cannot_wait_for_is_refused(
-    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+    slots: tuple[BucketLayout, BucketSlots], address: str, shared_engine: ReferenceEngine
 ) -> None:
     """`after` names a CUDA event: a CPU engine refuses it (unsupported), a handle that is
     not base64 is a bad request; either way the update stays open, and commits without."""
     layout, _ = slots
-    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
-    (tmp_path / "arenas").mkdir()
-    server = UpdateChannelServer(engine, address)
-    server.start()
+    engine = shared_engine
 
     async def scenario() -> None:
         client = UpdateChannelClient(address)
@@ -326,11 +321,7 @@ def test_a_finish_after_an_event_a_cpu_engine_cannot_wait_for_is_refused(
         assert engine.version == 1
         await client.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        server.close()
-        engine.close()
+    asyncio.run(scenario())
 
 
 class _CopiesEventStandIn:
@@ -348,16 +339,13 @@ class _CopiesEventStandIn:
 
 
 def test_an_engine_that_cannot_open_the_copies_event_is_finished_after_a_local_wait(
-    slots: tuple[BucketLayout, BucketSlots], address: str, tmp_path: Path
+    slots: tuple[BucketLayout, BucketSlots], address: str, shared_engine: ReferenceEngine
 ) -> None:
     """`finish_staged` to an engine that refuses `after` (this CPU engine, as a GPU engine
     that could not open the handle would): the adapter waits for the copies itself and
     finishes without it, and hands out no event from then on."""
     layout, bucket_slots = slots
-    (tmp_path / "arenas").mkdir()
-    engine = ReferenceEngine(build_model(CONFIG, seed=0), shm_dir=str(tmp_path / "arenas"))
-    server = UpdateChannelServer(engine, address)
-    server.start()
+    engine = shared_engine
     seed = 21
     source = dict(build_model(CONFIG, seed=seed).named_parameters())
 
@@ -377,11 +365,7 @@ def test_an_engine_that_cannot_open_the_copies_event_is_finished_after_a_local_w
             assert adapter.copies_event(torch.device("cuda", 0)) is None
             await adapter.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        server.close()
-        engine.close()
+    asyncio.run(scenario())
 
 
 def test_arenas_the_agent_cannot_map_are_filled_by_the_engine(

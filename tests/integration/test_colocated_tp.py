@@ -14,12 +14,16 @@ cache and weights (`Publisher.release()` on every rank; the lead has every worke
 its weights: the tensor-parallel reference engine keeps no KV cache), measured on each
 worker and restored by the next round; the engine restarted in
 place is reloaded by the lead from its held copy, on both workers, without a round.
+
+`run_colocated_tp` is the body; `tests/gpu/test_colocated_tp_nccl.py` runs it on two GPUs
+(NCCL, CUDA IPC, the copies on the second GPU).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,20 @@ _REPLY_SECONDS = 60.0
 RELEASE = -1  # the trainer ranks' command for `Publisher.release()`
 
 
-def _trainer_rank(rank: int, port: int, socket: str, inbox: Any, outbox: Any) -> None:
+@dataclass(frozen=True)
+class Setup:
+    """Where the ranks run: gloo on CPU here, NCCL with rank r on GPU r on a GPU host."""
+
+    backend: Backend
+    devices: tuple[str, ...]  # rank r's (its agent's, its trainer's, engine worker r's)
+
+
+CPU = Setup(Backend.GLOO, ("cpu",) * RANKS)
+
+
+def _trainer_rank(
+    rank: int, port: int, socket: str, inbox: Any, outbox: Any, *, setup: Setup
+) -> None:
     """One trainer rank: each version, the model's tensors as `Shard(0)` DTensors (norms
     replicated, `OWNED_BY_RANK_1` whole on rank 1), published; rank 0 answers the full
     tensors' digests too."""
@@ -58,9 +75,12 @@ def _trainer_rank(rank: int, port: int, socket: str, inbox: Any, outbox: Any) ->
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    mesh = init_device_mesh("cpu", (RANKS,))
-    model = build_model(PRESETS[PRESET], seed=0)
+    device = torch.device(setup.devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(setup.backend.value, rank=rank, world_size=RANKS)
+    mesh = init_device_mesh(device.type, (RANKS,))
+    model = build_model(PRESETS[PRESET], seed=0, device=str(device))
     try:
         with Publisher(socket, timeout=60.0) as publisher:
             while (version := inbox.get()) is not None:
@@ -96,13 +116,13 @@ def _payload() -> int:
     )
 
 
-def _plans(sources: list[AgentProc], engine: Engine, port: int) -> None:
+def _plans(sources: list[AgentProc], engine: Engine, port: int, backend: Backend) -> None:
     pods = [s.proc.name for s in sources]
     transfer = TransferOptions(bucket_size_bytes=16 << 10, pipeline_depth=2, timeout_seconds=20.0)
     local = LocalEngine(pod=engine.proc.name, engine="Reference", url=engine.url,
                         memory_release=MemoryRelease.KV_CACHE_AND_WEIGHTS)  # fmt: skip
     for rank, agent in enumerate(sources):
-        plan = local_plan(pods, rank, generation=1, port=port, backend=Backend.GLOO,
+        plan = local_plan(pods, rank, generation=1, port=port, backend=backend,
                           transfer=transfer, mode=SyncMode.COLOCATED, local_engine=local,
                           sources=RANKS)  # fmt: skip
         agent.put_plan(plan.model_copy(update={"holder": rank == 0}))  # Colocated: the lead
@@ -121,14 +141,20 @@ def _serves(engine: Engine, version: int, digests: dict[str, str] | None) -> Non
 
 
 def test_every_rank_of_a_trainer_pod_feeds_one_tensor_parallel_engine(tmp_path: Path) -> None:
+    run_colocated_tp(tmp_path, CPU)
+
+
+def run_colocated_tp(tmp_path: Path, setup: Setup) -> None:
     context = mp.get_context("spawn")
     with stack(tmp_path) as st:
-        engine = st.start_engine("engine-tp", preset=PRESET, seed=0, device="cpu", tp=RANKS)
+        first = setup.devices[0]
+        engine = st.start_engine("engine-tp", preset=PRESET, seed=0, device=first, tp=RANKS)
         sources = [
-            st.start_agent(f"trainer-0[{r}]", role="source", device="cpu") for r in range(RANKS)
+            st.start_agent(f"trainer-0[{r}]", role="source", device=setup.devices[r])
+            for r in range(RANKS)
         ]
         st.wait_ready(sources, [engine])
-        _plans(sources, engine, free_port())
+        _plans(sources, engine, free_port(), setup.backend)
         port = free_port()
         inboxes = [context.Queue() for _ in range(RANKS)]
         outboxes = [context.Queue() for _ in range(RANKS)]
@@ -136,6 +162,7 @@ def test_every_rank_of_a_trainer_pod_feeds_one_tensor_parallel_engine(tmp_path: 
             context.Process(
                 target=_trainer_rank,
                 args=(r, port, str(s.socket_path), inboxes[r], outboxes[r]),
+                kwargs={"setup": setup},
                 name=f"trainer-{r}",
             )
             for r, s in enumerate(sources)

@@ -11,7 +11,7 @@ from tests.unit.controller.builders import pod, sink_view, sync
 from weightsync.api.v1alpha1 import Role, TrainerKind
 from weightsync.controller.admission.review import claim_errors, older_than, workload_of
 from weightsync.controller.cluster.kube import selector_string
-from weightsync.controller.cluster.pod_actions import uninjected
+from weightsync.controller.cluster.pod_actions import RECREATE_AFTER, uninjected
 from weightsync.controller.membership.owners import (
     WorkloadRef,
     claim_conflicts,
@@ -251,9 +251,22 @@ def test_a_job_or_jobset_trainer_pod_the_webhook_missed_is_reported_never_delete
     missed = {"has_agent": False, "labelled": True, "created": made - timedelta(seconds=1)}
     engine = replace(sink_view("engine-0"), **missed)
     trainer = replace(sink_view("trainer-workers-0-0"), role=Role.SOURCE, **missed)
+    later = made + timedelta(seconds=10)
     for kind in (TrainerKind.JOB_SET, TrainerKind.JOB):
-        assert uninjected(raw, [trainer, engine], None, kind) == [engine]
-    assert uninjected(raw, [trainer, engine], None, TrainerKind.STATEFUL_SET) == [
-        trainer,
-        engine,
-    ]
+        assert uninjected(raw, [trainer, engine], None, kind, later) == ([engine], False)
+    assert uninjected(raw, [trainer, engine], None, TrainerKind.STATEFUL_SET, later) == (
+        [trainer, engine],
+        False,
+    )
+
+
+def test_a_pod_the_webhook_missed_is_recreated_once_its_controller_surely_saw_it() -> None:
+    """CI saw a Colocated engine pod deleted 0.15 s after its creation: its ReplicaSet had
+    not seen it created, and made no other for the 5 minutes of its expectations. A pod
+    younger than `RECREATE_AFTER` waits, and the pass asks for a follow-up."""
+    raw = {"metadata": {"creationTimestamp": "2026-01-01T12:00:00Z"}}
+    made = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    engine = replace(sink_view("engine-0"), has_agent=False, labelled=True, created=made)
+    kind = TrainerKind.STATEFUL_SET
+    assert uninjected(raw, [engine], None, kind, made + timedelta(seconds=0.2)) == ([], True)
+    assert uninjected(raw, [engine], None, kind, made + RECREATE_AFTER) == ([engine], False)

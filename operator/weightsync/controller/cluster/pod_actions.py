@@ -37,6 +37,10 @@ APPLIED_TOGETHER_SECONDS = 300
 # How long after the operator starts the API server may still admit pods without calling
 # its webhook (it learns webhook configurations through a watch, a moment later).
 WEBHOOK_SETTLE_SECONDS = 15
+# A pod is recreated only this long after it was created: a ReplicaSet that sees a pod
+# deleted before it saw it created waits out its expectations (5 minutes) before it
+# makes another (seen in CI: a Colocated engine pod deleted 0.15 s after its creation).
+RECREATE_AFTER = timedelta(seconds=2)
 
 
 def uninjected(
@@ -44,8 +48,10 @@ def uninjected(
     pods: list[PodView],
     webhook_settling: tuple[datetime, datetime] | None,
     trainer_kind: TrainerKind,
-) -> list[PodView]:
-    """Opted-in pods the webhook missed and would inject now (`pods_to_recreate`). Pure.
+    now: datetime,
+) -> tuple[list[PodView], bool]:
+    """Opted-in pods the webhook missed and would inject now (`pods_to_recreate`), at
+    least `RECREATE_AFTER` old, and whether younger ones wait for a later pass. Pure.
 
     A Job's pod is never among them: its Job counts a deleted pod as a failed one (with
     `backoffLimit: 0` the Job fails, and a JobSet fails as a whole by default), so a Job
@@ -54,9 +60,10 @@ def uninjected(
     created = parse_time(raw["metadata"].get("creationTimestamp"))
     window = timedelta(seconds=APPLIED_TOGETHER_SECONDS)
     found = pods_to_recreate(pods, created, window, webhook_settling)
-    if trainer_kind is TrainerKind.STATEFUL_SET:
-        return found
-    return [pod for pod in found if pod.role is not Role.SOURCE]
+    if trainer_kind is not TrainerKind.STATEFUL_SET:
+        found = [pod for pod in found if pod.role is not Role.SOURCE]
+    old = [pod for pod in found if pod.created is not None and pod.created <= now - RECREATE_AFTER]
+    return old, len(old) < len(found)
 
 
 async def recreate(

@@ -71,6 +71,7 @@ class Actions:
     write_token: bool = False  # apply this WeightSync's token Secret (once per object)
     recreate: tuple[PodView, ...] = ()  # opted-in pods the webhook missed
     # When the next pass runs: soon (a recovery's progress shows in no pod event) when
-    # one is in flight, polling `watched` first; else at the next event or timer.
+    # one is in flight, polling `watched` first, or a pod to recreate is still too young;
+    # else at the next event or timer.
     poll_soon: bool = False
     watched: frozenset[str] = frozenset()

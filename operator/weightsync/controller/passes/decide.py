@@ -96,6 +96,8 @@ def decide(seen: Observed, soft: SoftState) -> Actions:
     if planned.fresh and planned.generation is not None:
         plans = Plans(planned.generation, group.desired)
     held = group.recoveries.held
+    kind = sync.spec.trainer.kind
+    recreate, young = uninjected(seen.raw, seen.pods, seen.webhook_settling, kind, seen.at)
     return Actions(
         Result(Outcome.OK),
         status_write(old, observed_status(old, observation, seen.at), observation),
@@ -104,10 +106,8 @@ def decide(seen: Observed, soft: SoftState) -> Actions:
         plans=plans,
         gates=tuple(gates),
         write_token=not seen.token_written,
-        recreate=tuple(
-            uninjected(seen.raw, seen.pods, seen.webhook_settling, sync.spec.trainer.kind)
-        ),
-        poll_soon=held.in_flight,
+        recreate=tuple(recreate),
+        poll_soon=held.in_flight or young,  # a young pod to recreate: no event may come
         watched=held.watched,
     )
 

@@ -62,8 +62,9 @@ def uninjected(
     found = pods_to_recreate(pods, created, window, webhook_settling)
     if trainer_kind is not TrainerKind.STATEFUL_SET:
         found = [pod for pod in found if pod.role is not Role.SOURCE]
-    old = [pod for pod in found if pod.created is not None and pod.created <= now - RECREATE_AFTER]
-    return old, len(old) < len(found)
+    seen = now - RECREATE_AFTER  # created by then: its controller has seen it
+    aged = [pod for pod in found if pod.created is not None and pod.created <= seen]
+    return aged, len(aged) < len(found)
 
 
 async def recreate(
